@@ -1,0 +1,85 @@
+"""`MeshConfig`: the parallelism degrees of a job (the `mesh:` section of a config)."""
+
+import msgspec
+
+from d9d.mesh.errors import MeshConfigError
+
+__all__ = ["DEGREE_KEYS", "MeshConfig"]
+
+#: Degree keys in the order of the dense mesh axes (outermost first), expert_parallel last.
+DEGREE_KEYS: tuple[str, ...] = (
+    "pipeline_parallel",
+    "data_parallel_replicate",
+    "data_parallel_shard",
+    "context_parallel",
+    "tensor_parallel",
+    "expert_parallel",
+)
+
+
+class MeshConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Parallelism degrees. All default to 1; all degrees 1 means a plain single-process job.
+
+    The number of processes is the product of every degree except `expert_parallel`, which only
+    regroups ranks the other degrees already count: it must divide
+    data_parallel_replicate × data_parallel_shard × context_parallel × tensor_parallel.
+    """
+
+    pipeline_parallel: int = 1
+    data_parallel_replicate: int = 1
+    data_parallel_shard: int = 1
+    context_parallel: int = 1
+    tensor_parallel: int = 1
+    expert_parallel: int = 1
+
+    def __post_init__(self) -> None:
+        for key in DEGREE_KEYS:
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise MeshConfigError(
+                    f"mesh.{key} must be an integer >= 1, got {value!r} ({type(value).__name__})"
+                )
+            if value < 1:
+                raise MeshConfigError(
+                    f"mesh.{key} must be >= 1, got {value}; use 1 to switch this parallelism off"
+                )
+        if self.non_pipeline_size % self.expert_parallel != 0:
+            raise MeshConfigError(
+                f"mesh.expert_parallel={self.expert_parallel} must divide data_parallel_replicate × "
+                f"data_parallel_shard × context_parallel × tensor_parallel = {self.non_pipeline_size}; "
+                f"choose one of {_divisors(self.non_pipeline_size)}"
+            )
+
+    @property
+    def data_parallel(self) -> int:
+        """Number of data-parallel ranks: data_parallel_replicate × data_parallel_shard."""
+        return self.data_parallel_replicate * self.data_parallel_shard
+
+    @property
+    def non_pipeline_size(self) -> int:
+        """Ranks in one pipeline stage: dp_replicate × dp_shard × cp × tp (what expert_parallel regroups)."""
+        return self.data_parallel * self.context_parallel * self.tensor_parallel
+
+    @property
+    def expert_replicate(self) -> int:
+        """How many copies of each expert shard exist: non_pipeline_size / expert_parallel."""
+        return self.non_pipeline_size // self.expert_parallel
+
+    @property
+    def world_size(self) -> int:
+        """Processes this mesh needs: the product of all degrees except expert_parallel."""
+        return self.pipeline_parallel * self.non_pipeline_size
+
+    @property
+    def is_local(self) -> bool:
+        """True when every degree is 1: the job runs as a plain process, no process group."""
+        return self.world_size == 1
+
+    def describe_degrees(self) -> str:
+        """The degrees that are not 1, as `key=value` pairs (or `all degrees 1`)."""
+        parts = [f"{key}={getattr(self, key)}" for key in DEGREE_KEYS if getattr(self, key) != 1]
+        return ", ".join(parts) if parts else "all degrees 1"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0] if n <= 4096 else [1, n]

@@ -1,0 +1,372 @@
+"""`DistributedContext`: the process group, the device meshes and this process's place in them.
+
+One object answers every "where am I" question of a job: local mode (one plain process, no process
+group), a real distributed run under torchrun, or planning mode (any world size simulated in one
+process on a fake process group, to validate and print a layout without GPUs).
+"""
+
+import datetime
+import os
+from collections.abc import Mapping
+from types import TracebackType
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from d9d.mesh.config import MeshConfig
+from d9d.mesh.errors import D9dError, LaunchError
+from d9d.mesh.layout import DOMAINS, domain_layout, format_layout, rank_coordinates, rank_tag
+
+__all__ = ["DistributedContext", "Mode"]
+
+Mode = Literal["local", "distributed", "planning"]
+
+_DEFAULT_INIT_TIMEOUT = datetime.timedelta(minutes=10)
+_DEFAULT_STEP_TIMEOUT = datetime.timedelta(minutes=10)
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+class DistributedContext:
+    """Where this process sits in the job: ranks, device, process group and device meshes.
+
+    Build it with `DistributedContext.from_env(config)` (local or torchrun) or
+    `DistributedContext.for_planning(config)`. The meshes are named domains (see `d9d.mesh.DOMAINS`):
+    `dense` (pp, dp_replicate, dp_shard, cp, tp), `expert` (pp, ep_replicate, ep_shard),
+    `batch` (pp, dp, cp, tp) and `world`. In local mode there is no mesh; ranks read 0 and sizes 1.
+    Use it as a context manager (or call `close()`) so the process group is destroyed on exit.
+    """
+
+    def __init__(
+        self,
+        config: MeshConfig,
+        *,
+        mode: Mode,
+        rank: int,
+        local_rank: int,
+        local_world_size: int,
+        device: torch.device,
+        meshes: Mapping[str, DeviceMesh] | None,
+        owns_process_group: bool,
+        step_timeout: datetime.timedelta,
+    ) -> None:
+        self._config = config
+        self._mode: Mode = mode
+        self._rank = rank
+        self._local_rank = local_rank
+        self._local_world_size = local_world_size
+        self._device = device
+        self._meshes = dict(meshes) if meshes is not None else None
+        self._owns_process_group = owns_process_group
+        self._step_timeout = step_timeout
+        self._coords = rank_coordinates(config, rank)
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_env(
+        cls,
+        config: MeshConfig | None = None,
+        *,
+        init_timeout: datetime.timedelta = _DEFAULT_INIT_TIMEOUT,
+        step_timeout: datetime.timedelta = _DEFAULT_STEP_TIMEOUT,
+        device_type: str | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> "DistributedContext":
+        """Build the context for this process from `config` and the torchrun environment.
+
+        The launch is checked against the mesh before anything is initialized or written: the number
+        of processes must equal `config.world_size`. All degrees 1 (and one process) gives local
+        mode. If a process group already exists (e.g. created by `d9d.mesh.testing`), it is used.
+
+        Args:
+            init_timeout: process-group timeout while the job starts (rendezvous, loading).
+            step_timeout: timeout that `use_step_timeout()` switches to once training runs.
+            device_type: "cuda" or "cpu"; by default cuda when available.
+            environ: environment to read (default `os.environ`).
+        """
+        config = config if config is not None else MeshConfig()
+        env = os.environ if environ is None else environ
+        launched_world, launched_by = _launched_world_size(env)
+        if launched_world != config.world_size:
+            raise LaunchError(_mismatch_message(config, launched_world, launched_by, env))
+        device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+        if config.is_local:
+            device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+            if device_type == "cuda":
+                torch.cuda.set_device(device)
+            return cls(
+                config,
+                mode="local",
+                rank=0,
+                local_rank=0,
+                local_world_size=1,
+                device=device,
+                meshes=None,
+                owns_process_group=False,
+                step_timeout=step_timeout,
+            )
+
+        local_rank = int(env.get("LOCAL_RANK", "0"))
+        local_world_size = int(env.get("LOCAL_WORLD_SIZE", str(launched_world)))
+        if device_type == "cuda":
+            device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(device)
+        else:
+            device = torch.device("cpu")
+        owns = not dist.is_initialized()
+        if owns:
+            backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+            dist.init_process_group(backend=backend, timeout=init_timeout)
+        elif dist.get_world_size() != config.world_size:
+            raise LaunchError(
+                f"the existing process group has {dist.get_world_size()} ranks but the mesh "
+                f"({config.describe_degrees()}) needs {config.world_size}"
+            )
+        rank = dist.get_rank()
+        meshes = _build_meshes(config, device_type)
+        return cls(
+            config,
+            mode="distributed",
+            rank=rank,
+            local_rank=local_rank,
+            local_world_size=local_world_size,
+            device=device,
+            meshes=meshes,
+            owns_process_group=owns,
+            step_timeout=step_timeout,
+        )
+
+    @classmethod
+    def for_planning(
+        cls, config: MeshConfig, *, world_size: int | None = None, rank: int = 0
+    ) -> "DistributedContext":
+        """Simulate `rank` of a job with `config` in this one process, on a fake process group.
+
+        Meshes, domains and coordinates are those of the real job; collectives return garbage, so use
+        it to validate a config and inspect its layout, never to compute. Close it when done.
+        """
+        if world_size is not None and world_size != config.world_size:
+            raise LaunchError(_mismatch_message(config, world_size, "the plan", {}))
+        if not 0 <= rank < config.world_size:
+            raise LaunchError(f"rank {rank} does not exist in a mesh of {config.world_size} ranks")
+        if dist.is_initialized():
+            raise D9dError("planning mode needs a process without a process group; close the other first")
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=config.world_size)
+        return cls(
+            config,
+            mode="planning",
+            rank=rank,
+            local_rank=rank,
+            local_world_size=config.world_size,
+            device=torch.device("cpu"),
+            meshes=_build_meshes(config, "cpu"),
+            owns_process_group=True,
+            step_timeout=_DEFAULT_STEP_TIMEOUT,
+        )
+
+    # ------------------------------------------------------------------ where am I
+
+    @property
+    def config(self) -> MeshConfig:
+        """The mesh degrees this context was built from."""
+        return self._config
+
+    @property
+    def mode(self) -> Mode:
+        """ "local", "distributed" or "planning"."""
+        return self._mode
+
+    @property
+    def is_local(self) -> bool:
+        """True for a plain single process: no process group, no mesh."""
+        return self._mode == "local"
+
+    @property
+    def rank(self) -> int:
+        """Global rank (0 in local mode)."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes (1 in local mode)."""
+        return self._config.world_size
+
+    @property
+    def local_rank(self) -> int:
+        """Rank within this node."""
+        return self._local_rank
+
+    @property
+    def local_world_size(self) -> int:
+        """Processes on this node."""
+        return self._local_world_size
+
+    @property
+    def is_main_process(self) -> bool:
+        """True on global rank 0: the process that logs metrics and writes shared files."""
+        return self._rank == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        """True on local rank 0 of each node."""
+        return self._local_rank == 0
+
+    @property
+    def device(self) -> torch.device:
+        """The device this rank computes on."""
+        return self._device
+
+    @property
+    def coordinates(self) -> dict[str, dict[str, int]]:
+        """{domain: {axis: coordinate}} of this rank (all zeros in local mode)."""
+        return {domain: dict(axes) for domain, axes in self._coords.items()}
+
+    def coordinate(self, axis: str) -> int:
+        """This rank's coordinate on a named axis of any domain (e.g. "dp_shard", "ep_shard", "dp")."""
+        return self._coords[_domain_of(axis)][axis]
+
+    def axis_size(self, axis: str) -> int:
+        """Size of a named axis of any domain (1 for a switched-off parallelism)."""
+        return domain_layout(self._config, _domain_of(axis)).size(axis)
+
+    def mesh(self, domain: str = "dense") -> DeviceMesh:
+        """The device mesh of a domain: "dense", "expert", "batch" or "world"."""
+        if self._meshes is None:
+            raise D9dError(
+                "there is no device mesh in local mode (all mesh degrees are 1); "
+                "check `context.is_local` before asking for one"
+            )
+        if domain not in self._meshes:
+            raise KeyError(f"unknown mesh domain {domain!r}; the domains are {list(DOMAINS)}")
+        return self._meshes[domain]
+
+    @property
+    def log_tag(self) -> str:
+        """Short tag for log lines: `local`, or the rank and its coordinates on axes larger than 1."""
+        if self.is_local:
+            return "local"
+        return rank_tag(self._config, self._rank)
+
+    def describe(self) -> str:
+        """The mesh layout as a table: every domain, axis and the ranks that share it."""
+        return format_layout(self._config)
+
+    # ------------------------------------------------------------------ synchronisation
+
+    def barrier(self) -> None:
+        """Wait for every rank (a no-op in local mode)."""
+        if self._mode != "distributed":
+            return
+        if self._device.type == "cuda":
+            dist.barrier(device_ids=[self._device.index])
+        else:
+            dist.barrier()
+
+    @property
+    def step_timeout(self) -> datetime.timedelta:
+        """The collective timeout used once training runs (see `use_step_timeout`)."""
+        return self._step_timeout
+
+    def use_step_timeout(self) -> None:
+        """Switch every process group of this job from the start-up timeout to the step timeout.
+
+        Start-up (rendezvous, loading a checkpoint) may legitimately take long; a training step
+        should not, and a rank that hangs in one should fail the job quickly.
+        """
+        if self._mode != "distributed":
+            return
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        groups = {id(g): g for m in (self._meshes or {}).values() for g in m.get_all_groups()}
+        _set_pg_timeout(self._step_timeout, None)
+        for group in groups.values():
+            _set_pg_timeout(self._step_timeout, group)
+
+    # ------------------------------------------------------------------ shutdown
+
+    def close(self) -> None:
+        """Destroy the process group if this context created it. Safe to call twice."""
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_process_group = False
+        self._meshes = None if self._mode != "local" else self._meshes
+
+    def __enter__(self) -> "DistributedContext":
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"DistributedContext(mode={self._mode}, {self.log_tag}, world_size={self.world_size})"
+
+
+def _domain_of(axis: str) -> str:
+    for domain, axes in DOMAINS.items():
+        if axis in axes:
+            return domain
+    known = sorted({a for axes in DOMAINS.values() for a in axes})
+    raise KeyError(f"unknown mesh axis {axis!r}; the axes are {known}")
+
+
+def _launched_world_size(env: Mapping[str, str]) -> tuple[int, str]:
+    """How many processes were launched, and by what (for the error message)."""
+    if dist.is_initialized():
+        return dist.get_world_size(), "the existing process group"
+    present = [v for v in _TORCHRUN_VARS if v in env]
+    if not present:
+        return 1, "plain python (no torchrun)"
+    missing = [v for v in _TORCHRUN_VARS if v not in env]
+    if missing:
+        raise LaunchError(
+            f"the launch environment sets {present} but not {missing}; start the job with torchrun "
+            f"(or unset {present} to run it as one plain process)"
+        )
+    try:
+        world = int(env["WORLD_SIZE"])
+    except ValueError:
+        raise LaunchError(
+            f"WORLD_SIZE={env['WORLD_SIZE']!r} is not an integer; start the job with torchrun"
+        ) from None
+    return world, "torchrun"
+
+
+def _mismatch_message(config: MeshConfig, launched: int, launched_by: str, env: Mapping[str, str]) -> str:
+    need = config.world_size
+    what = f"the mesh ({config.describe_degrees()}) needs {need} process{'es' if need != 1 else ''}"
+    got = f"{launched_by} started {launched}"
+    if need == 1:
+        fix = (
+            "run it as one plain process (`python train.py config.yaml`) "
+            "or raise the mesh degrees so that their product equals the process count"
+        )
+    else:
+        per_node = int(env.get("LOCAL_WORLD_SIZE", "0") or 0)
+        if per_node > 1 and need % per_node == 0 and need // per_node > 1:
+            launch = f"--nnodes {need // per_node} --nproc-per-node {per_node}"
+        else:
+            launch = f"--nproc-per-node {need} (or --nnodes N --nproc-per-node M with N × M = {need})"
+        fix = f"launch with `torchrun {launch} ...` or change the mesh so that its product is {launched}"
+    return f"{what}, but {got}; {fix}"
+
+
+def _build_meshes(config: MeshConfig, device_type: str) -> dict[str, DeviceMesh]:
+    """Build one DeviceMesh per domain, all over the same row-major rank order.
+
+    Every rank must call this with the same config, in the same order: creating a mesh creates its
+    process groups collectively.
+    """
+    meshes: dict[str, DeviceMesh] = {}
+    for domain in DOMAINS:
+        layout = domain_layout(config, domain)
+        meshes[domain] = DeviceMesh(device_type, torch.as_tensor(layout.grid), mesh_dim_names=layout.axes)
+    return meshes

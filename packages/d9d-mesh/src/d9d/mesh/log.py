@@ -1,0 +1,183 @@
+"""Rank-tagged logging: every rank logs to stdout through structlog, optionally to a file per rank.
+
+Each line carries the rank and its mesh coordinates (or `local`), so the interleaved output of many
+ranks stays readable. Standard-library `logging` records (torch's own, warnings) go through the same
+pipeline. Two renderings: `console` for people, `json` (one object per line) for machines.
+
+Console line format::
+
+    2026-11-29T19:40:01.123Z INFO    [rank 1 dps1 tp0] d9d.trainer: checkpoint saved  step=50
+
+i.e. UTC timestamp, level, [rank tag], logger name, event, then `key=value` pairs.
+"""
+
+import datetime
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Literal, TextIO
+
+import structlog
+
+from d9d.mesh.context import DistributedContext
+from d9d.mesh.layout import rank_tag
+
+__all__ = ["LogFormat", "configure_logging", "get_logger", "rank_log_path"]
+
+LogFormat = Literal["console", "json"]
+
+_HANDLER_MARK = "_d9d_handler"
+_EVENT_WIDTH = 32
+
+
+class _RankInfo:
+    """What the rank processor stamps on every record; updated by `configure_logging`."""
+
+    def __init__(self) -> None:
+        rank = os.environ.get("RANK")
+        self.rank: int | str = int(rank) if rank is not None and rank.isdigit() else "local"
+        self.tag = "local" if self.rank == "local" else f"rank {self.rank}"
+        self.coords: dict[str, int] = {}
+        self.tag_width = len(self.tag)
+
+
+_RANK = _RankInfo()
+
+
+def _add_rank(_logger: Any, _method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    event_dict.setdefault("rank", _RANK.rank)
+    if _RANK.coords:
+        event_dict.setdefault("coords", _RANK.coords)
+    return event_dict
+
+
+def _add_timestamp(_logger: Any, _method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    now = datetime.datetime.now(datetime.UTC)
+    event_dict.setdefault("timestamp", now.strftime("%Y-%m-%dT%H:%M:%S.") + f"{now.microsecond // 1000:03d}Z")
+    return event_dict
+
+
+def _format_value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    text = str(value)
+    return repr(text) if (" " in text or not text) and not isinstance(value, (dict, list, tuple)) else text
+
+
+def _render_console(_logger: Any, _method: str, event_dict: dict[str, Any]) -> str:
+    event_dict = dict(event_dict)
+    timestamp = event_dict.pop("timestamp", "")
+    level = str(event_dict.pop("level", "info")).upper()
+    name = event_dict.pop("logger", None) or event_dict.pop("logger_name", "")
+    event_dict.pop("rank", None)
+    event_dict.pop("coords", None)
+    event = str(event_dict.pop("event", ""))
+    exception = event_dict.pop("exception", None)
+    stack = event_dict.pop("stack", None)
+    tag = f"[{_RANK.tag}]".ljust(_RANK.tag_width + 2)
+    head = f"{timestamp} {level:<7} {tag} {name}: " if name else f"{timestamp} {level:<7} {tag} "
+    pairs = "  ".join(f"{k}={_format_value(v)}" for k, v in event_dict.items())
+    line = head + (f"{event:<{_EVENT_WIDTH}}  {pairs}" if pairs else event)
+    for extra in (stack, exception):
+        if extra:
+            line += "\n" + str(extra)
+    return line.rstrip()
+
+
+def _render_json(_logger: Any, _method: str, event_dict: dict[str, Any]) -> str:
+    return json.dumps(event_dict, default=str, ensure_ascii=False)
+
+
+def _shared_processors() -> list[Any]:
+    return [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
+        _add_timestamp,
+        _add_rank,
+        structlog.processors.StackInfoRenderer(),
+        structlog.processors.format_exc_info,
+    ]
+
+
+def rank_log_path(log_dir: str | os.PathLike[str], rank: int) -> Path:
+    """Where rank `rank` writes its log file under `log_dir`: `<log_dir>/rank-<rank>.log`."""
+    return Path(log_dir) / f"rank-{rank}.log"
+
+
+def configure_logging(
+    context: DistributedContext | None = None,
+    *,
+    format: LogFormat = "console",
+    log_dir: str | os.PathLike[str] | None = None,
+    level: int | str = "INFO",
+    stream: TextIO | None = None,
+) -> None:
+    """Send structlog and standard-library logging of this process to stdout (and a per-rank file).
+
+    Call it again after the `DistributedContext` exists so lines carry the mesh coordinates; calling
+    it again replaces the handlers it installed before.
+
+    Args:
+        context: where this rank sits; without one the tag comes from the RANK variable, or `local`.
+        format: `console` (aligned text for people) or `json` (one JSON object per line).
+        log_dir: when set, each rank also appends to `<log_dir>/rank-<N>.log`.
+        level: minimum level, e.g. "INFO" or "DEBUG".
+        stream: where to print instead of stdout (tests).
+    """
+    if format not in ("console", "json"):
+        raise ValueError(f"log format must be 'console' or 'json', got {format!r}")
+    if context is not None:
+        _RANK.rank = "local" if context.is_local else context.rank
+        _RANK.tag = context.log_tag
+        _RANK.coords = {} if context.is_local else _visible_coords(context)
+        _RANK.tag_width = len(_widest_tag(context))
+    renderer = _render_console if format == "console" else _render_json
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=_shared_processors(),
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+    )
+    handlers: list[logging.Handler] = [logging.StreamHandler(stream if stream is not None else sys.stdout)]
+    if log_dir is not None:
+        rank = 0 if _RANK.rank == "local" else int(_RANK.rank)
+        path = rank_log_path(log_dir, rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(path, encoding="utf-8"))
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if getattr(h, _HANDLER_MARK, False)]:
+        root.removeHandler(old)
+        old.close()
+    for handler in handlers:
+        setattr(handler, _HANDLER_MARK, True)
+        handler.setFormatter(formatter)
+        root.addHandler(handler)
+    root.setLevel(level.upper() if isinstance(level, str) else level)
+    logging.captureWarnings(True)
+    structlog.configure(
+        processors=[*_shared_processors(), structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=False,
+    )
+
+
+def get_logger(name: str | None = None) -> structlog.stdlib.BoundLogger:
+    """A structlog logger; its lines carry the rank tag once `configure_logging` ran."""
+    return structlog.stdlib.get_logger(name)
+
+
+def _visible_coords(context: DistributedContext) -> dict[str, int]:
+    """Coordinates on the axes that are larger than 1 (dense domain, plus ep_shard)."""
+    coords = {
+        axis: value for axis, value in context.coordinates["dense"].items() if context.axis_size(axis) > 1
+    }
+    if context.config.expert_parallel > 1:
+        coords["ep_shard"] = context.coordinate("ep_shard")
+    return coords
+
+
+def _widest_tag(context: DistributedContext) -> str:
+    """The tag of the last rank: it has the most digits, so all ranks pad to the same column."""
+    return context.log_tag if context.is_local else rank_tag(context.config, context.world_size - 1)
