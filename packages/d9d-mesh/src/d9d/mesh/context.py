@@ -351,11 +351,12 @@ def _mismatch_message(config: MeshConfig, launched: int, launched_by: str, env: 
         )
     else:
         per_node = int(env.get("LOCAL_WORLD_SIZE", "0") or 0)
+        launch = f"`torchrun --nproc-per-node {need} ...` on one node"
         if per_node > 1 and need % per_node == 0 and need // per_node > 1:
-            launch = f"--nnodes {need // per_node} --nproc-per-node {per_node}"
+            launch += f" or `torchrun --nnodes {need // per_node} --nproc-per-node {per_node} ...`"
         else:
-            launch = f"--nproc-per-node {need} (or --nnodes N --nproc-per-node M with N × M = {need})"
-        fix = f"launch with `torchrun {launch} ...` or change the mesh so that its product is {launched}"
+            launch += f" or `--nnodes N --nproc-per-node M` with N × M = {need}"
+        fix = f"launch with {launch}, or change the mesh so that its product is {launched}"
     return f"{what}, but {got}; {fix}"
 
 

@@ -30,6 +30,8 @@ LogFormat = Literal["console", "json"]
 
 _HANDLER_MARK = "_d9d_handler"
 _EVENT_WIDTH = 32
+#: Libraries that install their own stderr handlers (and stop propagation) on import.
+_SELF_HANDLED_LOGGERS = ("torch",)
 
 
 class _RankInfo:
@@ -54,7 +56,12 @@ def _add_rank(_logger: Any, _method: str, event_dict: dict[str, Any]) -> dict[st
 
 
 def _add_timestamp(_logger: Any, _method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
-    now = datetime.datetime.now(datetime.UTC)
+    record = event_dict.get("_record")  # a stdlib record: stamp its creation time, not format time
+    now = (
+        datetime.datetime.fromtimestamp(record.created, datetime.UTC)
+        if record is not None
+        else datetime.datetime.now(datetime.UTC)
+    )
     event_dict.setdefault("timestamp", now.strftime("%Y-%m-%dT%H:%M:%S.") + f"{now.microsecond // 1000:03d}Z")
     return event_dict
 
@@ -154,6 +161,11 @@ def configure_logging(
         handler.setFormatter(formatter)
         root.addHandler(handler)
     root.setLevel(level.upper() if isinstance(level, str) else level)
+    for name in _SELF_HANDLED_LOGGERS:  # torch prints through its own handlers; route it through ours
+        library = logging.getLogger(name)
+        for old in list(library.handlers):
+            library.removeHandler(old)
+        library.propagate = True
     logging.captureWarnings(True)
     structlog.configure(
         processors=[*_shared_processors(), structlog.stdlib.ProcessorFormatter.wrap_for_formatter],

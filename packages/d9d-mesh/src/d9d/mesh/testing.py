@@ -133,6 +133,10 @@ def _child_main(
         )
         try:
             result = fn(*args, **kwargs)
+        except BaseException as exc:
+            # stamp the failure before tearing down the group: peers fail *because* of the teardown
+            exc.__dict__["_d9d_failed_at"] = time.time()
+            raise
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
@@ -140,7 +144,8 @@ def _child_main(
     except BaseException as exc:  # report everything, including SystemExit, to the parent
         code = 1
         text = "".join(traceback.format_exception(exc))
-        payload = pickle.dumps(("error", f"{type(exc).__name__}: {exc}", text))
+        failed_at = getattr(exc, "__dict__", {}).get("_d9d_failed_at", time.time())
+        payload = pickle.dumps(("error", f"{type(exc).__name__}: {exc}", text, failed_at))
     try:
         writer.send_bytes(payload)
         writer.close()
@@ -154,7 +159,7 @@ def _collect(
     procs: list[multiprocessing.process.BaseProcess], readers: dict[Any, int], timeout: float
 ) -> list[Any]:
     results: dict[int, Any] = {}
-    failures: dict[int, tuple[str, str]] = {}
+    failures: dict[int, tuple[str, str, float]] = {}
     pending = dict(readers)
     deadline = time.monotonic() + timeout
     first_failure_at: float | None = None
@@ -172,15 +177,20 @@ def _collect(
                 message = pickle.loads(reader.recv_bytes())
             except (EOFError, OSError):
                 procs[rank].join(timeout=5)
-                message = ("error", f"rank {rank} died with exit code {procs[rank].exitcode}", "")
+                message = (
+                    "error",
+                    f"rank {rank} died with exit code {procs[rank].exitcode}",
+                    "",
+                    time.time(),
+                )
             if message[0] == "ok":
                 results[rank] = message[1]
             else:
-                failures[rank] = (message[1], message[2])
+                failures[rank] = (message[1], message[2], message[3])
                 first_failure_at = first_failure_at or time.monotonic()
     if failures:
-        rank = min(failures)
-        summary, text = failures[rank]
+        rank = min(failures, key=lambda r: failures[r][2])  # the first to fail is the likely cause
+        summary, text, _ = failures[rank]
         others = sorted(set(failures) - {rank})
         also = f"; ranks {others} failed too" if others else ""
         stuck = f"; ranks {sorted(pending.values())} were killed" if pending else ""
@@ -261,10 +271,10 @@ def run_torchrun(
         run_id = uuid.uuid4().hex[:12]
         node_args = [
             [
-                "--nnodes", str(nnodes), "--node-rank", str(node),
+                "--nnodes", str(nnodes),
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
             ]
-            for node in range(nnodes)
+            for _ in range(nnodes)
         ]  # fmt: skip
     procs = [
         subprocess.Popen(

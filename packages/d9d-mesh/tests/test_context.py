@@ -1,0 +1,182 @@
+import datetime
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from d9d.mesh import D9dError, DistributedContext, LaunchError, MeshConfig, axis_groups
+from d9d.mesh.testing import DistributedTestError, run_distributed
+
+
+def test_local_mode_has_no_process_group():
+    with DistributedContext.from_env(MeshConfig(), environ={}, device_type="cpu") as ctx:
+        assert ctx.is_local and ctx.mode == "local"
+        assert not dist.is_initialized()
+        assert (ctx.rank, ctx.world_size, ctx.local_rank, ctx.local_world_size) == (0, 1, 0, 1)
+        assert ctx.is_main_process and ctx.is_local_main_process
+        assert ctx.device == torch.device("cpu")
+        assert ctx.coordinate("dp_shard") == 0 and ctx.axis_size("tp") == 1
+        assert ctx.log_tag == "local"
+        ctx.barrier()  # a no-op, not an error
+        ctx.use_step_timeout()
+        with pytest.raises(D9dError, match="no device mesh in local mode"):
+            ctx.mesh()
+
+
+@pytest.mark.parametrize(
+    ("config", "environ", "message"),
+    [
+        (
+            MeshConfig(data_parallel_shard=2, tensor_parallel=2),
+            {},
+            r"the mesh \(data_parallel_shard=2, tensor_parallel=2\) needs 4 processes, but plain python "
+            r"\(no torchrun\) started 1; launch with `torchrun --nproc-per-node 4",
+        ),
+        (
+            MeshConfig(data_parallel_shard=4),
+            {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"},
+            r"needs 4 processes, but torchrun started 2; launch with `torchrun --nproc-per-node 4 ...` on one node "
+            r"or `torchrun --nnodes 2 --nproc-per-node 2 ...`",
+        ),
+        (
+            MeshConfig(),
+            {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"},
+            r"the mesh \(all degrees 1\) needs 1 process, but torchrun started 2; run it as one plain process",
+        ),
+        (
+            MeshConfig(),
+            {"RANK": "0"},
+            r"sets \['RANK'\] but not \['WORLD_SIZE', 'LOCAL_RANK'\]",
+        ),
+    ],
+)
+def test_launch_mismatch_is_one_clear_error(config, environ, message):
+    with pytest.raises(LaunchError, match=message):
+        DistributedContext.from_env(config, environ=environ, device_type="cpu")
+    assert not dist.is_initialized()
+
+
+def _describe_rank(config):
+    with DistributedContext.from_env(config) as ctx:
+        groups = {}
+        for domain, mesh in ((d, ctx.mesh(d)) for d in ("dense", "expert", "batch", "world")):
+            for axis in mesh.mesh_dim_names:
+                members = [None] * mesh.size(mesh.mesh_dim_names.index(axis))
+                dist.all_gather_object(members, ctx.rank, group=mesh.get_group(axis))
+                groups[(domain, axis)] = members
+        torch_coords = {d: ctx.mesh(d).get_coordinate() for d in ("dense", "expert", "batch")}
+        return ctx.rank, ctx.coordinates, torch_coords, groups, ctx.log_tag
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        MeshConfig(data_parallel_shard=2),
+        MeshConfig(data_parallel_replicate=2, expert_parallel=2),
+        MeshConfig(data_parallel_shard=2, tensor_parallel=2),
+        MeshConfig(pipeline_parallel=2, data_parallel_replicate=2, expert_parallel=2),
+        MeshConfig(data_parallel_replicate=2, data_parallel_shard=2, expert_parallel=4),
+    ],
+    ids=lambda c: f"{c.world_size}ranks-{c.describe_degrees()}",
+)
+def test_real_meshes_match_layout(config):
+    results = run_distributed(_describe_rank, config.world_size, config)
+    for rank, (reported, coords, torch_coords, groups, tag) in enumerate(results):
+        assert reported == rank
+        for domain, tc in torch_coords.items():
+            assert list(tc) == list(coords[domain].values())
+        # the process group of each axis holds exactly the ranks the pure layout says
+        for (domain, axis), members in groups.items():
+            expected = next(g for g in axis_groups(config, domain, axis) if rank in g)
+            assert members == expected, (domain, axis)
+        assert tag.startswith(f"rank {rank}")
+
+
+def _timeout_rank(config):
+    with DistributedContext.from_env(config, step_timeout=datetime.timedelta(seconds=1)) as ctx:
+        ctx.use_step_timeout()
+        if ctx.rank == 1:
+            time.sleep(3)
+            return "slept"
+        start = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(1))
+        except Exception as exc:
+            return ("failed", time.monotonic() - start, type(exc).__name__)
+        return ("finished", time.monotonic() - start, "")
+
+
+def test_step_timeout_fails_a_stuck_collective_quickly():
+    config = MeshConfig(data_parallel_shard=2)
+    rank0, rank1 = run_distributed(_timeout_rank, 2, config, timeout=30)
+    assert rank1 == "slept"
+    status, elapsed, _ = rank0
+    assert status == "failed"
+    assert elapsed < 4, f"collective waited {elapsed:.1f} s with a 1 s step timeout"
+
+
+def test_planning_mode_builds_1024_rank_mesh_in_one_process():
+    config = MeshConfig(
+        pipeline_parallel=4,
+        data_parallel_replicate=2,
+        data_parallel_shard=16,
+        tensor_parallel=8,
+        expert_parallel=32,
+    )
+    with DistributedContext.for_planning(config, rank=777) as ctx:
+        assert ctx.mode == "planning" and dist.get_world_size() == 1024
+        assert ctx.mesh("dense").shape == (4, 2, 16, 1, 8)
+        assert ctx.mesh("expert").shape == (4, 8, 32)
+        assert ctx.mesh("batch").shape == (4, 32, 1, 8)
+        assert list(ctx.mesh("dense").get_coordinate()) == list(ctx.coordinates["dense"].values())
+        assert ctx.coordinate("pp") == 777 // 256
+        assert "world size 1024" in ctx.describe()
+    assert not dist.is_initialized()
+
+
+def test_planning_mode_checks_world_size():
+    with pytest.raises(LaunchError, match="needs 4 processes, but the plan started 8"):
+        DistributedContext.for_planning(MeshConfig(data_parallel_shard=4), world_size=8)
+
+
+def _raise_on_rank_one():
+    if dist.get_rank() == 1:
+        raise ValueError("boom on purpose")
+    dist.barrier()  # rank 0 waits for a rank that never comes; the harness must not hang
+    return "unreachable"
+
+
+def test_harness_reports_failing_rank_traceback_and_kills_the_rest():
+    start = time.monotonic()
+    with pytest.raises(
+        DistributedTestError, match=r"rank 1 of 2 failed: ValueError: boom on purpose"
+    ) as info:
+        run_distributed(_raise_on_rank_one, 2, timeout=30)
+    assert "_raise_on_rank_one" in str(info.value)  # the traceback is included
+    assert time.monotonic() - start < 15
+
+
+def _hang_forever():
+    if dist.get_rank() == 0:
+        time.sleep(600)
+
+
+def test_harness_times_out_a_hang():
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError, match=r"ranks \[0\] of 2 did not finish within 2 s"):
+        run_distributed(_hang_forever, 2, timeout=2)
+    assert time.monotonic() - start < 10
+
+
+def _exit_hard():
+    import os
+
+    if dist.get_rank() == 0:
+        os._exit(7)
+    return "ok"
+
+
+def test_harness_reports_a_dead_rank():
+    with pytest.raises(DistributedTestError, match="rank 0 died with exit code 7"):
+        run_distributed(_exit_hard, 2, timeout=20)

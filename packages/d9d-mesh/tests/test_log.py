@@ -1,0 +1,75 @@
+import io
+import json
+import logging
+import re
+import warnings
+
+import pytest
+
+from d9d.mesh import DistributedContext, MeshConfig, configure_logging, get_logger, rank_log_path, rank_tag
+from d9d.mesh.testing import run_distributed
+
+LINE = re.compile(r"^\S+Z (?P<level>[A-Z]+) +(?P<tag>\[[^\]]+\] *) (?P<logger>[\w.]+): (?P<event>.*)$")
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging():
+    yield
+    configure_logging(stream=io.StringIO())  # detach from the test's stream
+
+
+def _log_on_rank(config, log_dir):
+    stream = io.StringIO()
+    with DistributedContext.from_env(config) as ctx:
+        configure_logging(ctx, stream=stream, log_dir=log_dir)
+        get_logger("d9d.test").info("step done", step=3, loss=1.25, note="two words")
+        logging.getLogger("some.library").warning("plain stdlib record")
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn("a python warning", UserWarning, stacklevel=1)
+        try:
+            raise RuntimeError("shown with its traceback")
+        except RuntimeError:
+            get_logger("d9d.test").exception("caught")
+        return stream.getvalue()
+
+
+def test_every_rank_tags_its_lines_and_writes_its_own_file(tmp_path):
+    config = MeshConfig(data_parallel_shard=2, tensor_parallel=2, expert_parallel=2)
+    outputs = run_distributed(_log_on_rank, 4, config, str(tmp_path))
+    widths = set()
+    for rank, text in enumerate(outputs):
+        lines = [m for m in map(LINE.match, text.splitlines()) if m]
+        assert {m["tag"].strip() for m in lines} == {f"[{rank_tag(config, rank)}]"}
+        widths.update(len(m["tag"]) for m in lines)
+        events = {m["logger"]: m["event"] for m in lines}
+        assert re.search(r"step done +step=3  loss=1.25  note='two words'", text)
+        assert events["some.library"] == "plain stdlib record"
+        assert "py.warnings" in events and "a python warning" in events["py.warnings"]
+        assert "RuntimeError: shown with its traceback" in text and "Traceback" in text
+        assert rank_log_path(tmp_path, rank).read_text() == text
+    assert len(widths) == 1  # columns align across ranks
+
+
+def test_local_mode_tag_and_json_format():
+    stream = io.StringIO()
+    ctx = DistributedContext.from_env(MeshConfig(), environ={}, device_type="cpu")
+    configure_logging(ctx, stream=stream, format="json")
+    get_logger("d9d.test").info("hello", value=2)
+    record = json.loads(stream.getvalue().splitlines()[-1])
+    assert record["rank"] == "local" and record["event"] == "hello" and record["value"] == 2
+    assert record["level"] == "info" and record["logger"] == "d9d.test"
+    assert "coords" not in record
+
+
+def test_reconfiguring_replaces_handlers():
+    first, second = io.StringIO(), io.StringIO()
+    configure_logging(stream=first)
+    configure_logging(stream=second)
+    get_logger("x").info("only once")
+    assert first.getvalue() == "" and second.getvalue().count("only once") == 1
+
+
+def test_bad_format_is_rejected():
+    with pytest.raises(ValueError, match="log format must be 'console' or 'json'"):
+        configure_logging(format="xml")  # type: ignore[arg-type]
