@@ -1,3 +1,75 @@
-"""d9d.data: not implemented yet (see packages/d9d-data/README.md)."""
+"""d9d.data: a fixed global batch per step over any map-style dataset, sharded over data-parallel ranks.
 
-__all__: list[str] = []
+    from d9d.data import AutoDataConfig, AutoDataProvider, TextDataset
+
+    dataset = TextDataset("examples/data", seq_len=128)             # byte-level tokens, packed
+    provider = AutoDataProvider(AutoDataConfig(global_batch_size=32, microbatch_size=4), dataset)
+    microbatches = next(provider)                                    # one step: 8 microbatches of 4
+
+The global sample order never depends on the data-parallel degree, and `state_dict()` /
+`load_state_dict()` resume with exactly the next global batch, also on another number of ranks.
+"""
+
+from d9d.data.auto import AutoDataProvider, MapDataset, PipelineStages
+from d9d.data.batching import (
+    advance_position,
+    batch_size_choices,
+    check_batch_sizes,
+    check_dataset_size,
+    epoch_order,
+    is_step_start,
+    microbatches_per_rank,
+    rank_slice,
+    step_sample_indices,
+    steps_per_epoch,
+)
+from d9d.data.config import AutoDataConfig
+from d9d.data.datasets.packed import CausalLMSample, PackedTokens
+from d9d.data.datasets.text import TextDataset
+from d9d.data.datasets.token_file import TokenFileDataset, TokenFileInfo, write_token_file
+from d9d.data.datasets.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from d9d.data.errors import (
+    BatchSizeError,
+    DataConfigError,
+    DataError,
+    DatasetError,
+    DataStateError,
+    TokenizerError,
+)
+from d9d.data.placement import DataPlacement
+from d9d.data.protocol import DataProvider, SizedDataProvider
+
+__all__ = [
+    "AutoDataConfig",
+    "AutoDataProvider",
+    "BatchSizeError",
+    "ByteTokenizer",
+    "CausalLMSample",
+    "DataConfigError",
+    "DataError",
+    "DataPlacement",
+    "DataProvider",
+    "DataStateError",
+    "DatasetError",
+    "MapDataset",
+    "PackedTokens",
+    "PipelineStages",
+    "SizedDataProvider",
+    "TextDataset",
+    "TokenFileDataset",
+    "TokenFileInfo",
+    "Tokenizer",
+    "TokenizerError",
+    "advance_position",
+    "batch_size_choices",
+    "check_batch_sizes",
+    "check_dataset_size",
+    "epoch_order",
+    "is_step_start",
+    "load_tokenizer",
+    "microbatches_per_rank",
+    "rank_slice",
+    "step_sample_indices",
+    "steps_per_epoch",
+    "write_token_file",
+]

@@ -1,0 +1,329 @@
+"""`AutoDataProvider`: a fixed global batch per step, split over data-parallel ranks into microbatches.
+
+Order and epochs. Epoch `e` visits the dataset in a seeded permutation (or in index order when
+`shuffle` is off) that depends only on (seed, e) and the dataset length, never on the mesh. Each step
+consumes the next `global_batch_size` positions of that order; data-parallel rank `r` of `dp` loads
+the contiguous slice `[r·gbs/dp, (r+1)·gbs/dp)` of them and cuts it into microbatches. An epoch ends
+when the next step cannot start: with `drop_last` when fewer than a global batch of positions are
+left (they are skipped; with shuffling, different samples each epoch), without `drop_last` when every
+position was consumed (the last step is filled up from the start of the same epoch's order).
+"""
+
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from types import TracebackType
+from typing import Any, Generic, Literal, Protocol, TypeVar
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, default_collate
+
+from d9d.data.batching import (
+    advance_position,
+    check_batch_sizes,
+    check_dataset_size,
+    epoch_order,
+    is_step_start,
+    rank_slice,
+    step_sample_indices,
+    steps_per_epoch,
+)
+from d9d.data.config import AutoDataConfig
+from d9d.data.errors import DataConfigError, DataStateError
+from d9d.data.placement import DataPlacement
+from d9d.mesh import DistributedContext
+
+__all__ = ["AutoDataProvider", "MapDataset", "PipelineStages"]
+
+BatchT = TypeVar("BatchT")
+SampleT_co = TypeVar("SampleT_co", covariant=True)
+
+#: Which pipeline ranks load data: every one, the first, the last, first and last, or explicit ranks.
+PipelineStages = Literal["all", "first", "last", "first_and_last"] | Collection[int]
+
+_STATE_VERSION = 1
+_ORDER_KEYS = ("num_samples", "seed", "shuffle")
+
+
+class MapDataset(Protocol[SampleT_co]):
+    """What `AutoDataProvider` needs from a dataset: a length and samples by index."""
+
+    def __len__(self) -> int:
+        """Number of samples."""
+        ...
+
+    def __getitem__(self, index: int) -> SampleT_co:
+        """The sample at `index` (0 <= index < len)."""
+        ...
+
+
+class AutoDataProvider(Generic[BatchT]):
+    """Batches a map-style dataset for data-parallel training with a fixed global batch.
+
+    Every step yields this rank's `global_batch_size / (dp × microbatch_size)` microbatches, each the
+    collated list of `microbatch_size` samples. Iterating never ends: after the last step of an epoch
+    comes the first step of the next one. Use `len(provider)` (steps per epoch) to stop after epochs.
+
+        provider = AutoDataProvider(AutoDataConfig(global_batch_size=32, microbatch_size=4), dataset,
+                                    context=ctx)
+        for step, microbatches in zip(range(total_steps), provider):
+            ...
+
+    Args:
+        config: batch sizes, shuffling, seed, drop_last and loader settings.
+        dataset: any map-style dataset (`len` and integer indexing); read only by ranks that load.
+        collate_fn: turns a list of samples into a batch (default: torch's `default_collate`).
+        context: where this rank sits: a `DistributedContext`, a `DataPlacement`, or None for one
+            local process. The data-parallel degree is `dp_replicate × dp_shard`.
+        pipeline_stages: under pipeline parallelism, the pipeline ranks whose stages consume data
+            ("first", "last", "first_and_last", "all" or a collection of pp coordinates). Other
+            pipeline ranks load nothing and get an empty list per step, but keep the same state.
+
+    Raises:
+        BatchSizeError: global_batch_size is not divisible by dp × microbatch_size.
+        DatasetError: the dataset holds fewer samples than one global batch.
+    """
+
+    def __init__(
+        self,
+        config: AutoDataConfig,
+        dataset: MapDataset[Any],
+        collate_fn: Callable[[list[Any]], BatchT] | None = None,
+        *,
+        context: DistributedContext | DataPlacement | None = None,
+        pipeline_stages: PipelineStages = "all",
+    ) -> None:
+        if isinstance(context, DistributedContext):
+            placement = DataPlacement.from_context(context)
+        else:
+            placement = context if context is not None else DataPlacement()
+        check_batch_sizes(config.global_batch_size, config.microbatch_size, placement.dp_size)
+        self._config = config
+        self._dataset = dataset
+        self._collate_fn: Callable[[list[Any]], BatchT] = collate_fn or default_collate
+        self._placement = placement
+        self._num_samples = len(dataset)
+        check_dataset_size(self._num_samples, config.global_batch_size)
+        self._loads_data = placement.pp_rank in _pipeline_ranks(pipeline_stages, placement.pp_size)
+        self._microbatches = config.global_batch_size // (placement.dp_size * config.microbatch_size)
+        self._epoch = 0
+        self._position = 0
+        self._batches: Iterator[BatchT] | None = None
+
+    # ------------------------------------------------------------------ what this rank gets
+
+    @property
+    def config(self) -> AutoDataConfig:
+        """The batching configuration."""
+        return self._config
+
+    @property
+    def placement(self) -> DataPlacement:
+        """This rank's data-parallel and pipeline coordinates."""
+        return self._placement
+
+    @property
+    def loads_data(self) -> bool:
+        """False on pipeline ranks whose stages consume no data (they get empty steps)."""
+        return self._loads_data
+
+    @property
+    def microbatches_per_step(self) -> int:
+        """Microbatches each data-parallel rank runs per step: global_batch_size / (dp × microbatch_size)."""
+        return self._microbatches
+
+    @property
+    def num_samples(self) -> int:
+        """Length of the dataset."""
+        return self._num_samples
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Steps of one full epoch (floor of samples / global batch with drop_last, else ceil)."""
+        return steps_per_epoch(self._num_samples, self._config.global_batch_size, self._config.drop_last)
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    @property
+    def epoch(self) -> int:
+        """Epoch of the next step."""
+        return self._epoch
+
+    @property
+    def position(self) -> int:
+        """Position, in that epoch's sample order, where the next step starts."""
+        return self._position
+
+    def sample_indices(self, epoch: int, position: int) -> np.ndarray:
+        """Dataset indices this rank loads for the step that starts at (epoch, position)."""
+        order = epoch_order(
+            self._num_samples, seed=self._config.seed, epoch=epoch, shuffle=self._config.shuffle
+        )
+        lo, hi = rank_slice(self._config.global_batch_size, self._placement.dp_size, self._placement.dp_rank)
+        return step_sample_indices(order, position, lo, hi)
+
+    # ------------------------------------------------------------------ iteration
+
+    def __iter__(self) -> "AutoDataProvider[BatchT]":
+        return self
+
+    def __next__(self) -> list[BatchT]:
+        """This rank's microbatches of the next step (an empty list on ranks that load no data)."""
+        step: list[BatchT] = []
+        if self._loads_data:
+            if self._batches is None:
+                self._batches = iter(self._make_loader())
+            step = [next(self._batches) for _ in range(self._microbatches)]
+        self._epoch, self._position = advance_position(
+            self._epoch,
+            self._position,
+            num_samples=self._num_samples,
+            global_batch_size=self._config.global_batch_size,
+            drop_last=self._config.drop_last,
+        )
+        return step
+
+    def _make_loader(self) -> DataLoader[Any]:
+        config = self._config
+        sampler = _MicrobatchIndices(self, self._epoch, self._position)
+        workers = config.num_workers
+        return DataLoader(
+            self._dataset,  # type: ignore[arg-type]
+            batch_sampler=sampler,
+            collate_fn=self._collate_fn,
+            num_workers=workers,
+            pin_memory=config.pin_memory and torch.cuda.is_available(),
+            prefetch_factor=config.prefetch if workers > 0 else None,
+            worker_init_fn=_init_worker if workers > 0 else None,
+        )
+
+    def close(self) -> None:
+        """Stop loader workers and drop prefetched batches; iteration may continue afterwards."""
+        batches, self._batches = self._batches, None
+        shutdown = getattr(batches, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+
+    def __enter__(self) -> "AutoDataProvider[BatchT]":
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ resumable state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the next step starts, plus what defines the order (checked on load)."""
+        return {
+            "version": _STATE_VERSION,
+            "epoch": self._epoch,
+            "position": self._position,
+            "num_samples": self._num_samples,
+            "seed": self._config.seed,
+            "shuffle": self._config.shuffle,
+            "global_batch_size": self._config.global_batch_size,
+            "drop_last": self._config.drop_last,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Make the next step the one after the saved position; works across DP degrees.
+
+        The dataset length, seed and shuffle must match the saved run (they define the order).
+        The global batch size may change: the next step then starts at the saved sample position.
+
+        Raises:
+            DataStateError: keys are missing or the order would differ from the saved run's.
+        """
+        missing = [k for k in ("epoch", "position", *_ORDER_KEYS) if k not in state]
+        if missing:
+            raise DataStateError(
+                f"the data state lacks {missing} (it has {sorted(state)}); pass the dict that "
+                "AutoDataProvider.state_dict() returned"
+            )
+        ours = self.state_dict()
+        changed = [f"{k}: saved {state[k]!r}, now {ours[k]!r}" for k in _ORDER_KEYS if state[k] != ours[k]]
+        if changed:
+            raise DataStateError(
+                "the saved data state belongs to another sample order (" + "; ".join(changed) + "), so "
+                "resuming would not continue the same sequence of batches; restore the dataset and "
+                "data.seed/data.shuffle of the saved run, or start a new run"
+            )
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position <= self._num_samples:
+            raise DataStateError(
+                f"the saved data state has epoch {epoch} and position {position}, outside a dataset "
+                f"of {self._num_samples} samples; the checkpoint's data state is corrupt"
+            )
+        config = self._config
+        if not is_step_start(position, self._num_samples, config.global_batch_size, config.drop_last):
+            epoch, position = epoch + 1, 0
+        self.close()
+        self._epoch, self._position = epoch, position
+
+
+class _MicrobatchIndices:
+    """The endless stream of one rank's microbatch index lists, from a given (epoch, position)."""
+
+    def __init__(self, provider: AutoDataProvider[Any], epoch: int, position: int) -> None:
+        config = provider.config
+        self._num_samples = provider.num_samples
+        self._config = config
+        self._slice = rank_slice(
+            config.global_batch_size, provider.placement.dp_size, provider.placement.dp_rank
+        )
+        self._epoch = epoch
+        self._position = position
+
+    def __iter__(self) -> Iterator[Sequence[int]]:
+        config = self._config
+        epoch, position = self._epoch, self._position
+        order_epoch, order = -1, np.empty(0, dtype=np.int64)
+        lo, hi = self._slice
+        mbs = config.microbatch_size
+        while True:
+            if order_epoch != epoch:
+                order = epoch_order(self._num_samples, seed=config.seed, epoch=epoch, shuffle=config.shuffle)
+                order_epoch = epoch
+            indices = step_sample_indices(order, position, lo, hi).tolist()
+            for start in range(0, hi - lo, mbs):
+                yield indices[start : start + mbs]
+            epoch, position = advance_position(
+                epoch,
+                position,
+                num_samples=self._num_samples,
+                global_batch_size=config.global_batch_size,
+                drop_last=config.drop_last,
+            )
+
+
+def _pipeline_ranks(stages: PipelineStages, pp_size: int) -> frozenset[int]:
+    named = {
+        "all": range(pp_size),
+        "first": (0,),
+        "last": (pp_size - 1,),
+        "first_and_last": (0, pp_size - 1),
+    }
+    if isinstance(stages, str):
+        if stages not in named:
+            raise DataConfigError(
+                f"pipeline_stages={stages!r} is not one of {sorted(named)} or a collection of pp ranks"
+            )
+        return frozenset(named[stages])
+    ranks = frozenset(int(r) for r in stages)
+    bad = sorted(r for r in ranks if not 0 <= r < pp_size)
+    if not ranks or bad:
+        raise DataConfigError(
+            f"pipeline_stages={sorted(ranks)} must name at least one pipeline rank in 0..{pp_size - 1}"
+            + (f"; {bad} do not exist" if bad else "")
+        )
+    return ranks
+
+
+def _init_worker(_worker_id: int) -> None:
+    # Loader workers share the machine with the training process: one thread each.
+    torch.set_num_threads(1)

@@ -1,0 +1,38 @@
+"""`DataPlacement`: where a rank sits in the batch domain, i.e. which slice of each global batch it loads."""
+
+from dataclasses import dataclass
+
+from d9d.data.errors import DataConfigError
+from d9d.mesh import DistributedContext
+
+__all__ = ["DataPlacement"]
+
+
+@dataclass(frozen=True)
+class DataPlacement:
+    """A rank's data-parallel and pipeline coordinates: all that decides which samples it loads.
+
+    Ranks that differ only in tensor- or context-parallel coordinates share a placement and so get
+    identical data. Build it from a `DistributedContext` (`from_context`) or directly, e.g. to
+    simulate several DP degrees in one process.
+    """
+
+    dp_rank: int = 0
+    dp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+
+    def __post_init__(self) -> None:
+        for rank, size, axis in ((self.dp_rank, self.dp_size, "dp"), (self.pp_rank, self.pp_size, "pp")):
+            if size < 1 or not 0 <= rank < size:
+                raise DataConfigError(f"{axis} rank {rank} is outside 0..{size - 1} (size {size})")
+
+    @classmethod
+    def from_context(cls, context: DistributedContext) -> "DataPlacement":
+        """The placement of this process: `dp` merges dp_replicate and dp_shard (the batch domain)."""
+        return cls(
+            dp_rank=context.coordinate("dp"),
+            dp_size=context.axis_size("dp"),
+            pp_rank=context.coordinate("pp"),
+            pp_size=context.axis_size("pp"),
+        )

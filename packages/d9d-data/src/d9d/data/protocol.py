@@ -1,0 +1,40 @@
+"""`DataProvider`: the small protocol every data provider (built-in or custom) implements."""
+
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+__all__ = ["DataProvider", "SizedDataProvider"]
+
+BatchT_co = TypeVar("BatchT_co", covariant=True)
+
+
+@runtime_checkable
+class DataProvider(Protocol[BatchT_co]):
+    """Yields, per optimizer step, this rank's microbatches, and saves/restores its position.
+
+    Iterating gives one list per step (the microbatches this rank runs in that step, in order); the
+    trainer calls `next()` once per step, so the stream may be endless. `state_dict()` describes the
+    position after the steps yielded so far (not what was prefetched), and `load_state_dict()` makes
+    the next step the one that followed the save. A custom provider decides its own batching.
+    """
+
+    def __iter__(self) -> Iterator[list[BatchT_co]]:
+        """The stream of steps, each a list of microbatches."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """A small dict of plain values (ints, floats, strings, bools) that a checkpoint stores."""
+        ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a state returned by `state_dict()`, possibly saved by another run."""
+        ...
+
+
+@runtime_checkable
+class SizedDataProvider(DataProvider[BatchT_co], Protocol[BatchT_co]):
+    """A `DataProvider` that also knows how many steps one epoch has (`len(provider)`)."""
+
+    def __len__(self) -> int:
+        """Steps in one epoch."""
+        ...

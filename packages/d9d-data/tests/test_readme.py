@@ -1,0 +1,28 @@
+import contextlib
+import io
+import os
+import re
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1]
+REPO = PACKAGE.parents[1]
+
+
+def test_readme_examples_run_from_the_repository_root(monkeypatch):
+    blocks = re.findall(r"```python\n(.*?)```", (PACKAGE / "README.md").read_text(), flags=re.S)
+    assert len(blocks) == 2
+    monkeypatch.chdir(REPO)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    out = io.StringIO()
+    namespace = {}
+    with contextlib.redirect_stdout(out):
+        exec(compile(blocks[0], "README.md", "exec"), namespace)
+    assert "8 microbatches per step" in out.getvalue()
+    resumed, state = namespace["resumed"], namespace["state"]
+    assert (state["epoch"], state["position"]) == (0, 96) and resumed.position == 96
+    exec(compile(blocks[1], "README.md", "exec"), namespace)
+    from d9d.data import DataProvider
+
+    assert isinstance(namespace["RepeatProvider"](None), DataProvider)
+    assert os.path.getsize(REPO / "examples" / "data" / "corpus.txt") < 500_000
