@@ -1,0 +1,38 @@
+"""The d9d reference model: a Llama/Qwen3-style decoder in plain PyTorch (see README.md).
+
+config = ReferenceModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                              num_layers=2, num_attention_heads=4, num_key_value_heads=2)
+with torch.device("meta"):
+    model = ReferenceForCausalLM(config)
+model.to_empty(device="cpu")
+model.init_weights()
+logits = model(input_ids)            # [batch, seq, vocab]
+"""
+
+from .config import MoEConfig, ReferenceModelConfig, ReferenceModelConfigError
+from .model import (
+    MLP,
+    Attention,
+    DecoderLayer,
+    ReferenceForCausalLM,
+    ReferenceModel,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    build_moe,
+)
+
+__all__ = [
+    "MLP",
+    "Attention",
+    "DecoderLayer",
+    "MoEConfig",
+    "RMSNorm",
+    "ReferenceForCausalLM",
+    "ReferenceModel",
+    "ReferenceModelConfig",
+    "ReferenceModelConfigError",
+    "RotaryEmbedding",
+    "apply_rotary",
+    "build_moe",
+]

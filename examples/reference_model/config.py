@@ -1,0 +1,199 @@
+"""`ReferenceModelConfig`: the shape of the reference decoder, read from the `model:` section of a job.
+
+Field names follow the Hugging Face Qwen3 / Qwen3-MoE configs where they exist, so a config can be
+filled from (or exported to) a `config.json` almost key for key.
+"""
+
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+__all__ = ["MoEConfig", "ReferenceModelConfig", "ReferenceModelConfigError"]
+
+
+class ReferenceModelConfigError(ValueError):
+    """A reference-model config value is invalid; the message names the key and what to change.
+
+    Raised from `__post_init__`, so `msgspec.convert`/`decode` reports it as a `ValidationError`
+    carrying the same message plus the key path of the struct (e.g. `- at $.model`).
+    """
+
+
+def _require_positive(**values: int | float) -> None:
+    for key, value in values.items():
+        if value <= 0:
+            raise ReferenceModelConfigError(f"model.{key}={value} must be positive")
+
+
+class MoEConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Mixture-of-experts feed-forward layers (the `model.moe` section).
+
+    A layer i is an MoE layer when `layers` lists it, or, when `layers` is not set, when
+    `(i + 1) % every_n_layers == 0` (Hugging Face's `decoder_sparse_step`). The others stay dense.
+
+    Attributes:
+        num_experts: routed experts per MoE layer.
+        top_k: experts each token goes through.
+        moe_intermediate_size: hidden width of each routed expert.
+        every_n_layers: make every n-th layer an MoE layer (1: all of them).
+        layers: explicit indices of the MoE layers; excludes a non-default `every_n_layers`.
+        shared_expert_intermediate_size: hidden width of a shared expert that every token also goes
+            through; None for no shared expert (Qwen3-MoE has none).
+        norm_topk_prob: rescale each token's top-k router weights to sum to 1.
+    """
+
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    every_n_layers: int = 1
+    layers: tuple[int, ...] | None = None
+    shared_expert_intermediate_size: int | None = None
+    norm_topk_prob: bool = True
+
+    def __post_init__(self) -> None:
+        _require_positive(
+            **{
+                "moe.num_experts": self.num_experts,
+                "moe.top_k": self.top_k,
+                "moe.moe_intermediate_size": self.moe_intermediate_size,
+                "moe.every_n_layers": self.every_n_layers,
+            }
+        )
+        if self.top_k > self.num_experts:
+            raise ReferenceModelConfigError(
+                f"model.moe.top_k={self.top_k} exceeds model.moe.num_experts={self.num_experts}; lower top_k"
+            )
+        if self.layers is not None and self.every_n_layers != 1:
+            raise ReferenceModelConfigError(
+                "model.moe.layers and model.moe.every_n_layers are both set; give only one of them"
+            )
+        if self.shared_expert_intermediate_size is not None:
+            _require_positive(**{"moe.shared_expert_intermediate_size": self.shared_expert_intermediate_size})
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether decoder layer `index` (0-based) uses the MoE feed-forward."""
+        if self.layers is not None:
+            return index in self.layers
+        return (index + 1) % self.every_n_layers == 0
+
+
+class ReferenceModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Shape and numerics of the Llama/Qwen3-style reference decoder.
+
+    Attributes:
+        vocab_size: rows of the embedding table and width of the logits.
+        hidden_size: model width.
+        intermediate_size: hidden width of the dense SwiGLU MLP.
+        num_layers: decoder layers (Hugging Face: `num_hidden_layers`).
+        num_attention_heads: query heads.
+        num_key_value_heads: key/value heads (grouped-query attention); None means
+            `num_attention_heads` (multi-head attention). Must divide `num_attention_heads`.
+        head_dim: width of one head; None means `hidden_size // num_attention_heads`.
+        rope_theta: RoPE base.
+        rms_norm_eps: epsilon of every RMSNorm.
+        max_position_embeddings: longest sequence (and largest position id) the model is meant for.
+        tie_word_embeddings: the LM head shares the embedding table.
+        qk_norm: RMSNorm on each query and key head before RoPE (Qwen3); False gives Llama.
+        initializer_range: std of the normal init of linears and the embedding.
+        fp32_logits: return the logits in float32 whatever the parameter dtype.
+        moe: mixture-of-experts layers; None for a dense model.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qk_norm: bool = True
+    initializer_range: float = 0.02
+    fp32_logits: bool = False
+    moe: MoEConfig | None = None
+
+    def __post_init__(self) -> None:
+        _require_positive(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_layers=self.num_layers,
+            num_attention_heads=self.num_attention_heads,
+            rope_theta=self.rope_theta,
+            rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings,
+            initializer_range=self.initializer_range,
+        )
+        if self.num_key_value_heads is not None:
+            _require_positive(num_key_value_heads=self.num_key_value_heads)
+            if self.num_attention_heads % self.num_key_value_heads != 0:
+                raise ReferenceModelConfigError(
+                    f"model.num_attention_heads={self.num_attention_heads} is not divisible by "
+                    f"model.num_key_value_heads={self.num_key_value_heads}; each key/value head must "
+                    "serve the same number of query heads"
+                )
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads != 0:
+                raise ReferenceModelConfigError(
+                    f"model.hidden_size={self.hidden_size} is not divisible by "
+                    f"model.num_attention_heads={self.num_attention_heads}; set model.head_dim explicitly"
+                )
+        else:
+            _require_positive(head_dim=self.head_dim)
+        if self.attention_head_dim % 2 != 0:
+            raise ReferenceModelConfigError(
+                f"model.head_dim={self.attention_head_dim} must be even for RoPE "
+                "(it rotates pairs of channels)"
+            )
+        if self.moe is not None and self.moe.layers is not None:
+            outside = [i for i in self.moe.layers if not 0 <= i < self.num_layers]
+            if outside:
+                raise ReferenceModelConfigError(
+                    f"model.moe.layers has {outside}, outside 0..{self.num_layers - 1} "
+                    f"(model.num_layers={self.num_layers})"
+                )
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ReferenceModelConfig":
+        """Validate a plain mapping (e.g. the `model:` section of a YAML job) into a config."""
+        return msgspec.convert(data, cls)
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads, with the multi-head default applied."""
+        return self.num_key_value_heads if self.num_key_value_heads is not None else self.num_attention_heads
+
+    @property
+    def attention_head_dim(self) -> int:
+        """Width of one attention head, with the `hidden_size // num_attention_heads` default applied."""
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether decoder layer `index` uses the MoE feed-forward (False for every layer of a dense model)."""
+        return self.moe is not None and self.moe.is_moe_layer(index)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward) for MFU: 6 × active non-embedding params + attention.
+
+        Counts the LM head, the routed experts a token actually visits (top_k of them) and the
+        attention score/value matmuls over the full (not causally halved) `seq_len`, as is customary.
+        """
+        h, d = self.hidden_size, self.attention_head_dim
+        q, kv = self.num_attention_heads, self.kv_heads
+        attention = h * d * (2 * q + 2 * kv)
+        active = self.vocab_size * h  # LM head (tied or not, its matmul runs)
+        for index in range(self.num_layers):
+            active += attention
+            if self.is_moe_layer(index):
+                assert self.moe is not None
+                active += h * self.moe.num_experts  # router
+                active += 3 * h * self.moe.moe_intermediate_size * self.moe.top_k
+                if self.moe.shared_expert_intermediate_size is not None:
+                    active += 3 * h * self.moe.shared_expert_intermediate_size
+            else:
+                active += 3 * h * self.intermediate_size
+        return 6.0 * active + 12.0 * self.num_layers * q * d * seq_len

@@ -1,0 +1,304 @@
+"""The reference decoder: a Llama/Qwen3-style causal LM in plain PyTorch.
+
+Module names mirror Hugging Face `Qwen3ForCausalLM` (`model.embed_tokens`, `model.layers.<i>.self_attn.q_proj`,
+`...mlp.gate_proj`, `model.norm`, `lm_head`), so the state-dict mapping to that layout is the identity
+for dense models. Built for d9d's lifecycle: construct on the meta device, parallelize, `to_empty`,
+then `init_weights()`. Layers live in an `nn.ModuleDict` keyed by their index so a pipeline stage can
+delete the layers it does not own (and set `embed_tokens`, `norm` or `lm_head` to None) while keeping
+every remaining parameter's name.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import MoEConfig, ReferenceModelConfig
+
+__all__ = [
+    "MLP",
+    "Attention",
+    "DecoderLayer",
+    "RMSNorm",
+    "ReferenceForCausalLM",
+    "ReferenceModel",
+    "RotaryEmbedding",
+    "apply_rotary",
+    "build_moe",
+]
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over the last dim, computed in float32, scaled by a learned weight."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalize `x` [..., dim]; the result has the dtype of `x`."""
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return self.weight * normed
+
+    def reset_parameters(self) -> None:
+        """Weight to ones."""
+        nn.init.ones_(self.weight)
+
+
+def _inverse_frequencies(head_dim: int, theta: float, device: torch.device | None) -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+    return 1.0 / (theta**exponents)
+
+
+class RotaryEmbedding(nn.Module):
+    """Cos/sin tables of RoPE for given positions, in the half-split layout (HF's `rotate_half`).
+
+    Channel i of a head is paired with channel i + head_dim/2, both rotated by the angle
+    `position × theta^(-2i/head_dim)`. The inverse frequencies are a non-persistent float32 buffer
+    (not in the state dict); `reset_buffers()` recomputes them after `to_empty`.
+    """
+
+    inv_freq: torch.Tensor
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+        self.register_buffer("inv_freq", torch.empty(head_dim // 2, dtype=torch.float32), persistent=False)
+        if not self.inv_freq.is_meta:  # meta arithmetic would import torch._dynamo; to_empty + reset follows
+            self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """Recompute the inverse frequencies in float32 on the buffer's device."""
+        self.inv_freq = _inverse_frequencies(self.head_dim, self.theta, self.inv_freq.device)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`position_ids` [batch, seq] → (cos, sin), each [batch, seq, head_dim] in `dtype`."""
+        inv_freq = self.inv_freq
+        if inv_freq.dtype != torch.float32:  # the model was cast; angles must stay accurate
+            inv_freq = _inverse_frequencies(self.head_dim, self.theta, inv_freq.device)
+        angles = position_ids.to(torch.float32).unsqueeze(-1) * inv_freq
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` [batch, heads, seq, head_dim] by RoPE tables [batch, seq, head_dim] (half-split pairs)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    first, second = x.chunk(2, dim=-1)
+    rotated_half = torch.cat([-second, first], dim=-1)
+    return x * cos + rotated_half * sin
+
+
+class Attention(nn.Module):
+    """Causal self-attention with RoPE, grouped-query heads and optional per-head q/k RMSNorm.
+
+    Head counts are inferred from the projection outputs at run time, so the module keeps working
+    when tensor parallelism leaves each rank a slice of the heads.
+    """
+
+    def __init__(self, config: ReferenceModelConfig) -> None:
+        super().__init__()
+        self.head_dim = config.attention_head_dim
+        q_width = config.num_attention_heads * self.head_dim
+        kv_width = config.kv_heads * self.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_width, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, kv_width, bias=False)
+        self.o_proj = nn.Linear(q_width, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(
+        self, hidden_states: torch.Tensor, *, position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        """`hidden_states` [batch, seq, hidden] → [batch, seq, hidden]; `position_embeddings` is (cos, sin)."""
+        batch, seq, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(batch, seq, -1, self.head_dim)
+        k = self.k_proj(hidden_states).view(batch, seq, -1, self.head_dim)
+        v = self.v_proj(hidden_states).view(batch, seq, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        cos, sin = position_embeddings
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: `down_proj(silu(gate_proj(x)) * up_proj(x))`, no biases."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the MLP to `x` [..., hidden]."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def build_moe(hidden_size: int, moe: MoEConfig) -> nn.Module:
+    """The MoE feed-forward of one layer: `d9d.parallel`'s `MoE`, so expert parallelism applies to it.
+
+    Raises:
+        NotImplementedError: `d9d.parallel` (with its expert-parallel MoE) is not installed.
+    """
+    try:
+        from d9d.parallel.expert import MoE
+    except ImportError as error:
+        raise NotImplementedError(
+            "model.moe needs the MoE layer of d9d.parallel (d9d.parallel.expert.MoE), which is not "
+            "importable here; install d9d-parallel or remove model.moe for a dense model"
+        ) from error
+    return MoE(
+        hidden_size,
+        moe.moe_intermediate_size,
+        moe.num_experts,
+        moe.top_k,
+        renormalize=moe.norm_topk_prob,
+        shared_ffn_size=moe.shared_expert_intermediate_size,
+    )
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`; the MLP is dense or MoE."""
+
+    def __init__(self, config: ReferenceModelConfig, index: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp: nn.Module
+        if config.moe is not None and config.is_moe_layer(index):
+            self.mlp = build_moe(config.hidden_size, config.moe)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(
+        self, hidden_states: torch.Tensor, *, position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        """`hidden_states` [batch, seq, hidden] → same shape."""
+        attn_out = self.self_attn(
+            self.input_layernorm(hidden_states), position_embeddings=position_embeddings
+        )
+        hidden_states = hidden_states + attn_out
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class ReferenceModel(nn.Module):
+    """The decoder stack without the LM head (HF's `Qwen3Model`): tokens → final hidden states.
+
+    For pipeline stages, `embed_tokens` may be None (the input is then hidden states [batch, seq,
+    hidden]) and `norm` may be None (the output is the un-normalized hidden states).
+    """
+
+    def __init__(self, config: ReferenceModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        # An explicit empty table skips nn.Embedding's own normal_ init: `init_weights` fills it, and on
+        # the meta device torch's normal_ imports torch._dynamo (seconds of start-up for nothing).
+        table = torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=table
+        )
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i) for i in range(config.num_layers)})
+        self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.attention_head_dim, config.rope_theta)
+
+    def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`inputs`: token ids [batch, seq] (or hidden states when `embed_tokens` is None) → [batch, seq, hidden].
+
+        Args:
+            position_ids: [batch, seq] or [seq] positions for RoPE; default 0..seq-1. They only move
+                the rotation: attention stays causal over the sequence order (no document masking).
+                Pass them on a pipeline stage whose incoming hidden states are sequence-sharded.
+        """
+        hidden_states = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs
+        # The sequence length comes from `inputs`: under sequence parallelism the embedding's output
+        # holds only this rank's slice of the sequence, while attention sees all of it.
+        batch, seq = inputs.shape[:2]
+        if position_ids is None:
+            position_ids = torch.arange(seq, device=inputs.device)
+        position_ids = position_ids.expand(batch, -1)
+        position_embeddings = self.rotary_emb(position_ids, hidden_states.dtype)
+        for layer in self.layers.values():
+            hidden_states = layer(hidden_states, position_embeddings=position_embeddings)
+        return self.norm(hidden_states) if self.norm is not None else hidden_states
+
+
+class ReferenceForCausalLM(nn.Module):
+    """Causal LM (HF's `Qwen3ForCausalLM`): `model` (the decoder stack) and `lm_head`.
+
+    Build on any device, including meta; when the parameters are real the constructor initializes
+    them with `init_weights()`. After `to_empty(device=...)` call `init_weights()` again: it also
+    recomputes the RoPE buffers and re-ties the LM head to the embedding (`to_empty` unties them).
+    """
+
+    def __init__(self, config: ReferenceModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = ReferenceModel(config)
+        self.lm_head: nn.Linear | None = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+        if not next(self.parameters()).is_meta:
+            # Nothing to fill on meta (and torch's meta normal_ imports torch._dynamo).
+            self.init_weights()
+
+    def tie_weights(self) -> None:
+        """Make the LM head share the embedding table when `tie_word_embeddings` (a no-op otherwise)."""
+        if (
+            self.config.tie_word_embeddings
+            and self.lm_head is not None
+            and self.model.embed_tokens is not None
+        ):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialize in place from the global RNG: normal(0, initializer_range) for every weight, ones for norms.
+
+        Also recomputes the RoPE buffers and re-ties the embeddings. Parameters are visited in
+        registration order, so a seed gives the same weights whether the model was built on CPU or on
+        meta and then `to_empty(device="cpu")`.
+        """
+        self.tie_weights()
+        norm_weights = set()
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.reset_parameters()
+                norm_weights.add(id(module.weight))
+            elif isinstance(module, RotaryEmbedding):
+                module.reset_buffers()
+        for param in self.parameters():  # each shared parameter once
+            if id(param) not in norm_weights:
+                nn.init.normal_(param, mean=0.0, std=self.config.initializer_range)
+
+    @torch.no_grad()
+    def initialize_module(self, path: str, module: nn.Module) -> None:
+        """Initialize one module's own parameters and buffers, as `init_weights` would.
+
+        d9d's trainer calls it for every module that owns tensors, on an unsharded copy seeded per
+        module path, so the initial weights are the same on every mesh.
+        """
+        del path
+        if isinstance(module, RMSNorm):
+            module.reset_parameters()
+        elif isinstance(module, RotaryEmbedding):
+            module.reset_buffers()
+        else:
+            for param in module.parameters(recurse=False):
+                nn.init.normal_(param, mean=0.0, std=self.config.initializer_range)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`input_ids` [batch, seq] → logits [batch, seq, vocab] (float32 when `config.fp32_logits`).
+
+        On a pipeline stage without `lm_head` the output is the hidden states instead.
+        """
+        hidden_states = self.model(input_ids, position_ids)
+        if self.lm_head is None:
+            return hidden_states
+        logits = self.lm_head(hidden_states)
+        return logits.float() if self.config.fp32_logits else logits
