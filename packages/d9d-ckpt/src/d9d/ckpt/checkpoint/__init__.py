@@ -1,0 +1,24 @@
+"""Crash-safe sharded checkpoints of a run: `save-<step>/` directories, resume discovery, retention.
+
+from d9d.ckpt import CheckpointManager, capture_rng_state
+
+manager = CheckpointManager("runs", "my-run", num_to_keep=3)
+manager.save(step, model, optimizer, extra_state={"data": data_state}, rank_state=capture_rng_state())
+loaded = manager.load(manager.latest(), model, optimizer)
+"""
+
+from d9d.ckpt.checkpoint.errors import CheckpointError
+from d9d.ckpt.checkpoint.layout import CheckpointInfo, CheckpointMeta, read_checkpoint_info
+from d9d.ckpt.checkpoint.manager import CheckpointManager, LoadedCheckpoint
+from d9d.ckpt.checkpoint.rng import capture_rng_state, restore_rng_state
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointManager",
+    "CheckpointMeta",
+    "LoadedCheckpoint",
+    "capture_rng_state",
+    "read_checkpoint_info",
+    "restore_rng_state",
+]

@@ -1,0 +1,144 @@
+"""Where checkpoints live on disk and how a committed one is told apart from an unfinished one.
+
+A run directory `<save_dir>/<run_name>/` holds committed checkpoints `save-<step>/` and, while a save
+runs (or after one crashed), temporary directories `.save-<step>.tmp-<id>/`. A directory counts as a
+checkpoint only when its name is `save-<step>` *and* it holds a readable commit marker whose step
+matches: the marker is written last, just before the atomic rename.
+"""
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from d9d.ckpt.checkpoint.errors import CheckpointError
+
+__all__ = [
+    "COMMIT_FILE",
+    "CheckpointInfo",
+    "CheckpointMeta",
+    "list_checkpoints",
+    "parse_step_dir",
+    "read_checkpoint_info",
+    "read_meta",
+    "stale_dirs",
+    "step_dir_name",
+    "temp_dir_name",
+    "trash_dir_name",
+]
+
+#: Name of the commit marker inside a checkpoint directory (JSON, see `CheckpointMeta`).
+COMMIT_FILE = "commit.json"
+#: Format version written into every commit marker.
+FORMAT_VERSION = 1
+
+_STEP_DIR = re.compile(r"save-(\d+)")
+# Leftovers of crashed saves (`.save-<step>.tmp-<id>`) and of interrupted deletions (`.trash-...`).
+_STALE_DIR = re.compile(r"\.save-\d+\.tmp-[0-9a-f]+|\.trash-save-\d+-[0-9a-f]+")
+
+
+class CheckpointMeta(msgspec.Struct, frozen=True, kw_only=True):
+    """What the commit marker of a checkpoint records about how and when it was written.
+
+    Attributes:
+        files: every file of the checkpoint (path relative to its directory) and its size in bytes,
+            listed at commit time; loading refuses a checkpoint whose files do not match.
+        mesh: the mesh degrees of the job that wrote it (`MeshConfig` fields), None if unknown.
+    """
+
+    step: int
+    created_at: str
+    d9d_ckpt_version: str
+    torch_version: str
+    world_size: int
+    mesh: dict[str, int] | None
+    has_optimizer: bool
+    files: dict[str, int]
+    format: int = FORMAT_VERSION
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One committed checkpoint: its step, its directory and its commit record."""
+
+    step: int
+    path: Path
+    meta: CheckpointMeta
+
+
+def step_dir_name(step: int) -> str:
+    """Directory name of the committed checkpoint of `step`."""
+    if step < 0:
+        raise ValueError(f"a checkpoint step must be >= 0, got {step}")
+    return f"save-{step}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a `save-<step>` directory name, or None for any other name."""
+    match = _STEP_DIR.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def temp_dir_name(step: int, save_id: str) -> str:
+    """Directory name a save of `step` writes into before it is committed."""
+    return f".save-{step}.tmp-{save_id}"
+
+
+def trash_dir_name(step: int, save_id: str) -> str:
+    """Name a checkpoint is renamed to (atomically) before it is deleted."""
+    return f".trash-save-{step}-{save_id}"
+
+
+def read_meta(directory: Path) -> CheckpointMeta | None:
+    """The commit record of a checkpoint directory, or None when it has none or it is unreadable."""
+    try:
+        data = (directory / COMMIT_FILE).read_bytes()
+        return msgspec.json.decode(data, type=CheckpointMeta)
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def list_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
+    """Every committed checkpoint of a run directory, oldest step first (empty if there is none)."""
+    if not run_dir.is_dir():
+        return []
+    found: list[CheckpointInfo] = []
+    for entry in run_dir.iterdir():
+        step = parse_step_dir(entry.name)
+        if step is None or entry.is_symlink() or not entry.is_dir():
+            continue
+        meta = read_meta(entry)
+        if meta is None or meta.step != step:
+            continue
+        found.append(CheckpointInfo(step=step, path=entry, meta=meta))
+    return sorted(found, key=lambda info: info.step)
+
+
+def stale_dirs(run_dir: Path) -> list[Path]:
+    """Leftover temporary and half-deleted directories of crashed saves (never loadable)."""
+    if not run_dir.is_dir():
+        return []
+    return sorted(
+        entry
+        for entry in run_dir.iterdir()
+        if _STALE_DIR.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink()
+    )
+
+
+def read_checkpoint_info(path: str | os.PathLike[str]) -> CheckpointInfo:
+    """The committed checkpoint at `path` (a `save-<step>` directory), e.g. of another run.
+
+    Raises:
+        CheckpointError: when `path` is not a committed checkpoint.
+    """
+    directory = Path(path)
+    step = parse_step_dir(directory.name)
+    meta = read_meta(directory) if step is not None else None
+    if step is None or meta is None or meta.step != step:
+        raise CheckpointError(
+            f"{directory} is not a committed checkpoint (a `save-<step>` directory with a valid "
+            f"{COMMIT_FILE}); it may be unfinished or from a crashed save"
+        )
+    return CheckpointInfo(step=step, path=directory, meta=meta)

@@ -1,0 +1,511 @@
+"""`CheckpointManager`: save, find, load and prune the checkpoints of one run, crash-safely.
+
+Model and optimizer state go through torch.distributed.checkpoint (each rank writes its own shards;
+any number of ranks, or one plain process, can read them back). The caller's small extra state
+(step, data state, LR scheduler, RNG, config) goes into a msgpack file, plus one optional file per
+rank. A save is written into `.save-<step>.tmp-<id>/`; once every rank finished writing, rank 0 writes
+the commit marker, renames the directory to `save-<step>/` and fsyncs the run directory. Only then
+are older checkpoints beyond `num_to_keep` and leftovers of crashed saves removed.
+"""
+
+import concurrent.futures
+import contextlib
+import datetime
+import importlib.metadata
+import os
+import shutil
+import time
+import uuid
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from d9d.ckpt.checkpoint._group import CheckpointGroup
+from d9d.ckpt.checkpoint.errors import CheckpointError
+from d9d.ckpt.checkpoint.extra import decode_state, encode_state
+from d9d.ckpt.checkpoint.layout import (
+    COMMIT_FILE,
+    CheckpointInfo,
+    CheckpointMeta,
+    list_checkpoints,
+    stale_dirs,
+    step_dir_name,
+    temp_dir_name,
+    trash_dir_name,
+)
+from d9d.ckpt.checkpoint.validate import check_files, check_keys, read_dcp_metadata
+from d9d.mesh import DistributedContext, get_logger
+
+__all__ = ["CheckpointManager", "LoadedCheckpoint"]
+
+#: The caller's extra state (written by rank 0).
+EXTRA_FILE = "extra.msgpack"
+_MAX_LISTED_PROBLEMS = 20
+#: Test hook: seconds rank 0 sleeps between "every rank finished writing" and the commit, so that
+#: crash tests can kill a job in exactly that window.
+PAUSE_BEFORE_COMMIT_ENV = "D9D_CKPT_TEST_PAUSE_BEFORE_COMMIT"
+_log = get_logger("d9d.ckpt")
+
+
+def rank_file_name(rank: int) -> str:
+    """File holding the per-rank state of `rank` inside a checkpoint."""
+    return f"rank-{rank:05d}.msgpack"
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """What `CheckpointManager.load` read besides the model and optimizer state.
+
+    Attributes:
+        rank_state: this rank's `rank_state` from the save, or None when none was saved or the
+            checkpoint was written by a different number of ranks (per-rank state such as RNG does
+            not carry over to another layout).
+    """
+
+    info: CheckpointInfo
+    extra_state: dict[str, Any]
+    rank_state: dict[str, Any] | None
+
+    @property
+    def step(self) -> int:
+        """The step the checkpoint was saved at."""
+        return self.info.step
+
+
+class CheckpointManager:
+    """Checkpoints of one run in `<save_dir>/<run_name>/save-<step>/`.
+
+    Every rank of the job creates the manager (collective: it builds a gloo group of its own for
+    checkpoint traffic) and calls `save` and `load` together; `latest()` and `checkpoints()` only
+    read the directory. One manager (one job) writes a run directory at a time. With `async_save=True`,
+    `save` returns once the state is copied to CPU memory and the write overlaps the next steps; the
+    checkpoint is committed when the write finished on every rank. Call `wait()` (or `close()`)
+    before the job exits. A later `save` or `load` waits for the previous save first.
+
+    Args:
+        save_dir: the directory holding the runs (must be shared by all nodes).
+        run_name: the run's own subdirectory.
+        num_to_keep: how many of the newest committed checkpoints to keep (None keeps all).
+        async_save: overlap writing with training.
+        context: the job's distributed context; None uses the default process group if one exists,
+            else one plain process.
+    """
+
+    def __init__(
+        self,
+        save_dir: str | os.PathLike[str],
+        run_name: str,
+        *,
+        num_to_keep: int | None = None,
+        async_save: bool = False,
+        context: DistributedContext | None = None,
+    ) -> None:
+        if not run_name or run_name in (".", "..") or "/" in run_name or os.sep in run_name:
+            raise CheckpointError(f"run name {run_name!r} must be a non-empty name without path separators")
+        if num_to_keep is not None and num_to_keep < 1:
+            raise CheckpointError(f"num_to_keep must be >= 1 (or None to keep all), got {num_to_keep}")
+        if context is not None and context.mode == "planning":
+            raise CheckpointError("a planning context cannot save or load checkpoints; build one from_env")
+        distributed = (
+            context.mode == "distributed"
+            if context is not None
+            else dist.is_available() and dist.is_initialized()
+        )
+        self._run_dir = Path(save_dir) / run_name
+        self._num_to_keep = num_to_keep
+        self._async = async_save
+        self._mesh = msgspec.structs.asdict(context.config) if context is not None else None
+        self._group = CheckpointGroup.create(distributed)
+        # Every rank must name the temporary directory of a save alike: one id per manager + a counter.
+        self._manager_id: str = self._group.broadcast(uuid.uuid4().hex[:8])
+        self._seq = 0
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending: concurrent.futures.Future[CheckpointInfo] | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ discovery
+
+    @property
+    def run_dir(self) -> Path:
+        """`<save_dir>/<run_name>`."""
+        return self._run_dir
+
+    def checkpoints(self) -> list[CheckpointInfo]:
+        """Every committed checkpoint of the run, oldest step first."""
+        return list_checkpoints(self._run_dir)
+
+    def latest(self) -> CheckpointInfo | None:
+        """The committed checkpoint with the highest step, or None when the run has none."""
+        found = self.checkpoints()
+        return found[-1] if found else None
+
+    @property
+    def pending(self) -> bool:
+        """True while an asynchronous save has not been waited for."""
+        return self._pending is not None
+
+    # ------------------------------------------------------------------ save
+
+    def save(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        extra_state: Mapping[str, Any] | None = None,
+        rank_state: Mapping[str, Any] | None = None,
+    ) -> CheckpointInfo | None:
+        """Save the model (and optimizer) with the caller's state as checkpoint `step` (collective).
+
+        Args:
+            extra_state: plain data shared by all ranks (step, data state, LR scheduler, config);
+                rank 0's copy is written.
+            rank_state: plain data of this rank alone (e.g. `capture_rng_state()`).
+
+        Returns:
+            The committed checkpoint, or None with `async_save` (`wait()` returns it).
+
+        Raises:
+            CheckpointError: on every rank when any rank failed; nothing is committed then and the
+                previous checkpoint stays the latest.
+        """
+        self._check_open()
+        self.wait()
+        save_id = f"{self._manager_id}{self._seq:04x}"
+        self._seq += 1
+        tmp = self._run_dir / temp_dir_name(step, save_id)
+        error: str | None = None
+        state: dict[str, Any] = {}
+        try:
+            step_dir_name(step)  # validates the step
+            state = _live_state(model, optimizer)
+            extra = encode_state(extra_state or {}, "extra_state")
+            own = encode_state(rank_state, "rank_state") if rank_state is not None else None
+            tmp.mkdir(parents=True, exist_ok=True)
+            if self._group.rank == 0:
+                _write_durable(tmp / EXTRA_FILE, extra)
+            if own is not None:
+                _write_durable(tmp / rank_file_name(self._group.rank), own)
+        except Exception as exc:
+            error = _describe(exc)
+        # Agree before the collective write: a rank that failed alone would leave the others hanging.
+        votes = self._group.all_gather((step, error))
+        _raise_first_error(votes, f"saving checkpoint step {step}")
+        if len({s for s, _ in votes}) != 1:
+            raise CheckpointError(f"ranks disagree on the step to save: {[s for s, _ in votes]}")
+
+        meta = {"world_size": self._group.world_size, "has_optimizer": optimizer is not None}
+        if not self._async:
+            try:
+                with _quiet_local_dcp():
+                    dcp.save(
+                        state, checkpoint_id=str(tmp), process_group=self._group.group, no_dist=self._local
+                    )
+                write_error = None
+            except Exception as exc:
+                write_error = _describe(exc)
+            return self._finish(step, tmp, meta, write_error)
+
+        with _quiet_local_dcp():
+            upload = dcp.async_save(
+                state, checkpoint_id=str(tmp), process_group=self._group.group, no_dist=self._local
+            )
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="d9d-ckpt-commit")
+        self._pending = self._executor.submit(self._finish_async, step, tmp, meta, upload)
+        return None
+
+    def wait(self) -> CheckpointInfo | None:
+        """Block until the pending asynchronous save is committed; its checkpoint, or None if none.
+
+        Raises:
+            CheckpointError: when the pending save failed (nothing was committed).
+        """
+        pending, self._pending = self._pending, None
+        return pending.result() if pending is not None else None
+
+    def _finish_async(self, step: int, tmp: Path, meta: dict[str, Any], upload: Any) -> CheckpointInfo:
+        try:
+            upload.result()
+            write_error = None
+        except Exception as exc:
+            write_error = _describe(exc)
+        return self._finish(step, tmp, meta, write_error)
+
+    def _finish(self, step: int, tmp: Path, meta: dict[str, Any], write_error: str | None) -> CheckpointInfo:
+        """Commit once every rank wrote its part; runs on all ranks (in the background when async)."""
+        _raise_first_error(self._group.all_gather((step, write_error)), f"writing checkpoint step {step}")
+        result: tuple[CheckpointInfo | None, str | None] = (None, None)
+        if self._group.rank == 0:
+            try:
+                time.sleep(float(os.environ.get(PAUSE_BEFORE_COMMIT_ENV, "0")))
+                result = (self._commit(step, tmp, meta), None)
+            except Exception as exc:  # every rank must hear of it, else they wait forever
+                result = (None, f"committing {tmp} as {step_dir_name(step)} failed: {_describe(exc)}")
+        info, commit_error = self._group.broadcast(result)  # also the barrier after the commit
+        if info is None:
+            raise CheckpointError(str(commit_error))
+        return info
+
+    def _commit(self, step: int, tmp: Path, meta: dict[str, Any]) -> CheckpointInfo:
+        files = {
+            p.relative_to(tmp).as_posix(): p.stat().st_size
+            for p in sorted(tmp.rglob("*"))
+            if p.is_file() and p.name != COMMIT_FILE
+        }
+        record = CheckpointMeta(
+            step=step,
+            created_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            d9d_ckpt_version=_package_version(),
+            torch_version=str(torch.__version__),
+            world_size=meta["world_size"],
+            mesh=self._mesh,
+            has_optimizer=meta["has_optimizer"],
+            files=files,
+        )
+        _write_durable(tmp / COMMIT_FILE, msgspec.json.format(msgspec.json.encode(record)))
+        _fsync_dir(tmp)
+        final = self._run_dir / step_dir_name(step)
+        replaced = None
+        # Saving a step again replaces it (e.g. after resuming from an older checkpoint): the old one
+        # moves aside first, since a rename cannot replace a non-empty directory.
+        if final.exists() or final.is_symlink():
+            replaced = self._run_dir / trash_dir_name(step, uuid.uuid4().hex[:12])
+            os.rename(final, replaced)
+        os.rename(tmp, final)
+        _fsync_dir(self._run_dir)
+        _log.info("checkpoint committed", step=step, path=str(final))
+        try:
+            if replaced is not None:
+                _remove(replaced)
+            self._prune(keep=final)
+        except OSError as exc:  # the new checkpoint is safe; leftovers are retried after the next save
+            _log.warning("checkpoint cleanup failed", error=str(exc))
+        return CheckpointInfo(step=step, path=final, meta=record)
+
+    def _prune(self, keep: Path) -> None:
+        """Drop committed checkpoints beyond `num_to_keep` (never `keep`), then crash leftovers."""
+        if self._num_to_keep is not None:
+            committed = [info for info in self.checkpoints() if info.path != keep]
+            excess = len(committed) + 1 - self._num_to_keep
+            for info in committed[: max(excess, 0)]:
+                trash = self._run_dir / trash_dir_name(info.step, uuid.uuid4().hex[:12])
+                os.rename(info.path, trash)  # atomic: it stops being a checkpoint at once
+                _remove(trash)
+                _log.info("checkpoint removed", step=info.step, kept=self._num_to_keep)
+        for leftover in stale_dirs(self._run_dir):
+            _remove(leftover)
+            _log.info("removed leftover of an unfinished save", path=str(leftover))
+
+    # ------------------------------------------------------------------ load
+
+    def load(
+        self,
+        info: CheckpointInfo | None = None,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> LoadedCheckpoint:
+        """Load a checkpoint (default: the latest) into the model and optimizer (collective).
+
+        The model and optimizer may be sharded differently, or run on a different number of ranks,
+        than when the checkpoint was saved. Everything is checked first (files, keys, shapes, dtypes,
+        extra state), so a checkpoint that does not fit leaves the model and optimizer untouched.
+
+        Raises:
+            CheckpointError: on every rank, naming the checkpoint and the offending files or keys.
+        """
+        self._check_open()
+        self.wait()
+        if optimizer is not None and model is None:
+            raise CheckpointError("an optimizer can only be loaded together with its model")
+        info = info if info is not None else self.latest()
+        if info is None:
+            raise CheckpointError(f"there is no committed checkpoint in {self._run_dir}")
+        if optimizer is not None and not info.meta.has_optimizer:
+            raise CheckpointError(
+                f"checkpoint {info.path} holds no optimizer state (it was saved without one); "
+                "load it with optimizer=None"
+            )
+
+        problems = check_files(info.path, info.meta)
+        extra: dict[str, Any] = {}
+        own: dict[str, Any] | None = None
+        if not problems:
+            try:
+                extra = decode_state((info.path / EXTRA_FILE).read_bytes(), f"file {EXTRA_FILE}")
+                own_name = rank_file_name(self._group.rank)
+                if info.meta.world_size == self._group.world_size and own_name in info.meta.files:
+                    own = decode_state((info.path / own_name).read_bytes(), f"file {own_name}")
+            except (CheckpointError, OSError) as exc:
+                problems.append(str(exc))
+
+        state: dict[str, Any] = {}
+        stored_keys: list[str] = []
+        live: dict[str, Any] = {}
+        if model is not None and not problems:
+            metadata, md_error = read_dcp_metadata(info.path)
+            if metadata is None:
+                problems.append(str(md_error))
+            else:
+                try:
+                    state = _live_state(model, optimizer)
+                except Exception as exc:
+                    problems.append(f"the model's state dict cannot be built: {_describe(exc)}")
+                else:
+                    live, _ = flatten_state_dict(state)
+                    problems += check_keys(live, metadata)
+                    stored_keys = sorted(
+                        k for k in metadata.state_dict_metadata if k.split(".", 1)[0] in state
+                    )
+
+        gathered = self._group.all_gather(problems)
+        merged = list(dict.fromkeys(p for rank_problems in gathered for p in rank_problems))
+        if not merged and model is not None:
+            # Keys of the loaded sections that the checkpoint holds but no rank asked for.
+            wanted = self._group.any_true(torch.tensor([k in live for k in stored_keys], dtype=torch.bool))
+            merged = [
+                f"unexpected key {k}: the checkpoint holds it, the model does not expect it"
+                for k, hit in zip(stored_keys, wanted.tolist(), strict=True)
+                if not hit
+            ]
+        if merged:
+            raise CheckpointError(_problem_report(info.path, merged))
+
+        if model is not None:
+            try:
+                with _quiet_local_dcp():
+                    dcp.load(
+                        state,
+                        checkpoint_id=str(info.path),
+                        process_group=self._group.group,
+                        no_dist=self._local,
+                    )
+                if optimizer is None:
+                    set_model_state_dict(model, state["model"])
+                else:
+                    set_state_dict(
+                        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+                    )
+            except Exception as exc:
+                raise CheckpointError(
+                    f"reading checkpoint {info.path} failed after it passed its checks "
+                    f"({type(exc).__name__}: {exc}); the model state is undefined, load again or restart"
+                ) from exc
+        _log.info("checkpoint loaded", step=info.step, path=str(info.path))
+        return LoadedCheckpoint(info=info, extra_state=extra, rank_state=own)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Wait for a pending save, then release the background thread and process group."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+            self._group.destroy()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    @property
+    def _local(self) -> bool:
+        return self._group.is_local
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"the checkpoint manager of {self._run_dir} is closed")
+
+
+def _live_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """The sharded (DTensor where distributed) state dicts to write from or load into."""
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optim_state}
+
+
+def _describe(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+
+
+def _raise_first_error(votes: list[tuple[int, str | None]], doing: str) -> None:
+    for rank, (_, error) in enumerate(votes):
+        if error is not None:
+            raise CheckpointError(
+                f"{doing} failed on rank {rank}: {error}; the previous checkpoint stays the latest"
+            )
+
+
+def _problem_report(path: Path, problems: list[str]) -> str:
+    shown = problems[:_MAX_LISTED_PROBLEMS]
+    more = len(problems) - len(shown)
+    lines = "\n".join(f"  - {p}" for p in shown) + (f"\n  ... and {more} more" if more else "")
+    return (
+        f"checkpoint {path} cannot be loaded ({len(problems)} problem{'s' if len(problems) != 1 else ''}); "
+        f"nothing was loaded:\n{lines}"
+    )
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("d9d-ckpt")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _write_durable(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink() or not path.is_dir():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path)
+
+
+@contextlib.contextmanager
+def _quiet_local_dcp() -> Iterator[None]:
+    """Silence DCP's warning that it runs in one process: that is what local mode means."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield

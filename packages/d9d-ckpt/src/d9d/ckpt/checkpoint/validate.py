@@ -1,0 +1,96 @@
+"""Checks a checkpoint passes before anything is read into a live model.
+
+A checkpoint is refused when a file recorded at commit is missing or has another size (truncated or
+overwritten), when its torch.distributed.checkpoint metadata cannot be read, or when its keys, shapes
+and dtypes do not match the state the model and optimizer expect. Every check runs on the metadata
+and file sizes only, so a refused checkpoint leaves the model untouched.
+"""
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+from d9d.ckpt.checkpoint.layout import CheckpointMeta
+
+__all__ = ["check_files", "check_keys", "read_dcp_metadata"]
+
+
+def check_files(path: Path, meta: CheckpointMeta) -> list[str]:
+    """Problems with the files of a checkpoint against the sizes recorded when it was committed.
+
+    A damaged shard is reported with the keys it holds (from the DCP metadata, when readable).
+    """
+    damaged: dict[str, str] = {}
+    for name, size in sorted(meta.files.items()):
+        file = path / name
+        try:
+            actual = file.stat().st_size
+        except FileNotFoundError:
+            damaged[name] = f"file {name} is missing (the commit recorded {size} bytes)"
+            continue
+        except OSError as exc:
+            damaged[name] = f"file {name} cannot be read: {exc}"
+            continue
+        if actual != size:
+            kind = "truncated" if actual < size else "changed"
+            damaged[name] = f"file {name} is {kind}: {actual} bytes, the commit recorded {size}"
+    if not damaged:
+        return []
+    metadata, _ = read_dcp_metadata(path)
+    keys: dict[str, list[str]] = {}
+    if metadata is not None and metadata.storage_data:
+        for index, stored in metadata.storage_data.items():
+            keys.setdefault(stored.relative_path, []).append(index.fqn)
+    problems = []
+    for name, problem in damaged.items():
+        held = sorted(set(keys.get(name, [])))
+        if held:
+            more = f" and {len(held) - 3} more" if len(held) > 3 else ""
+            problem += f"; it holds keys {', '.join(held[:3])}{more}"
+        problems.append(problem)
+    return problems
+
+
+def read_dcp_metadata(path: Path) -> tuple[Metadata | None, str | None]:
+    """The torch.distributed.checkpoint metadata of a checkpoint, or the reason it cannot be read."""
+    try:
+        return FileSystemReader(str(path)).read_metadata(), None
+    except Exception as exc:  # a corrupt pickle raises anything
+        return None, f"the torch.distributed.checkpoint metadata cannot be read ({type(exc).__name__}: {exc})"
+
+
+def check_keys(live: dict[str, Any], metadata: Metadata) -> list[str]:
+    """Problems of one rank's flattened live state against the checkpoint: missing keys, shapes, dtypes.
+
+    `live` is flattened the way torch.distributed.checkpoint flattens (`model.<fqn>`,
+    `optimizer.state.<fqn>.<name>`, ...). Keys the checkpoint holds but no rank asks for are found by
+    the caller, across ranks.
+    """
+    stored = metadata.state_dict_metadata
+    problems: list[str] = []
+    for key, value in live.items():
+        entry = stored.get(key)
+        if entry is None:
+            problems.append(f"missing key {key}: the model expects it, the checkpoint does not hold it")
+            continue
+        if isinstance(value, torch.Tensor):
+            if not isinstance(entry, TensorStorageMetadata):
+                problems.append(f"key {key}: the model expects a tensor, the checkpoint holds an object")
+                continue
+            shape = tuple(value.shape)  # a DTensor's shape is the global one
+            if shape != tuple(entry.size):
+                problems.append(
+                    f"shape mismatch at key {key}: the checkpoint holds {list(entry.size)}, "
+                    f"the model expects {list(shape)}"
+                )
+            elif entry.properties.dtype != value.dtype:
+                problems.append(
+                    f"dtype mismatch at key {key}: the checkpoint holds {entry.properties.dtype}, "
+                    f"the model expects {value.dtype}"
+                )
+        elif not isinstance(entry, BytesStorageMetadata):
+            problems.append(f"key {key}: the model expects an object, the checkpoint holds a tensor")
+    return problems

@@ -1,0 +1,10 @@
+"""Streaming safetensors IO in the Hugging Face layout (sharded with an index, or one file).
+
+Public names are exported from `d9d.ckpt`.
+"""
+
+from d9d.ckpt.io._errors import SafetensorsIOError
+from d9d.ckpt.io._read import load_safetensors
+from d9d.ckpt.io._write import save_safetensors
+
+__all__ = ["SafetensorsIOError", "load_safetensors", "save_safetensors"]

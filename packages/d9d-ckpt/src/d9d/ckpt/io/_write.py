@@ -1,0 +1,115 @@
+"""Streaming export of a (possibly sharded) state to the Hugging Face safetensors layout."""
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import safetensors.torch
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from d9d.ckpt.io._layout import (
+    INDEX_FILE,
+    index_document,
+    is_layout_file,
+    parse_size,
+    plan_shards,
+    shard_file_name,
+)
+from d9d.ckpt.io._state import as_state, barrier, is_writer, meta_like, resolve_mapper
+from d9d.ckpt.mapper import OnUnused, StateMapper, check_mapper
+
+__all__ = ["save_safetensors"]
+
+DEFAULT_SHARD_SIZE = "5GB"
+
+
+def save_safetensors(
+    source: nn.Module | Mapping[str, torch.Tensor],
+    directory: str | os.PathLike[str],
+    *,
+    mapper: StateMapper | None = None,
+    max_shard_size: int | str = DEFAULT_SHARD_SIZE,
+    unused: OnUnused = "error",
+    metadata: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """Write a model's state (through `mapper`, e.g. into HF names) as safetensors in the HF layout.
+
+    Every rank calls it with its own shard of the model: one group of the mapper at a time, each
+    DTensor is gathered to full, the group is mapped and only rank 0 keeps the result; a file is
+    written as soon as its shard is complete, so memory stays near one shard. Output is
+    `model.safetensors` when everything fits in `max_shard_size`, else `model-0000i-of-0000N.safetensors`
+    plus `model.safetensors.index.json`. Files of that layout already in `directory` are replaced.
+
+    Args:
+        source: a module (its `state_dict()`) or a mapping of names to tensors or DTensors.
+        mapper: maps source keys to file keys; identity when None.
+        max_shard_size: bytes per file (int, or "5GB", "500MB", "2GiB").
+        unused: what to do about source keys the mapper does not consume.
+        metadata: extra string metadata stored in every file header (besides {"format": "pt"}).
+
+    Returns:
+        The weight map (file key → file name), the same on every rank.
+    """
+    state = as_state(source)
+    mapper = resolve_mapper(mapper, list(state))
+    check_mapper(mapper, state.keys(), unused=unused, source="the state to save")
+    groups = [g for g in mapper.groups() if g.outputs]  # a group that writes nothing needs no gather
+    group_sizes = []
+    for group in groups:  # dry run on meta tensors: shapes and dtypes of every output, no data
+        out = mapper.apply({k: meta_like(state[k].shape, state[k].dtype) for k in group.inputs})
+        group_sizes.append(sum(t.numel() * t.element_size() for t in out.values()))
+    shards = plan_shards(group_sizes, parse_size(max_shard_size))
+    names = [shard_file_name(i + 1, len(shards)) for i in range(len(shards))]
+    weight_map = {
+        key: names[s] for s, shard in enumerate(shards) for gi in shard for key in groups[gi].outputs
+    }
+
+    writer = is_writer()
+    target = Path(directory)
+    if writer:
+        target.mkdir(parents=True, exist_ok=True)
+        for old in target.iterdir():
+            if is_layout_file(old.name):
+                old.unlink()
+    header = {"format": "pt", **(metadata or {})}
+    for name, shard in zip(names, shards, strict=True):
+        tensors: dict[str, torch.Tensor] = {}
+        for gi in shard:
+            group = groups[gi]
+            inputs = {k: _gathered(state[k], writer) for k in sorted(group.inputs)}
+            if writer:
+                tensors.update(mapper.apply(inputs))
+            del inputs
+        if writer:
+            safetensors.torch.save_file(_owning(tensors), target / name, metadata=header)
+        del tensors
+    if writer and len(shards) > 1:
+        total = sum(group_sizes)
+        document = json.dumps(index_document(weight_map, total), indent=2) + "\n"
+        (target / INDEX_FILE).write_text(document)
+    barrier()
+    return weight_map
+
+
+def _gathered(tensor: torch.Tensor, keep: bool) -> torch.Tensor:
+    """The full tensor on CPU on the writer (a DTensor is gathered on every rank: a collective)."""
+    with torch.no_grad():
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+    return full.cpu() if keep else full.new_empty(0)
+
+
+def _owning(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous tensors that each own exactly their storage (safetensors rejects shared memory)."""
+    seen: set[int] = set()
+    out = {}
+    for key, tensor in tensors.items():
+        storage = tensor.untyped_storage()
+        exact = tensor.is_contiguous() and storage.nbytes() == tensor.numel() * tensor.element_size()
+        if not exact or storage.data_ptr() in seen:
+            tensor = tensor.clone(memory_format=torch.contiguous_format)
+        seen.add(tensor.untyped_storage().data_ptr())
+        out[key] = tensor
+    return out
