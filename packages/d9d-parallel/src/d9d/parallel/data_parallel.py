@@ -1,0 +1,256 @@
+"""Data parallelism on FSDP2: replicate (DDP), fully shard (FSDP) and hybrid (HSDP).
+
+All three are one mechanism, torch's `fully_shard` (and its FSDP2-based `replicate`), so every
+parameter becomes a DTensor: checkpoints and the grad norm read placements, not strategies.
+
+Gradient contract: by default gradients are SUMMED over the data-parallel ranks (no division by the
+dp size). The caller divides each microbatch's loss by the number of tokens (or samples) in the
+GLOBAL batch, so the summed gradient is exactly the gradient of the global-batch mean loss, however
+the batch is split over ranks and microbatches. Pass `gradient_reduction="mean"` for torch's usual
+averaging instead (then divide by the tokens of the rank's own batch).
+"""
+
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
+
+from d9d.parallel._mesh_axes import axis_names, axis_size, check_no_context_parallel, data_axes, sub_mesh
+from d9d.parallel.errors import ParallelizeError
+
+__all__ = [
+    "GradientReduction",
+    "apply_activation_checkpointing",
+    "parallelize_fsdp",
+    "parallelize_hsdp",
+    "parallelize_replicate",
+    "set_gradient_sync",
+]
+
+GradientReduction = Literal["sum", "mean"]
+
+
+def parallelize_hsdp(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    shard_axis: str = "dp_shard",
+    blocks: Sequence[nn.Module] = (),
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    reshard_after_forward: bool | None = None,
+    gradient_reduction: GradientReduction = "sum",
+    ignored_params: Iterable[nn.Parameter] = (),
+) -> nn.Module:
+    """Fully shard `module` over `shard_axis` and replicate it over the mesh's other data axes.
+
+    Axes of size 1 are skipped, so the same call gives DDP (only a replicate axis > 1), FSDP (only
+    the shard axis > 1), HSDP (both) or nothing (a single data-parallel rank). `mesh` may be the whole
+    `dense` mesh of a d9d job: its pp and tp axes are never data axes, and cp > 1 is refused.
+
+    Args:
+        module: the model (or one pipeline stage), parallelized in place and returned.
+        mesh: a named device mesh; its data axes are all axes except pp, cp and tp.
+        shard_axis: the axis to shard parameters, gradients and optimizer state over.
+        blocks: submodules (e.g. transformer blocks) sharded as their own groups before the root, so
+            only one block's full parameters live at a time.
+        param_dtype: dtype of the gathered parameters in forward/backward (mixed precision).
+        reduce_dtype: dtype of gradient reduction.
+        reshard_after_forward: free gathered parameters after forward (None: FSDP2's default, True
+            for blocks and False for the root).
+        gradient_reduction: "sum" (the d9d contract, see the module docstring) or "mean".
+        ignored_params: parameters left alone (e.g. experts sharded by expert parallelism).
+    """
+    check_no_context_parallel(mesh, "parallelize_hsdp")
+    axes = _active(mesh, data_axes(mesh))
+    if shard_axis not in axis_names(mesh):
+        raise ParallelizeError(
+            f"parallelize_hsdp: shard_axis {shard_axis!r} is not an axis of the mesh {axis_names(mesh)}"
+        )
+    shard = [a for a in axes if a == shard_axis]
+    replicate = [a for a in axes if a != shard_axis]
+    return _apply(
+        module,
+        mesh,
+        shard,
+        replicate,
+        blocks=blocks,
+        mp=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        reshard_after_forward=reshard_after_forward,
+        gradient_reduction=gradient_reduction,
+        ignored_params=set(ignored_params),
+    )
+
+
+def parallelize_fsdp(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    axes: Sequence[str] | None = None,
+    blocks: Sequence[nn.Module] = (),
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    reshard_after_forward: bool | None = None,
+    gradient_reduction: GradientReduction = "sum",
+    ignored_params: Iterable[nn.Parameter] = (),
+) -> nn.Module:
+    """Fully shard `module` over all data axes of `mesh` (or over `axes`), flattened into one.
+
+    Arguments as in `parallelize_hsdp`; `axes` defaults to every axis except pp, cp and tp.
+    """
+    check_no_context_parallel(mesh, "parallelize_fsdp")
+    shard = _active(mesh, _checked_axes(mesh, axes, "parallelize_fsdp"))
+    return _apply(
+        module,
+        mesh,
+        shard,
+        [],
+        blocks=blocks,
+        mp=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        reshard_after_forward=reshard_after_forward,
+        gradient_reduction=gradient_reduction,
+        ignored_params=set(ignored_params),
+    )
+
+
+def parallelize_replicate(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    axes: Sequence[str] | None = None,
+    blocks: Sequence[nn.Module] = (),
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    gradient_reduction: GradientReduction = "sum",
+    ignored_params: Iterable[nn.Parameter] = (),
+) -> nn.Module:
+    """Replicate `module` over all data axes of `mesh` (or over `axes`): DDP on FSDP2's `replicate`.
+
+    Parameters become DTensors with `Replicate()` placements; gradients are all-reduced in backward,
+    one bucket per entry of `blocks` and one for the rest. Arguments as in `parallelize_hsdp`.
+    """
+    check_no_context_parallel(mesh, "parallelize_replicate")
+    replicate = _active(mesh, _checked_axes(mesh, axes, "parallelize_replicate"))
+    return _apply(
+        module,
+        mesh,
+        [],
+        replicate,
+        blocks=blocks,
+        mp=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        reshard_after_forward=None,
+        gradient_reduction=gradient_reduction,
+        ignored_params=set(ignored_params),
+    )
+
+
+def set_gradient_sync(module: nn.Module, enabled: bool) -> None:
+    """Turn gradient reduction of a parallelized module on or off (off: accumulate locally).
+
+    Useful for gradient accumulation without communication on all but the last microbatch. A no-op
+    for a module that `parallelize_*` left unchanged.
+    """
+    if isinstance(module, FSDPModule):
+        module.set_requires_gradient_sync(enabled)
+
+
+def apply_activation_checkpointing(modules: Iterable[nn.Module]) -> None:
+    """Recompute each module's activations in backward instead of storing them.
+
+    Wraps `forward` in place (non-reentrant `torch.utils.checkpoint`), so parameter names and
+    state-dict keys stay the same. Call it before or after `parallelize_*`, usually on the blocks.
+    """
+    for module in modules:
+        if getattr(module, "_d9d_activation_checkpointed", False):
+            continue
+        module.forward = _checkpointed(module.forward)  # type: ignore[method-assign]
+        module._d9d_activation_checkpointed = True  # type: ignore[assignment]
+
+
+def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
+
+
+def _checked_axes(mesh: DeviceMesh, axes: Sequence[str] | None, what: str) -> tuple[str, ...]:
+    if axes is None:
+        return data_axes(mesh)
+    names = axis_names(mesh)
+    unknown = [a for a in axes if a not in names]
+    if unknown:
+        raise ParallelizeError(f"{what}: axes {unknown} are not axes of the mesh {names}")
+    return tuple(a for a in names if a in axes)  # mesh order, as slicing requires
+
+
+def _active(mesh: DeviceMesh, axes: Sequence[str]) -> list[str]:
+    return [a for a in axes if axis_size(mesh, a) > 1]
+
+
+def _apply(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    shard: list[str],
+    replicate: list[str],
+    *,
+    blocks: Sequence[nn.Module],
+    mp: MixedPrecisionPolicy,
+    reshard_after_forward: bool | None,
+    gradient_reduction: GradientReduction,
+    ignored_params: set[nn.Parameter],
+) -> nn.Module:
+    if gradient_reduction not in ("sum", "mean"):
+        raise ParallelizeError(f"gradient_reduction must be 'sum' or 'mean', got {gradient_reduction!r}")
+    if not shard and not replicate:
+        return module  # one data-parallel rank: nothing to synchronize
+    ignored = ignored_params or None
+    if shard:
+        if replicate:
+            if len(replicate) > 1 or len(shard) > 1:
+                raise ParallelizeError(
+                    f"HSDP needs exactly one replicate axis and one shard axis larger than 1, got "
+                    f"replicate {replicate} and shard {shard}"
+                )
+            dp_mesh = mesh[(*replicate, *shard)] if axis_names(mesh) != (*replicate, *shard) else mesh
+        else:
+            dp_mesh = sub_mesh(mesh, shard)
+        for block in blocks:
+            fully_shard(
+                block,
+                mesh=dp_mesh,
+                reshard_after_forward=reshard_after_forward,
+                mp_policy=mp,
+                ignored_params=ignored,
+            )
+        fully_shard(
+            module,
+            mesh=dp_mesh,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=mp,
+            ignored_params=ignored,
+        )
+    else:
+        from torch.distributed._composable.replicate_with_fsdp import replicate as fsdp_replicate
+
+        dp_mesh = sub_mesh(mesh, replicate)
+        for block in blocks:  # one all-reduce per block, overlapping the rest of backward
+            fsdp_replicate(block, mesh=dp_mesh, mp_policy=mp, ignored_params=ignored)
+        fsdp_replicate(module, mesh=dp_mesh, mp_policy=mp, ignored_params=ignored)
+    _set_reduction(module, gradient_reduction)
+    return module
+
+
+def _set_reduction(module: nn.Module, gradient_reduction: GradientReduction) -> None:
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            # Sum-type collectives with explicit scaling run on every backend (gloo has no PREMUL_SUM).
+            sub.set_force_sum_reduction_for_comms(True)
+            if gradient_reduction == "sum":
+                sub.set_gradient_divide_factor(1.0)

@@ -1,0 +1,56 @@
+"""Load-balance statistics of a router: tokens per expert and the auxiliary balance loss.
+
+The auxiliary loss is the Switch-Transformer one generalised to top-k:
+`num_experts × Σ_e f_e · P_e`, with `f_e` the fraction of the T·k routing slots that chose expert e
+and `P_e` the mean router probability of e over the T tokens. It is 1 for a perfectly uniform router.
+
+Under data parallelism the statistics are taken over the whole batch of the data-parallel group (the
+`group` argument), to match one process that sees the global batch: the counts are all-reduced, and
+each rank returns its *share* of the loss (its tokens' probabilities divided by the global token
+count). The shares sum to the global loss, which fits the d9d gradient contract (losses are
+normalised by the global count and gradients are summed over data-parallel ranks).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["LoadBalanceStats", "load_balance_stats"]
+
+
+@dataclass(frozen=True)
+class LoadBalanceStats:
+    """Statistics of one MoE forward.
+
+    Attributes:
+        tokens_per_expert: [num_experts] routing slots per expert over the data-parallel group
+            (int64, no grad): the numbers to log to spot dead or overloaded experts.
+        aux_loss: scalar fp32 load-balance loss (with grad through the router probabilities); on a
+            data-parallel run this rank's share, the shares summing to the loss of the global batch.
+            Scale it by a coefficient and add it to the training loss.
+    """
+
+    tokens_per_expert: torch.Tensor
+    aux_loss: torch.Tensor
+
+
+def load_balance_stats(
+    probs: torch.Tensor, indices: torch.Tensor, *, group: dist.ProcessGroup | None = None
+) -> LoadBalanceStats:
+    """Statistics of a routing decision: `probs` [T, E] (softmax), `indices` [T, k] chosen experts.
+
+    Args:
+        group: the ranks whose tokens form one batch (data-parallel ranks); None for this rank only.
+    """
+    num_tokens, num_experts = probs.shape
+    top_k = indices.shape[-1]
+    counts = torch.bincount(indices.reshape(-1), minlength=num_experts).to(torch.float64)
+    totals = torch.cat([counts, counts.new_tensor([float(num_tokens)])])
+    if group is not None:
+        dist.all_reduce(totals, group=group)
+    global_counts, global_tokens = totals[:-1], totals[-1]
+    slot_fraction = (global_counts / (global_tokens * top_k).clamp(min=1)).to(torch.float32)
+    prob_share = probs.float().sum(dim=0) / global_tokens.clamp(min=1).to(torch.float32)
+    aux_loss = num_experts * torch.sum(slot_fraction * prob_share)
+    return LoadBalanceStats(tokens_per_expert=global_counts.to(torch.int64), aux_loss=aux_loss)
