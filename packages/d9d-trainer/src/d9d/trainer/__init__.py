@@ -1,3 +1,114 @@
-"""d9d.trainer: not implemented yet (see packages/d9d-trainer/README.md)."""
+"""d9d.trainer: the job config, provider protocols and the `Trainer` that runs a job.
 
-__all__: list[str] = []
+    python train.py config.yaml            # train.py calls d9d.trainer.main()
+
+A job names its providers by import path in `providers:`; the trainer builds the model on the meta
+device, lets the model provider parallelize it, materializes and initializes it identically on any
+mesh, then trains with loss-weighted gradient accumulation, checkpoints, resumes and exports.
+"""
+
+from d9d.trainer._materialize import ModelInitError, materialize_and_initialize
+from d9d.trainer.builtins import (
+    IGNORE_INDEX,
+    AutoDataProviderFactory,
+    BuiltinLRSchedulerProvider,
+    BuiltinOptimizerProvider,
+    CausalLMTask,
+    lr_multiplier,
+)
+from d9d.trainer.config import (
+    CheckpointingConfig,
+    DeterminismConfig,
+    ExportConfig,
+    GradientClippingConfig,
+    JobConfig,
+    LoggingConfig,
+    LRSchedulerConfig,
+    OptimizerConfig,
+    PipeliningConfig,
+    ProvidersConfig,
+    RunConfig,
+    ScheduleConfig,
+    TimeoutsConfig,
+    TrainerConfig,
+)
+from d9d.trainer.entry import main, run_job
+from d9d.trainer.job import ResolvedJob, resolve_job
+from d9d.trainer.loading import ConfigError, LoadedJob, apply_overrides, load_job_config, resolve_object
+from d9d.trainer.providers import (
+    BuildDataProviderContext,
+    BuildDatasetContext,
+    BuildDatasetResult,
+    DataProviderFactory,
+    DatasetProvider,
+    InitializeModelStageContext,
+    InitializeModelStageResult,
+    LossContext,
+    LossResult,
+    LRSchedulerProvider,
+    ModelProvider,
+    OptimizerProvider,
+    ParallelizeModelStageContext,
+    PrepareExportModelStageContext,
+    PrepareExportModelStageResult,
+    PrepareImportModelStageContext,
+    PrepareImportModelStageResult,
+    Task,
+)
+from d9d.trainer.trainer import METRICS_FILE, Trainer, TrainingError, TrainResult
+
+__all__ = [
+    "IGNORE_INDEX",
+    "METRICS_FILE",
+    "AutoDataProviderFactory",
+    "BuildDataProviderContext",
+    "BuildDatasetContext",
+    "BuildDatasetResult",
+    "BuiltinLRSchedulerProvider",
+    "BuiltinOptimizerProvider",
+    "CausalLMTask",
+    "CheckpointingConfig",
+    "ConfigError",
+    "DataProviderFactory",
+    "DatasetProvider",
+    "DeterminismConfig",
+    "ExportConfig",
+    "GradientClippingConfig",
+    "InitializeModelStageContext",
+    "InitializeModelStageResult",
+    "JobConfig",
+    "LRSchedulerConfig",
+    "LRSchedulerProvider",
+    "LoadedJob",
+    "LoggingConfig",
+    "LossContext",
+    "LossResult",
+    "ModelInitError",
+    "ModelProvider",
+    "OptimizerConfig",
+    "OptimizerProvider",
+    "ParallelizeModelStageContext",
+    "PipeliningConfig",
+    "PrepareExportModelStageContext",
+    "PrepareExportModelStageResult",
+    "PrepareImportModelStageContext",
+    "PrepareImportModelStageResult",
+    "ProvidersConfig",
+    "ResolvedJob",
+    "RunConfig",
+    "ScheduleConfig",
+    "Task",
+    "TimeoutsConfig",
+    "TrainResult",
+    "Trainer",
+    "TrainerConfig",
+    "TrainingError",
+    "apply_overrides",
+    "load_job_config",
+    "lr_multiplier",
+    "main",
+    "materialize_and_initialize",
+    "resolve_job",
+    "resolve_object",
+    "run_job",
+]

@@ -1,0 +1,74 @@
+"""Quickstart: train a small Llama/Qwen3-style model on the corpus in examples/data.
+
+    python train.py config.yaml                              # one device, no process group
+    torchrun --nproc-per-node 2 train.py config.yaml --set mesh.data_parallel_shard=2
+    uv run d9d train config.yaml                             # the same job through the CLI
+
+The job is described by config.yaml; this file holds the two providers it names.
+"""
+
+import sys
+from pathlib import Path
+
+import msgspec
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the reference model lives in examples/
+
+from reference_model import ReferenceForCausalLM, ReferenceModelConfig
+
+from d9d.data import TextDataset
+from d9d.parallel import parallelize_hsdp
+from d9d.trainer import (
+    BuildDatasetContext,
+    BuildDatasetResult,
+    InitializeModelStageContext,
+    InitializeModelStageResult,
+    ParallelizeModelStageContext,
+    PrepareExportModelStageContext,
+    PrepareExportModelStageResult,
+    main,
+)
+
+
+class QuickstartModelProvider:
+    """Builds the reference model and shards it with HSDP (DDP, FSDP or both, as the mesh says)."""
+
+    config_type = ReferenceModelConfig
+
+    def __init__(self, config: ReferenceModelConfig) -> None:
+        self.config = config
+
+    def initialize_model_stage(self, context: InitializeModelStageContext) -> InitializeModelStageResult:
+        return InitializeModelStageResult(model=ReferenceForCausalLM(self.config))
+
+    def parallelize_model_stage(self, context: ParallelizeModelStageContext) -> None:
+        model = context.model
+        parallelize_hsdp(model, context.context.mesh("dense"), blocks=list(model.model.layers.values()))
+
+    def prepare_export_model_stage(
+        self, context: PrepareExportModelStageContext
+    ) -> PrepareExportModelStageResult:
+        return PrepareExportModelStageResult(mapper=None)  # module names already follow Hugging Face's
+
+
+class CorpusConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    path: str = "../data/corpus.txt"
+    seq_len: int = 128
+
+
+class CorpusProvider:
+    """The public-domain corpus, byte-tokenized and packed into seq_len samples."""
+
+    config_type = CorpusConfig
+
+    def __init__(self, config: CorpusConfig) -> None:
+        self.config = config
+
+    def build_dataset(self, context: BuildDatasetContext) -> BuildDatasetResult:
+        return BuildDatasetResult(
+            dataset=TextDataset(Path(context.base_dir) / self.config.path, self.config.seq_len)
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Materialize a meta-device model (possibly already sharded) and initialize it identically on any mesh.
+
+Every module that owns parameters or buffers is initialized on a temporary, unsharded CPU copy seeded
+by (seed, module path) — by the root model's `initialize_module(path, module)` when it defines one,
+else by the module's own `reset_parameters()` — and each rank then keeps its shard of the result. So the initial weights do not depend on the mesh (the same job starts from the same model on
+one device and on a cluster), and no rank holds more than one module's full parameters at a time.
+"""
+
+import copy
+import zlib
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from d9d.mesh import D9dError
+
+__all__ = ["ModelInitError", "materialize_and_initialize"]
+
+
+class ModelInitError(D9dError, TypeError):
+    """A module cannot be initialized (it owns parameters but has no `reset_parameters`)."""
+
+
+def materialize_and_initialize(model: nn.Module, device: torch.device, seed: int) -> None:
+    """Allocate `model`'s (local) parameters on `device` and initialize them deterministically.
+
+    Parameters shared by several modules (tied embeddings) stay shared.
+    """
+    ties = _shared_parameters(model)
+    model.to_empty(device=device)
+    for (module, name), (owner, owner_name) in ties.items():  # to_empty gives each user its own copy
+        module._parameters[name] = owner._parameters[owner_name]
+    hook = getattr(model, "initialize_module", None)
+    with torch.no_grad():
+        for path, module in model.named_modules():
+            own = dict(module.named_parameters(recurse=False)) | dict(module.named_buffers(recurse=False))
+            if not own:
+                continue
+            if hook is None and not callable(getattr(module, "reset_parameters", None)):
+                raise ModelInitError(
+                    f"module {path or '<root>'} ({type(module).__name__}) owns {sorted(own)} but has no "
+                    "reset_parameters(); define it (or initialize_module(path, module) on the root model) "
+                    "so d9d can initialize the module on any mesh"
+                )
+            twin = _unsharded_twin(module)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(_module_seed(seed, path))
+                if hook is not None:
+                    hook(path, twin)
+                else:
+                    twin.reset_parameters()
+            full = dict(twin.named_parameters(recurse=False)) | dict(twin.named_buffers(recurse=False))
+            for name, target in own.items():
+                _copy_into(target, full[name])
+
+
+def _shared_parameters(model: nn.Module) -> dict[tuple[nn.Module, str], tuple[nn.Module, str]]:
+    """(module, name) of every repeated use of a parameter → (module, name) of its first use."""
+    first: dict[int, tuple[nn.Module, str]] = {}
+    ties: dict[tuple[nn.Module, str], tuple[nn.Module, str]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            if id(param) in first and first[id(param)][0] is not module:
+                ties[(module, name)] = first[id(param)]
+            else:
+                first.setdefault(id(param), (module, name))
+    return ties
+
+
+def _module_seed(seed: int, path: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(path.encode())) % (2**63)
+
+
+def _unsharded_twin(module: nn.Module) -> nn.Module:
+    """A shallow copy of `module` without children whose own tensors are full-size plain CPU tensors."""
+    twin = copy.copy(module)
+    twin._modules = {}
+    twin._parameters = {
+        name: None
+        if p is None
+        else nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
+        for name, p in module._parameters.items()
+    }
+    twin._buffers = {
+        name: None if b is None else torch.empty(b.shape, dtype=b.dtype)
+        for name, b in module._buffers.items()
+    }
+    return twin
+
+
+def _copy_into(target: torch.Tensor, full: torch.Tensor) -> None:
+    if isinstance(target, DTensor):
+        # every rank computed the same full tensor: take the local shard without communication
+        shard = distribute_tensor(
+            full.to(target.device), target.device_mesh, target.placements, src_data_rank=None
+        )
+        target.to_local().copy_(shard.to_local())
+    else:
+        target.copy_(full.to(target.device))

@@ -1,0 +1,145 @@
+"""Built-in providers: causal-LM task, AdamW/SGD, warmup + cosine/linear/constant LR, AutoData."""
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from d9d.data import AutoDataConfig, AutoDataProvider, DataProvider
+from d9d.trainer.config import LRSchedulerConfig, OptimizerConfig
+from d9d.trainer.providers import BuildDataProviderContext, LossContext, LossResult
+
+__all__ = [
+    "IGNORE_INDEX",
+    "AutoDataProviderFactory",
+    "BuiltinLRSchedulerProvider",
+    "BuiltinOptimizerProvider",
+    "CausalLMTask",
+    "lr_multiplier",
+]
+
+#: Label value that contributes neither loss nor weight.
+IGNORE_INDEX = -100
+
+
+class CausalLMTask:
+    """Next-token prediction: `batch` is a mapping with `input_ids` and `labels` (already shifted).
+
+    The loss is the summed token cross-entropy; the weight is the number of labels that are not
+    `IGNORE_INDEX`, so the trainer's normalization makes it the mean over the global batch's tokens.
+    """
+
+    config_type = None
+
+    def __init__(self, config: Any = None) -> None:
+        del config
+
+    def batch_weight(self, batch: Any) -> float:
+        """Tokens that carry a label in this microbatch."""
+        return float((batch["labels"] != IGNORE_INDEX).sum())
+
+    def compute_loss(self, context: LossContext) -> LossResult:
+        """Forward `input_ids` and sum the cross-entropy over every labelled token."""
+        input_ids = context.batch["input_ids"].to(context.device, non_blocking=True)
+        labels = context.batch["labels"].to(context.device, non_blocking=True)
+        logits = context.model(input_ids)
+        loss = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(),
+            labels.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
+        return LossResult(loss_sum=loss, weight=float((labels != IGNORE_INDEX).sum()))
+
+
+class BuiltinOptimizerProvider:
+    """AdamW or SGD from the `optimizer:` section; no weight decay on 1-D parameters (norms, biases)."""
+
+    config_type = OptimizerConfig
+
+    def __init__(self, config: OptimizerConfig) -> None:
+        self._config = config
+
+    def build_optimizer(self, named_parameters: Iterable[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
+        """Two parameter groups: decayed (matrices, embeddings) and not decayed (vectors)."""
+        decay, no_decay = [], []
+        for _, param in named_parameters:
+            if param.requires_grad:
+                (decay if param.ndim >= 2 else no_decay).append(param)
+        groups = [
+            {"params": decay, "weight_decay": self._config.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        groups = [g for g in groups if g["params"]]
+        # foreach kernels refuse a mix of DTensors and plain tensors
+        kinds = {type(p.data).__name__ == "DTensor" for g in groups for p in g["params"]}
+        foreach = None if len(kinds) <= 1 else False
+        c = self._config
+        if c.name == "adamw":
+            return torch.optim.AdamW(groups, lr=c.lr, betas=c.betas, eps=c.eps, foreach=foreach)
+        return torch.optim.SGD(groups, lr=c.lr, momentum=c.momentum, foreach=foreach)
+
+
+def lr_multiplier(step: int, *, name: str, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """Multiplier of the base learning rate for optimizer step `step` (0-based).
+
+    Linear warmup from 1/(warmup+1) to 1 over `warmup_steps`, then `constant`, or decay to
+    `min_lr_ratio` at the last step along a cosine or a line.
+    """
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    if name == "constant":
+        return 1.0
+    decay_steps = max(1, total_steps - warmup_steps - 1)
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if name == "cosine" else 1.0 - progress
+    return min_lr_ratio + (1.0 - min_lr_ratio) * shape
+
+
+class BuiltinLRSchedulerProvider:
+    """Warmup then cosine, linear or constant, from the `lr_scheduler:` section."""
+
+    config_type = LRSchedulerConfig
+
+    def __init__(self, config: LRSchedulerConfig) -> None:
+        self._config = config
+
+    def build_lr_scheduler(
+        self, optimizer: torch.optim.Optimizer, total_steps: int
+    ) -> torch.optim.lr_scheduler.LRScheduler:
+        """A LambdaLR over `lr_multiplier`; its state is the step count, so it resumes exactly."""
+        c = self._config
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer,
+            lambda step: lr_multiplier(
+                step,
+                name=c.name,
+                warmup_steps=c.warmup_steps,
+                total_steps=total_steps,
+                min_lr_ratio=c.min_lr_ratio,
+            ),
+        )
+
+
+class AutoDataProviderFactory:
+    """Builds `d9d.data.AutoDataProvider` over the dataset provider's dataset (`data:` section)."""
+
+    config_type = AutoDataConfig
+
+    def __init__(self, config: AutoDataConfig) -> None:
+        self._config = config
+
+    def build_data_provider(self, context: BuildDataProviderContext) -> DataProvider[Any]:
+        """A fixed-global-batch provider sharded over the mesh's data-parallel ranks."""
+        if context.dataset is None:
+            raise ValueError("providers.dataset is required with the built-in AutoDataProvider")
+        return AutoDataProvider(
+            self._config,
+            context.dataset.dataset,
+            context.dataset.collate_fn,
+            context=context.context,
+            pipeline_stages=context.pipeline_stages,
+        )

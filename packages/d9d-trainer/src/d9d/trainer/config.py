@@ -1,0 +1,195 @@
+"""The job config: one YAML file read into frozen msgspec structs.
+
+Sections owned by lower packages keep their own structs (`mesh:` is `d9d.mesh.MeshConfig`); the
+sections a provider owns (`model:`, `dataset:`, and `data:` for a custom data provider) stay raw here
+and are converted into the provider's own `config_type` when the providers are resolved, so every
+unknown key and wrong type still fails before anything starts, with its key path.
+"""
+
+from typing import Any, Literal
+
+import msgspec
+
+from d9d.mesh import MeshConfig
+
+__all__ = [
+    "CheckpointingConfig",
+    "DeterminismConfig",
+    "ExportConfig",
+    "GradientClippingConfig",
+    "JobConfig",
+    "LRSchedulerConfig",
+    "LoggingConfig",
+    "OptimizerConfig",
+    "PipeliningConfig",
+    "ProvidersConfig",
+    "RunConfig",
+    "ScheduleConfig",
+    "TimeoutsConfig",
+    "TrainerConfig",
+]
+
+
+class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Base of every config section: immutable, unknown keys rejected."""
+
+
+class ProvidersConfig(_Section):
+    """Import paths of the job's providers: `package.module:Name` or `file.py:Name`.
+
+    A `file.py` path is resolved relative to the config file's directory.
+    """
+
+    model: str
+    dataset: str | None = None
+    task: str = "d9d.trainer:CausalLMTask"
+    data: str = "d9d.trainer:AutoDataProviderFactory"
+    optimizer: str = "d9d.trainer:BuiltinOptimizerProvider"
+    lr_scheduler: str = "d9d.trainer:BuiltinLRSchedulerProvider"
+
+
+class RunConfig(_Section):
+    """Identity of a run: checkpoints live in `save_dir/name/`; the same name resumes."""
+
+    name: str
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name or self.name in (".", ".."):
+            raise ValueError(f"trainer.run.name must be a plain directory name, got {self.name!r}")
+
+
+class ScheduleConfig(_Section):
+    """How long to train."""
+
+    total_steps: int
+
+    def __post_init__(self) -> None:
+        if self.total_steps < 1:
+            raise ValueError(f"trainer.schedule.total_steps must be >= 1, got {self.total_steps}")
+
+
+class CheckpointingConfig(_Section):
+    """Where and how often to save. `period_steps: 0` saves only at the end."""
+
+    save_dir: str = "runs"
+    period_steps: int = 0
+    num_to_keep: int = 3
+    async_save: bool = False
+
+    def __post_init__(self) -> None:
+        if self.period_steps < 0:
+            raise ValueError(f"trainer.checkpointing.period_steps must be >= 0, got {self.period_steps}")
+        if self.num_to_keep < 1:
+            raise ValueError(f"trainer.checkpointing.num_to_keep must be >= 1, got {self.num_to_keep}")
+
+
+class LoggingConfig(_Section):
+    """Metric logging (rank 0) and the log output of every rank."""
+
+    period_steps: int = 10
+    log_dir: str | None = None
+    format: Literal["console", "json"] = "console"
+    level: str = "INFO"
+    progress_bar: bool = True
+
+    def __post_init__(self) -> None:
+        if self.period_steps < 1:
+            raise ValueError(f"trainer.logging.period_steps must be >= 1, got {self.period_steps}")
+
+
+class GradientClippingConfig(_Section):
+    """Clip the global gradient norm to `max_norm` (null: measure it, do not clip)."""
+
+    max_norm: float | None = 1.0
+
+    def __post_init__(self) -> None:
+        if self.max_norm is not None and self.max_norm <= 0:
+            raise ValueError(f"trainer.gradient_clipping.max_norm must be > 0 or null, got {self.max_norm}")
+
+
+class DeterminismConfig(_Section):
+    """Seed of model initialization (the same on every rank, so every mesh starts from one model)."""
+
+    seed: int = 0
+
+
+class TimeoutsConfig(_Section):
+    """Collective timeouts in seconds: generous while starting, short once steps run."""
+
+    init_s: float = 600.0
+    step_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.init_s <= 0 or self.step_s <= 0:
+            raise ValueError("trainer.timeouts.init_s and step_s must be > 0")
+
+
+class TrainerConfig(_Section):
+    """The `trainer:` section."""
+
+    run: RunConfig
+    schedule: ScheduleConfig
+    checkpointing: CheckpointingConfig = CheckpointingConfig()
+    logging: LoggingConfig = LoggingConfig()
+    gradient_clipping: GradientClippingConfig = GradientClippingConfig()
+    determinism: DeterminismConfig = DeterminismConfig()
+    timeouts: TimeoutsConfig = TimeoutsConfig()
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+
+
+class OptimizerConfig(_Section):
+    """The built-in optimizers: AdamW and SGD."""
+
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    momentum: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"optimizer.lr must be > 0, got {self.lr}")
+
+
+class LRSchedulerConfig(_Section):
+    """Linear warmup from 0, then cosine or linear decay to `min_lr_ratio × lr`, or constant."""
+
+    name: Literal["cosine", "linear", "constant"] = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 0:
+            raise ValueError(f"lr_scheduler.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"lr_scheduler.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+
+class PipeliningConfig(_Section):
+    """Pipeline schedule by name (used when mesh.pipeline_parallel > 1)."""
+
+    schedule: str = "1f1b"
+    stages_per_rank: int = 1
+
+
+class ExportConfig(_Section):
+    """Where `Trainer.export()` writes safetensors at the end of training (null: no export)."""
+
+    dir: str | None = None
+    shard_size_mb: int = 2048
+
+
+class JobConfig(_Section):
+    """A whole job, as written in its YAML file."""
+
+    providers: ProvidersConfig
+    trainer: TrainerConfig
+    data: dict[str, Any] = {}
+    mesh: MeshConfig = MeshConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    lr_scheduler: LRSchedulerConfig = LRSchedulerConfig()
+    pipelining: PipeliningConfig = PipeliningConfig()
+    model: dict[str, Any] = {}
+    dataset: dict[str, Any] = {}
+    export: ExportConfig = ExportConfig()

@@ -1,0 +1,114 @@
+"""Resolve a loaded job config into provider instances, each built from its own config section."""
+
+from dataclasses import dataclass
+from typing import Any
+
+from d9d.trainer.config import JobConfig
+from d9d.trainer.loading import ConfigError, LoadedJob, convert_section, resolve_object
+from d9d.trainer.providers import (
+    DataProviderFactory,
+    DatasetProvider,
+    LRSchedulerProvider,
+    ModelProvider,
+    OptimizerProvider,
+    Task,
+)
+
+__all__ = ["ResolvedJob", "resolve_job"]
+
+
+@dataclass(frozen=True)
+class ResolvedJob:
+    """A validated job config and the providers it names, constructed and ready."""
+
+    loaded: LoadedJob
+    model_provider: ModelProvider
+    dataset_provider: DatasetProvider | None
+    data_factory: DataProviderFactory
+    task: Task
+    optimizer_provider: OptimizerProvider
+    lr_scheduler_provider: LRSchedulerProvider
+
+    @property
+    def config(self) -> JobConfig:
+        """The job config."""
+        return self.loaded.config
+
+
+def resolve_job(loaded: LoadedJob) -> ResolvedJob:
+    """Import every provider and construct it from its section (`model:`, `dataset:`, `data:`, ...).
+
+    Raises:
+        ConfigError: a provider does not import, lacks a required method, or its section does not fit.
+    """
+    config = loaded.config
+    where = str(loaded.path) if loaded.path is not None else "config"
+    providers = config.providers
+    sections: dict[str, Any] = {
+        "model": (
+            providers.model,
+            config.model,
+            "model",
+            ("initialize_model_stage", "parallelize_model_stage", "prepare_export_model_stage"),
+        ),
+        "task": (providers.task, {}, None, ("batch_weight", "compute_loss")),
+        "data": (providers.data, config.data, "data", ("build_data_provider",)),
+        "optimizer": (providers.optimizer, config.optimizer, "optimizer", ("build_optimizer",)),
+        "lr_scheduler": (
+            providers.lr_scheduler,
+            config.lr_scheduler,
+            "lr_scheduler",
+            ("build_lr_scheduler",),
+        ),
+    }
+    if providers.dataset is not None:
+        sections["dataset"] = (providers.dataset, config.dataset, "dataset", ("build_dataset",))
+    elif providers.data == "d9d.trainer:AutoDataProviderFactory":
+        raise ConfigError(
+            f"{where}: providers.dataset is missing; the built-in AutoDataProvider needs a dataset provider "
+            "(e.g. providers.dataset: train.py:MyDataset), or set providers.data to your own data provider"
+        )
+    built: dict[str, Any] = {}
+    for role, (spec, section, section_key, methods) in sections.items():
+        cls = resolve_object(spec, loaded.base_dir, key=f"{where}: providers.{role}")
+        built[role] = _construct(
+            cls, section, where=where, role=role, section_key=section_key, methods=methods
+        )
+    return ResolvedJob(
+        loaded=loaded,
+        model_provider=built["model"],
+        dataset_provider=built.get("dataset"),
+        data_factory=built["data"],
+        task=built["task"],
+        optimizer_provider=built["optimizer"],
+        lr_scheduler_provider=built["lr_scheduler"],
+    )
+
+
+def _construct(
+    cls: Any, section: Any, *, where: str, role: str, section_key: str | None, methods: tuple[str, ...]
+) -> Any:
+    if not callable(cls):
+        raise ConfigError(f"{where}: providers.{role} names {cls!r}, which is not a class")
+    config_type = getattr(cls, "config_type", None)
+    if config_type is not None:
+        raw = section if not hasattr(section, "__struct_fields__") else _as_builtins(section)
+        argument = convert_section(raw, config_type, where=where, prefix=section_key or role)
+    else:
+        argument = section
+    try:
+        instance = cls(argument)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: constructing providers.{role} ({cls.__name__}) failed: {exc}") from exc
+    missing = [m for m in methods if not callable(getattr(instance, m, None))]
+    if missing:
+        raise ConfigError(
+            f"{where}: providers.{role} ({cls.__name__}) lacks {', '.join(missing)}; implement it"
+        )
+    return instance
+
+
+def _as_builtins(struct: Any) -> Any:
+    import msgspec
+
+    return msgspec.to_builtins(struct)

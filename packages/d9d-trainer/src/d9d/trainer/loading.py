@@ -1,0 +1,199 @@
+"""Read a job's YAML file (plus `--set key.path=value` overrides) and resolve its providers.
+
+Everything that can be wrong with a config fails here, before any process group, file or model
+exists: YAML syntax, unknown keys, wrong types, rule violations, providers that do not import, and
+the providers' own config sections. Each error is one `ConfigError` line naming the file, the key
+path and the fix.
+"""
+
+import copy
+import importlib
+import importlib.util
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import msgspec
+import yaml
+
+from d9d.mesh import D9dError
+from d9d.trainer.config import JobConfig
+
+__all__ = ["ConfigError", "LoadedJob", "apply_overrides", "load_job_config", "resolve_object"]
+
+_AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+_UNKNOWN = re.compile(r"Object contains unknown field `(?P<key>[^`]+)`")
+
+
+class ConfigError(D9dError, ValueError):
+    """A job config cannot be used as written; the message names the key path and the fix."""
+
+
+@dataclass(frozen=True)
+class LoadedJob:
+    """A parsed job config, where it came from, and its raw form (stored in checkpoints)."""
+
+    config: JobConfig
+    path: Path | None
+    raw: dict[str, Any]
+
+    @property
+    def base_dir(self) -> Path:
+        """Directory that `file.py:Name` provider paths are relative to."""
+        return self.path.parent if self.path is not None else Path.cwd()
+
+
+def load_job_config(
+    source: str | Path | dict[str, Any], overrides: Sequence[str] = (), *, schema: type = JobConfig
+) -> LoadedJob:
+    """Parse a YAML file (or an already-parsed dict) with overrides into a `JobConfig`.
+
+    Raises:
+        ConfigError: the file is missing or not YAML, an override is malformed, or a key is unknown,
+            mistyped or breaks a rule.
+    """
+    path: Path | None = None
+    if isinstance(source, dict):
+        raw = copy.deepcopy(source)
+        where = "config"
+    else:
+        path = Path(source)
+        where = str(path)
+        try:
+            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"{where}: no such config file; check the path") from None
+        except OSError as exc:
+            raise ConfigError(f"{where}: cannot read the config file: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ConfigError(f"{where}: invalid YAML{at}: {problem}") from None
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise ConfigError(
+                f"{where}: the top level must be a mapping of sections, got {type(raw).__name__}"
+            )
+    raw = apply_overrides(raw, overrides)
+    config = convert_section(raw, schema, where=where, prefix="")
+    return LoadedJob(config=config, path=path, raw=raw)
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Return a copy of `raw` with each `key.path=value` set (values parsed as YAML scalars)."""
+    result = copy.deepcopy(raw)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(
+                f"override {item!r} must look like key.path=value, e.g. trainer.schedule.total_steps=400"
+            )
+        try:
+            value = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError:
+            value = text
+        node = result
+        parts = key.split(".")
+        for depth, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                prefix = ".".join(parts[: depth + 1])
+                raise ConfigError(f"override {item!r}: {prefix} is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return result
+
+
+def convert_section(raw: Any, schema: type, *, where: str, prefix: str) -> Any:
+    """Convert a raw (YAML) value into `schema`, turning msgspec's errors into one ConfigError line."""
+    try:
+        return msgspec.convert(raw, schema, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_explain(str(exc), schema, where=where, prefix=prefix)) from None
+
+
+def _explain(message: str, schema: type, *, where: str, prefix: str) -> str:
+    match = _AT.match(message.strip())
+    assert match is not None
+    text, at = match["msg"], match["path"] or ""
+    key = _join(prefix, at.lstrip("."))
+    unknown = _UNKNOWN.match(text)
+    if unknown:
+        full = _join(key, unknown["key"])
+        fields = _fields_at(schema, at.lstrip("."))
+        hint = f"; valid keys here: {', '.join(fields)}" if fields else ""
+        return f"{where}: unknown key {full}{hint}"
+    missing = re.match(r"Object missing required field `(?P<key>[^`]+)`", text)
+    if missing:
+        return f"{where}: missing required key {_join(key, missing['key'])}; add it to the config"
+    if text.startswith(("Expected", "Invalid")):
+        return f"{where}: {key or 'top level'}: {text.replace('`', '')}"
+    # a rule from a __post_init__: its message already names the key
+    return f"{where}: {text}"
+
+
+def _join(prefix: str, rest: str) -> str:
+    return ".".join(p for p in (prefix, rest) if p)
+
+
+def _fields_at(schema: type, path: str) -> list[str]:
+    """Field names of the struct found by walking `path` (dotted) from `schema`; [] if not a struct."""
+    current: Any = schema
+    for part in [p for p in re.split(r"[.\[\]]", path) if p]:
+        if not (isinstance(current, type) and issubclass(current, msgspec.Struct)):
+            return []
+        hints = get_type_hints(current)
+        if part not in hints:
+            return []
+        current = hints[part]
+    if isinstance(current, type) and issubclass(current, msgspec.Struct):
+        return list(current.__struct_fields__)
+    return []
+
+
+def resolve_object(spec: str, base_dir: Path, *, key: str) -> Any:
+    """Import `module.path:Name` or `file.py:Name` (relative to `base_dir`) and return the object.
+
+    Raises:
+        ConfigError: naming `key` (the config key that holds `spec`) when it cannot be resolved.
+    """
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name:
+        raise ConfigError(f"{key}: {spec!r} must look like package.module:Name or file.py:Name")
+    if target.endswith(".py"):
+        file = (base_dir / target).resolve()
+        if not file.is_file():
+            raise ConfigError(f"{key}: {spec!r}: no file {file}; paths are relative to the config file")
+        module_name = "_d9d_user_" + re.sub(r"\W", "_", str(file.with_suffix("")))
+        module = sys.modules.get(module_name)
+        if module is None:
+            spec_obj = importlib.util.spec_from_file_location(module_name, file)
+            assert spec_obj is not None and spec_obj.loader is not None
+            module = importlib.util.module_from_spec(spec_obj)
+            sys.modules[module_name] = module
+            # like a script run directly: its own directory is importable (for sibling modules)
+            if str(file.parent) not in sys.path:
+                sys.path.insert(0, str(file.parent))
+            try:
+                spec_obj.loader.exec_module(module)
+            except Exception as exc:
+                del sys.modules[module_name]
+                raise ConfigError(f"{key}: importing {file} failed: {type(exc).__name__}: {exc}") from exc
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as exc:
+            raise ConfigError(
+                f"{key}: cannot import module {target!r} ({exc}); is the package installed?"
+            ) from None
+    try:
+        return getattr(module, name)
+    except AttributeError:
+        raise ConfigError(f"{key}: {target!r} has no attribute {name!r}") from None

@@ -1,0 +1,244 @@
+"""Provider protocols: the small extension points a user implements for a job.
+
+Each method takes one context object and returns one result object, so both can grow without
+breaking existing providers. A provider class is named in the config's `providers:` section and
+constructed with one argument: its config section, converted into the class's `config_type` when it
+declares one (else the raw mapping).
+"""
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from d9d.data import DataProvider
+from d9d.mesh import DistributedContext
+
+__all__ = [
+    "BuildDataProviderContext",
+    "BuildDatasetContext",
+    "BuildDatasetResult",
+    "DataProviderFactory",
+    "DatasetProvider",
+    "InitializeModelStageContext",
+    "InitializeModelStageResult",
+    "LRSchedulerProvider",
+    "LossContext",
+    "LossResult",
+    "ModelProvider",
+    "OptimizerProvider",
+    "ParallelizeModelStageContext",
+    "PrepareExportModelStageContext",
+    "PrepareExportModelStageResult",
+    "PrepareImportModelStageContext",
+    "PrepareImportModelStageResult",
+    "Task",
+]
+
+
+# ---------------------------------------------------------------------------------------- model
+
+
+@dataclass(frozen=True)
+class InitializeModelStageContext:
+    """What `initialize_model_stage` may look at. It runs under `torch.device("meta")`.
+
+    Attributes:
+        context: where this rank sits (mesh, coordinates, device).
+        stage_index: which pipeline stage to build (0 without pipeline parallelism).
+        num_stages: pipeline stages in total (1 without pipeline parallelism).
+    """
+
+    context: DistributedContext
+    stage_index: int = 0
+    num_stages: int = 1
+
+
+@dataclass(frozen=True)
+class InitializeModelStageResult:
+    """The module of this stage, built on the meta device (no memory is allocated yet).
+
+    Its parameters are materialized on the rank's device after `parallelize_model_stage`, then
+    `init_weights()` is called when the module has one (else `reset_parameters()` on each submodule).
+    """
+
+    model: nn.Module
+
+
+@dataclass(frozen=True)
+class ParallelizeModelStageContext:
+    """What `parallelize_model_stage` receives: the meta-device model to distribute in place."""
+
+    context: DistributedContext
+    model: nn.Module
+    stage_index: int = 0
+    num_stages: int = 1
+
+
+@dataclass(frozen=True)
+class PrepareExportModelStageContext:
+    """What `prepare_export_model_stage` receives."""
+
+    context: DistributedContext
+    model: nn.Module
+
+
+@dataclass(frozen=True)
+class PrepareExportModelStageResult:
+    """How to save this stage: a `d9d.ckpt` state mapper from module names to saved names.
+
+    `mapper=None` saves the module's own state-dict names unchanged.
+    """
+
+    mapper: Any = None
+
+
+@dataclass(frozen=True)
+class PrepareImportModelStageContext:
+    """What the optional `prepare_import_model_stage` receives: the initialized model."""
+
+    context: DistributedContext
+    model: nn.Module
+
+
+@dataclass(frozen=True)
+class PrepareImportModelStageResult:
+    """Where to load starting weights from: a safetensors folder (e.g. a Hugging Face checkpoint).
+
+    `folder=None` keeps the freshly initialized weights. `mapper` maps the folder's keys to the
+    model's (e.g. `hf_export_mapper.inverse()`); None when the names already match.
+    """
+
+    folder: Any = None
+    mapper: Any = None
+
+
+@runtime_checkable
+class ModelProvider(Protocol):
+    """Builds, distributes and exports the model."""
+
+    def initialize_model_stage(self, context: InitializeModelStageContext) -> InitializeModelStageResult:
+        """Build this rank's model (stage) on the meta device."""
+        ...
+
+    def parallelize_model_stage(self, context: ParallelizeModelStageContext) -> None:
+        """Apply the parallelisms the mesh asks for (called only on distributed runs)."""
+        ...
+
+    def prepare_export_model_stage(
+        self, context: PrepareExportModelStageContext
+    ) -> PrepareExportModelStageResult:
+        """Return the mapper `Trainer.export()` saves through."""
+        ...
+
+    # Optional: `prepare_import_model_stage(PrepareImportModelStageContext) -> PrepareImportModelStageResult`
+    # names a safetensors folder (e.g. a Hugging Face checkpoint) to start from when the run has no
+    # checkpoint of its own yet (fine-tuning).
+
+
+# ---------------------------------------------------------------------------------------- data
+
+
+@dataclass(frozen=True)
+class BuildDatasetContext:
+    """What a dataset provider may look at (e.g. to let only local rank 0 prepare files)."""
+
+    context: DistributedContext
+    base_dir: Any
+
+
+@dataclass(frozen=True)
+class BuildDatasetResult:
+    """A map-style dataset and the function that collates a list of its samples into a batch."""
+
+    dataset: Any
+    collate_fn: Callable[[list[Any]], Any] | None = None
+
+
+@runtime_checkable
+class DatasetProvider(Protocol):
+    """Builds the training dataset (the `dataset:` section is its config)."""
+
+    def build_dataset(self, context: BuildDatasetContext) -> BuildDatasetResult:
+        """Return the dataset."""
+        ...
+
+
+@dataclass(frozen=True)
+class BuildDataProviderContext:
+    """What a data-provider factory receives."""
+
+    context: DistributedContext
+    dataset: BuildDatasetResult | None
+    pipeline_stages: Any = "all"
+
+
+@runtime_checkable
+class DataProviderFactory(Protocol):
+    """Builds the data provider (the `data:` section is its config)."""
+
+    def build_data_provider(self, context: BuildDataProviderContext) -> DataProvider[Any]:
+        """Return the provider that yields each step's microbatches."""
+        ...
+
+
+# ---------------------------------------------------------------------------------------- task
+
+
+@dataclass(frozen=True)
+class LossContext:
+    """One microbatch to compute the loss of."""
+
+    model: nn.Module
+    batch: Any
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class LossResult:
+    """The summed (not averaged) loss of a microbatch and how many units it sums over.
+
+    The trainer divides by the step's global weight (e.g. all tokens of the global batch), so the
+    gradient is the single-device gradient of the global batch whatever the mesh and microbatching.
+    """
+
+    loss_sum: torch.Tensor
+    weight: float | torch.Tensor
+
+
+@runtime_checkable
+class Task(Protocol):
+    """Turns a batch into a loss."""
+
+    def batch_weight(self, batch: Any) -> float:
+        """The weight a microbatch contributes to its step (known before the forward pass)."""
+        ...
+
+    def compute_loss(self, context: LossContext) -> LossResult:
+        """Forward the model on the batch and return the summed loss."""
+        ...
+
+
+# ---------------------------------------------------------------------------------------- optim
+
+
+@runtime_checkable
+class OptimizerProvider(Protocol):
+    """Builds the optimizer (the `optimizer:` section is its config)."""
+
+    def build_optimizer(self, named_parameters: Iterable[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
+        """Return an optimizer over the trainable parameters."""
+        ...
+
+
+@runtime_checkable
+class LRSchedulerProvider(Protocol):
+    """Builds the learning-rate schedule (the `lr_scheduler:` section is its config)."""
+
+    def build_lr_scheduler(
+        self, optimizer: torch.optim.Optimizer, total_steps: int
+    ) -> torch.optim.lr_scheduler.LRScheduler:
+        """Return a scheduler stepped once per optimizer step."""
+        ...

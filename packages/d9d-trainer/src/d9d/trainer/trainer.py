@@ -1,0 +1,401 @@
+"""`Trainer`: the one place where the lower packages are wired into a training job.
+
+build (mesh → logging → providers → model on meta → parallelize → materialize + init → optimizer,
+LR schedule, data, checkpoints) → resume → train loop → checkpoint → export.
+"""
+
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from d9d.ckpt import (
+    CheckpointManager,
+    capture_rng_state,
+    load_safetensors,
+    restore_rng_state,
+    save_safetensors,
+)
+from d9d.mesh import D9dError, DistributedContext, configure_logging, get_logger
+from d9d.parallel import clip_grad_norm_, grad_norm, set_gradient_sync
+from d9d.trainer._materialize import materialize_and_initialize
+from d9d.trainer.job import ResolvedJob, resolve_job
+from d9d.trainer.loading import LoadedJob, load_job_config
+from d9d.trainer.providers import (
+    BuildDataProviderContext,
+    BuildDatasetContext,
+    InitializeModelStageContext,
+    LossContext,
+    ParallelizeModelStageContext,
+    PrepareExportModelStageContext,
+    PrepareImportModelStageContext,
+)
+
+__all__ = ["METRICS_FILE", "TrainResult", "Trainer", "TrainingError"]
+
+#: Per-step metrics of a run, one JSON object per line, in `save_dir/run.name/`.
+METRICS_FILE = "metrics.jsonl"
+
+_log = get_logger("d9d.trainer")
+
+
+class TrainingError(D9dError, RuntimeError):
+    """Training cannot go on (e.g. a non-finite loss); the last committed checkpoint stays latest."""
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What `Trainer.train()` did."""
+
+    start_step: int
+    final_step: int
+    losses: list[float]
+
+
+class Trainer:
+    """Runs one job: build everything from a config, train, checkpoint, export.
+
+    trainer = Trainer.from_config("config.yaml", overrides=["trainer.schedule.total_steps=400"])
+    with trainer:
+        trainer.train()
+        trainer.export()
+    """
+
+    def __init__(self, job: ResolvedJob) -> None:
+        self._job = job
+        config = job.config
+        tcfg = config.trainer
+        self._context = DistributedContext.from_env(
+            config.mesh,
+            init_timeout=_seconds(tcfg.timeouts.init_s),
+            step_timeout=_seconds(tcfg.timeouts.step_s),
+        )
+        try:
+            configure_logging(
+                self._context,
+                format=tcfg.logging.format,
+                log_dir=tcfg.logging.log_dir,
+                level=tcfg.logging.level,
+            )
+            self._build()
+        except BaseException:
+            self._context.close()
+            raise
+
+    @classmethod
+    def from_config(
+        cls, source: str | Path | dict[str, Any] | LoadedJob, overrides: Sequence[str] = ()
+    ) -> "Trainer":
+        """Load, validate and resolve a job config (raising `ConfigError` before anything starts), then build."""
+        loaded = source if isinstance(source, LoadedJob) else load_job_config(source, overrides)
+        return cls(resolve_job(loaded))
+
+    # ------------------------------------------------------------------ build
+
+    def _build(self) -> None:
+        job, ctx = self._job, self._context
+        config = job.config
+        if config.mesh.pipeline_parallel > 1:
+            raise TrainingError("mesh.pipeline_parallel > 1 is not supported by the trainer yet; set it to 1")
+        with torch.device("meta"):
+            result = job.model_provider.initialize_model_stage(InitializeModelStageContext(context=ctx))
+        model = result.model
+        if not ctx.is_local:
+            job.model_provider.parallelize_model_stage(ParallelizeModelStageContext(context=ctx, model=model))
+        materialize_and_initialize(model, ctx.device, config.trainer.determinism.seed)
+        self._model = model
+        self._optimizer = job.optimizer_provider.build_optimizer(model.named_parameters())
+        self._scheduler = job.lr_scheduler_provider.build_lr_scheduler(
+            self._optimizer, config.trainer.schedule.total_steps
+        )
+        dataset = (
+            job.dataset_provider.build_dataset(BuildDatasetContext(context=ctx, base_dir=job.loaded.base_dir))
+            if job.dataset_provider is not None
+            else None
+        )
+        self._data = job.data_factory.build_data_provider(
+            BuildDataProviderContext(context=ctx, dataset=dataset)
+        )
+        ckpt = config.trainer.checkpointing
+        self._checkpoints = CheckpointManager(
+            ckpt.save_dir,
+            config.trainer.run.name,
+            num_to_keep=ckpt.num_to_keep,
+            async_save=ckpt.async_save,
+            context=ctx,
+        )
+        self._step = 0
+        self._dp_group = None if ctx.is_local else ctx.mesh("batch").get_group("dp")
+        n_params = sum(p.numel() for p in model.parameters())
+        _log.info(
+            "job built",
+            run=config.trainer.run.name,
+            mesh=config.mesh.describe_degrees(),
+            local_params=n_params,
+            device=str(ctx.device),
+        )
+
+    # ------------------------------------------------------------------ accessors
+
+    @property
+    def context(self) -> DistributedContext:
+        """This rank's distributed context."""
+        return self._context
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The (parallelized) model."""
+        return self._model
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps done so far (including those of resumed checkpoints)."""
+        return self._step
+
+    @property
+    def run_dir(self) -> Path:
+        """`save_dir/run.name`: checkpoints and the metrics file."""
+        return self._checkpoints.run_dir
+
+    # ------------------------------------------------------------------ resume
+
+    def resume(self, step: int | None = None) -> bool:
+        """Load the latest (or the given step's) committed checkpoint of this run. True when one was loaded.
+
+        A run without a checkpoint starts from the model provider's import folder when it names one
+        (`prepare_import_model_stage`, e.g. a Hugging Face checkpoint to fine-tune).
+
+        Raises:
+            TrainingError: `step` is given but the run has no committed checkpoint of that step.
+        """
+        found = self._checkpoints.checkpoints()
+        if step is not None:
+            matching = [c for c in found if c.step == step]
+            if not matching:
+                steps = [c.step for c in found]
+                raise TrainingError(
+                    f"run {self.run_dir} has no committed checkpoint of step {step}; it has {steps}"
+                )
+            found = matching
+        latest = found[-1] if found else None
+        if latest is None:
+            self._import_source_weights()
+            return False
+        loaded = self._checkpoints.load(latest, self._model, self._optimizer)
+        extra = loaded.extra_state
+        self._step = int(extra["step"])
+        self._data.load_state_dict(extra["data"])
+        self._scheduler.load_state_dict(extra["lr_scheduler"])
+        if loaded.rank_state is not None:
+            restore_rng_state(loaded.rank_state)
+        if self._context.is_main_process:
+            _truncate_metrics(self.run_dir / METRICS_FILE, self._step)
+        _log.info("resumed", step=self._step, checkpoint=str(latest.path))
+        return True
+
+    def _import_source_weights(self) -> None:
+        prepare = getattr(self._job.model_provider, "prepare_import_model_stage", None)
+        if prepare is None:
+            return
+        result = prepare(PrepareImportModelStageContext(context=self._context, model=self._model))
+        if result.folder is None:
+            return
+        load_safetensors(self._model, result.folder, mapper=result.mapper)
+        _log.info("loaded starting weights", folder=str(result.folder))
+
+    # ------------------------------------------------------------------ train
+
+    def train(self) -> TrainResult:
+        """Resume if the run has a checkpoint, then train until `trainer.schedule.total_steps`."""
+        cfg = self._job.config.trainer
+        total = cfg.schedule.total_steps
+        self.resume()
+        start = self._step
+        losses: list[float] = []
+        if start >= total:
+            _log.info("run is already complete", step=start, total_steps=total)
+            return TrainResult(start_step=start, final_step=start, losses=losses)
+        self._context.use_step_timeout()
+        metrics_path = self.run_dir / METRICS_FILE
+        data_iter = iter(self._data)
+        last_log = time.perf_counter()
+        tokens_since_log = 0.0
+        while self._step < total:
+            step_start = time.perf_counter()
+            microbatches = next(data_iter)
+            loss, norm, weight, applied = self._train_step(microbatches)
+            self._step += 1
+            losses.append(loss)
+            tokens_since_log += weight
+            record = {
+                "step": self._step,
+                "loss": loss,
+                "grad_norm": norm,
+                "lr": self._scheduler.get_last_lr()[0],
+                "tokens": weight,
+                "step_time_s": time.perf_counter() - step_start,
+                "skipped": not applied,
+            }
+            if self._context.is_main_process:
+                _append_jsonl(metrics_path, record)
+                if self._step % cfg.logging.period_steps == 0 or self._step == total:
+                    now = time.perf_counter()
+                    _log.info(
+                        "step",
+                        step=self._step,
+                        loss=round(loss, 5),
+                        grad_norm=round(norm, 4),
+                        lr=record["lr"],
+                        tokens_per_s=round(tokens_since_log / max(now - last_log, 1e-9), 1),
+                        **_memory(self._context.device),
+                    )
+                    last_log, tokens_since_log = now, 0.0
+            period = cfg.checkpointing.period_steps
+            if self._step == total or (period and self._step % period == 0):
+                self.save_checkpoint()
+        self._checkpoints.wait()
+        return TrainResult(start_step=start, final_step=self._step, losses=losses)
+
+    def _train_step(self, microbatches: list[Any]) -> tuple[float, float, float, bool]:
+        task, model, ctx = self._job.task, self._model, self._context
+        local_weight = sum(task.batch_weight(mb) for mb in microbatches)
+        weight = self._dp_sum(torch.tensor(float(local_weight), dtype=torch.float64)).item()
+        if weight <= 0:
+            raise TrainingError(f"step {self._step + 1} has no labelled tokens in the whole global batch")
+        model.train()
+        self._optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for i, batch in enumerate(microbatches):
+            set_gradient_sync(model, i == len(microbatches) - 1)
+            result = task.compute_loss(LossContext(model=model, batch=batch, device=ctx.device))
+            (result.loss_sum / weight).backward()
+            loss_sum += result.loss_sum.detach().to("cpu", torch.float64)
+        set_gradient_sync(model, True)
+        loss = self._dp_sum(loss_sum).item() / weight
+        max_norm = self._job.config.trainer.gradient_clipping.max_norm
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = (clip_grad_norm_(params, max_norm) if max_norm is not None else grad_norm(params)).item()
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            if self._job.config.trainer.on_nonfinite == "stop":
+                raise TrainingError(
+                    f"step {self._step + 1}: loss {loss} / grad norm {norm} is not finite; stopping. "
+                    "The last committed checkpoint stays the latest; lower the learning rate or set "
+                    "trainer.on_nonfinite: skip"
+                )
+            _log.warning("skipping step with a non-finite loss or grad norm", step=self._step + 1, loss=loss)
+            self._optimizer.zero_grad(set_to_none=True)
+            self._scheduler.step()
+            return loss, norm, weight, False
+        self._optimizer.step()
+        self._scheduler.step()
+        return loss, norm, weight, True
+
+    def _dp_sum(self, value: torch.Tensor) -> torch.Tensor:
+        if self._dp_group is None or dist.get_world_size(self._dp_group) == 1:
+            return value
+        value = value.to(torch.float64)
+        dist.all_reduce(value, group=self._dp_group)
+        return value
+
+    # ------------------------------------------------------------------ checkpoint and export
+
+    def save_checkpoint(self) -> None:
+        """Save model, optimizer, data position, LR schedule, RNG and config as `save-<step>`."""
+        extra = {
+            "step": self._step,
+            "data": self._data.state_dict(),
+            "lr_scheduler": _plain(self._scheduler.state_dict()),
+            "config": self._job.loaded.raw,
+        }
+        self._checkpoints.save(
+            self._step, self._model, self._optimizer, extra_state=extra, rank_state=capture_rng_state()
+        )
+        _log.info("checkpoint saved", step=self._step, run_dir=str(self.run_dir))
+
+    def export(self, out_dir: str | Path | None = None) -> Path:
+        """Write the model as safetensors through the model provider's export mapper."""
+        target = out_dir if out_dir is not None else self._job.config.export.dir
+        if target is None:
+            raise TrainingError("no export directory: pass one or set export.dir in the config")
+        result = self._job.model_provider.prepare_export_model_stage(
+            PrepareExportModelStageContext(context=self._context, model=self._model)
+        )
+        save_safetensors(
+            self._model,
+            target,
+            mapper=result.mapper,
+            max_shard_size=self._job.config.export.shard_size_mb * 2**20,
+        )
+        _log.info("exported", dir=str(target))
+        return Path(target)
+
+    # ------------------------------------------------------------------ shutdown
+
+    def close(self) -> None:
+        """Finish a pending checkpoint, then release the process group."""
+        try:
+            checkpoints = getattr(self, "_checkpoints", None)
+            if checkpoints is not None:
+                checkpoints.close()
+            data = getattr(self, "_data", None)
+            if data is not None and hasattr(data, "close"):
+                data.close()
+        finally:
+            self._context.close()
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _seconds(value: float) -> Any:
+    import datetime
+
+    return datetime.timedelta(seconds=value)
+
+
+def _plain(state: Any) -> Any:
+    """Round-trip through msgspec so only plain data (no tensors or callables) is checkpointed."""
+    return msgspec.json.decode(msgspec.json.encode(state, enc_hook=lambda o: None))
+
+
+def _append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as fh:
+        fh.write(json.dumps(record) + "\n")
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop records of steps after `step` (they were trained after the checkpoint and are redone)."""
+    if not path.exists():
+        return
+    kept = [
+        line
+        for line in path.read_text(encoding="utf-8").splitlines()
+        if line and json.loads(line)["step"] <= step
+    ]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    tmp.replace(path)
+
+
+def _memory(device: torch.device) -> dict[str, float]:
+    if device.type == "cuda":
+        return {"peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)}
+    try:
+        import resource
+
+        scale = 1 if sys.platform == "darwin" else 1024
+        return {"peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**30, 2)}
+    except ImportError:  # pragma: no cover - not on POSIX
+        return {}

@@ -1,0 +1,71 @@
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _job import job_config
+
+from d9d.trainer import METRICS_FILE, Trainer
+
+
+def _train(config, overrides=()):
+    with Trainer.from_config(config, overrides) as trainer:
+        result = trainer.train()
+        params = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    return result, params
+
+
+def test_local_run_learns_and_writes_checkpoints_and_metrics(tmp_path):
+    result, _ = _train(job_config(str(tmp_path), total_steps=8))
+    assert result.start_step == 0 and result.final_step == 8
+    assert result.losses[-1] < result.losses[0] * 0.8
+    run = tmp_path / "tiny"
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("save-")) == ["save-6", "save-8"]
+    records = [json.loads(line) for line in (run / METRICS_FILE).read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert [r["loss"] for r in records] == pytest.approx(result.losses)
+
+
+def test_raising_total_steps_continues_to_the_same_weights(tmp_path):
+    # a constant LR makes the schedule independent of total_steps, so 4 + 2 steps equal 6 at once
+    constant = {"name": "constant", "warmup_steps": 1}
+    full, full_params = _train(job_config(str(tmp_path), name="full", total_steps=6, lr_scheduler=constant))
+    first, _ = _train(job_config(str(tmp_path), name="split", total_steps=4, lr_scheduler=constant))
+    second, split_params = _train(
+        job_config(str(tmp_path), name="split", total_steps=6, lr_scheduler=constant)
+    )
+    assert (first.final_step, second.start_step, second.final_step) == (4, 4, 6)
+    assert first.losses + second.losses == full.losses  # bit-identical on one process
+    for key, value in full_params.items():
+        assert torch.equal(value, split_params[key]), key
+    again, _ = _train(job_config(str(tmp_path), name="split", total_steps=6, lr_scheduler=constant))
+    assert again.start_step == again.final_step == 6 and again.losses == []
+
+
+def test_initial_weights_do_not_depend_on_build_order(tmp_path):
+    config = job_config(str(tmp_path), total_steps=1)
+    with Trainer.from_config(config) as a:
+        sa = {k: v.clone() for k, v in a.model.state_dict().items()}
+    torch.manual_seed(1234)  # global RNG state must not matter
+    with Trainer.from_config(job_config(str(tmp_path), name="other", total_steps=1)) as b:
+        sb = b.model.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_export_then_start_a_new_run_from_the_export(tmp_path):
+    from safetensors.torch import load_file
+
+    with Trainer.from_config(job_config(str(tmp_path), name="base", total_steps=2)) as trainer:
+        trainer.train()
+        out = trainer.export(tmp_path / "export")
+        trained = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    saved = load_file(out / "model.safetensors")
+    assert saved.keys() == trained.keys()
+    assert all(torch.equal(saved[k], trained[k]) for k in trained)
+    config = job_config(str(tmp_path), name="finetune", total_steps=1, model={"import_dir": str(out)})
+    with Trainer.from_config(config) as trainer:
+        trainer.resume()  # no checkpoint of its own: starts from the import folder
+        assert all(torch.equal(trainer.model.state_dict()[k], trained[k]) for k in trained)
