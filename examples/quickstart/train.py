@@ -14,7 +14,12 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the reference model lives in examples/
 
-from reference_model import ReferenceForCausalLM, ReferenceModelConfig
+from reference_model import (
+    ReferenceForCausalLM,
+    ReferenceModelConfig,
+    apply_expert_parallel,
+    apply_tensor_parallel,
+)
 
 from d9d.data import TextDataset
 from d9d.parallel import parallelize_hsdp
@@ -31,7 +36,10 @@ from d9d.trainer import (
 
 
 class QuickstartModelProvider:
-    """Builds the reference model and shards it with HSDP (DDP, FSDP or both, as the mesh says)."""
+    """Builds the reference model; tensor and expert parallel when the mesh asks, then HSDP.
+
+    `parallelize_hsdp` gives DDP, FSDP or both, depending on which data-parallel degrees are > 1.
+    """
 
     config_type = ReferenceModelConfig
 
@@ -42,8 +50,10 @@ class QuickstartModelProvider:
         return InitializeModelStageResult(model=ReferenceForCausalLM(self.config))
 
     def parallelize_model_stage(self, context: ParallelizeModelStageContext) -> None:
-        model = context.model
-        parallelize_hsdp(model, context.context.mesh("dense"), blocks=list(model.model.layers.values()))
+        model, ctx = context.model, context.context
+        apply_tensor_parallel(model, ctx)
+        apply_expert_parallel(model, ctx)
+        parallelize_hsdp(model, ctx.mesh("dense"), blocks=list(model.model.layers.values()))
 
     def prepare_export_model_stage(
         self, context: PrepareExportModelStageContext

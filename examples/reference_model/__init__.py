@@ -7,6 +7,7 @@ with torch.device("meta"):
 model.to_empty(device="cpu")
 model.init_weights()
 logits = model(input_ids)            # [batch, seq, vocab]
+save_hf_pretrained(model, "hf_out")  # a Hugging Face folder (qwen3 / llama / qwen3_moe)
 """
 
 from .config import MoEConfig, ReferenceModelConfig, ReferenceModelConfigError
@@ -21,6 +22,7 @@ from .model import (
     apply_rotary,
     build_moe,
 )
+from .parallelize import apply_expert_parallel, apply_tensor_parallel, tensor_parallel_plan
 
 __all__ = [
     "MLP",
@@ -33,6 +35,9 @@ __all__ = [
     "ReferenceModelConfig",
     "ReferenceModelConfigError",
     "RotaryEmbedding",
+    "apply_expert_parallel",
     "apply_rotary",
+    "apply_tensor_parallel",
     "build_moe",
+    "tensor_parallel_plan",
 ]

@@ -6,7 +6,6 @@ else by the module's own `reset_parameters()` — and each rank then keeps its s
 one device and on a cluster), and no rank holds more than one module's full parameters at a time.
 """
 
-import copy
 import zlib
 
 import torch
@@ -76,7 +75,9 @@ def _module_seed(seed: int, path: str) -> int:
 
 def _unsharded_twin(module: nn.Module) -> nn.Module:
     """A shallow copy of `module` without children whose own tensors are full-size plain CPU tensors."""
-    twin = copy.copy(module)
+    # object.__new__ + a dict copy, not copy.copy: FSDP2's module classes rebuild through __init__
+    twin = object.__new__(type(module))
+    twin.__dict__.update(module.__dict__)
     twin._modules = {}
     twin._parameters = {
         name: None

@@ -1,0 +1,63 @@
+"""How the reference model is distributed: tensor- and expert-parallel plans for its modules.
+
+Data parallelism (`d9d.parallel.parallelize_hsdp`) is applied by the caller afterwards, so a provider
+reads: tensor parallel → expert parallel → HSDP.
+"""
+
+from d9d.mesh import DistributedContext
+from d9d.parallel import (
+    ReplicateParallel,
+    TensorParallelPlan,
+    attention_plan,
+    embedding_plan,
+    lm_head_plan,
+    mlp_plan,
+    norm_plan,
+    parallelize_expert_parallel,
+    parallelize_tensor_parallel,
+)
+
+from .model import ReferenceForCausalLM
+
+__all__ = ["apply_expert_parallel", "apply_tensor_parallel", "tensor_parallel_plan"]
+
+
+def tensor_parallel_plan(model: ReferenceForCausalLM) -> TensorParallelPlan:
+    """Heads and MLP columns split over tp, sequence-parallel norms, vocab-parallel embedding and head.
+
+    The LM head returns full (replicated) logits so any loss works on them.
+    """
+    if model.config.tie_word_embeddings:
+        raise ValueError(
+            "tensor parallelism with tie_word_embeddings is not supported: the vocab-parallel embedding "
+            "and the column-parallel LM head split the shared table differently; set model.tie_word_embeddings: false"
+        )
+    plan = (
+        embedding_plan("model.embed_tokens")
+        | attention_plan("model.layers.*.self_attn", qkv=("q_proj", "k_proj", "v_proj"), out="o_proj")
+        | norm_plan("model.layers.*.input_layernorm", "model.layers.*.post_attention_layernorm", "model.norm")
+        | lm_head_plan("lm_head", loss_parallel=False)
+    )
+    if model.config.qk_norm:
+        plan |= {
+            "model.layers.*.self_attn.q_norm": ReplicateParallel(),
+            "model.layers.*.self_attn.k_norm": ReplicateParallel(),
+        }
+    dense_layers = [
+        name for name, layer in model.model.layers.items() if not model.config.is_moe_layer(int(name))
+    ]
+    for name in dense_layers:
+        plan |= mlp_plan(f"model.layers.{name}.mlp", up=("gate_proj", "up_proj"), down="down_proj")
+    return plan
+
+
+def apply_tensor_parallel(model: ReferenceForCausalLM, context: DistributedContext) -> None:
+    """Apply `tensor_parallel_plan` over the mesh's tp axis (a no-op when tp is 1)."""
+    if context.axis_size("tp") > 1:
+        parallelize_tensor_parallel(model, context.mesh("dense"), tensor_parallel_plan(model))
+
+
+def apply_expert_parallel(model: ReferenceForCausalLM, context: DistributedContext) -> None:
+    """Shard the experts of every MoE layer over ep_shard (a no-op for a dense model or ep 1)."""
+    if model.config.moe is not None and context.config.expert_parallel > 1:
+        parallelize_expert_parallel(model, context)
