@@ -123,3 +123,27 @@ def job_config(
     for key, value in extra.items():
         config[key] = value
     return config
+
+
+class NaNAtStepTask:
+    """Causal-LM loss that turns NaN on its 3rd step (6th microbatch with 2 per step locally)."""
+
+    config_type = None
+
+    def __init__(self, config: Any = None) -> None:
+        from d9d.trainer import CausalLMTask
+
+        self._inner = CausalLMTask()
+        self._calls = 0
+
+    def batch_weight(self, batch: Any) -> float:
+        return self._inner.batch_weight(batch)
+
+    def compute_loss(self, context: Any) -> Any:
+        from d9d.trainer import LossResult
+
+        self._calls += 1
+        result = self._inner.compute_loss(context)
+        if self._calls == 9:  # first microbatch of step 3 (4 microbatches per step)
+            return LossResult(loss_sum=result.loss_sum * float("nan"), weight=result.weight)
+        return result

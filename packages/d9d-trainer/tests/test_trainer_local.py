@@ -69,3 +69,29 @@ def test_export_then_start_a_new_run_from_the_export(tmp_path):
     with Trainer.from_config(config) as trainer:
         trainer.resume()  # no checkpoint of its own: starts from the import folder
         assert all(torch.equal(trainer.model.state_dict()[k], trained[k]) for k in trained)
+
+
+def test_nonfinite_loss_stops_and_keeps_the_last_checkpoint(tmp_path):
+    from d9d.trainer import TrainingError
+
+    config = job_config(str(tmp_path), total_steps=4)
+    config["providers"]["task"] = "_job:NaNAtStepTask"
+    with (
+        Trainer.from_config(config) as trainer,
+        pytest.raises(TrainingError, match=r"step 3: loss nan .* not finite"),
+    ):
+        trainer.train()
+    assert sorted(p.name for p in (tmp_path / "tiny").iterdir() if p.name.startswith("save")) == ["save-2"]
+
+
+def test_nonfinite_loss_can_skip_the_step(tmp_path):
+    config = job_config(str(tmp_path), total_steps=4)
+    config["providers"]["task"] = "_job:NaNAtStepTask"
+    config["trainer"]["on_nonfinite"] = "skip"
+    with Trainer.from_config(config) as trainer:
+        result = trainer.train()
+        params = trainer.model.state_dict()
+        assert all(torch.isfinite(v).all() for v in params.values())
+    records = [json.loads(line) for line in (tmp_path / "tiny" / METRICS_FILE).read_text().splitlines()]
+    assert [r["skipped"] for r in records] == [False, False, True, False]
+    assert result.final_step == 4

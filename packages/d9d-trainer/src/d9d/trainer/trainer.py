@@ -29,6 +29,7 @@ from d9d.parallel import clip_grad_norm_, grad_norm, set_gradient_sync
 from d9d.trainer._materialize import materialize_and_initialize
 from d9d.trainer.job import ResolvedJob, resolve_job
 from d9d.trainer.loading import LoadedJob, load_job_config
+from d9d.trainer.metrics import ProgressLine, device_peak_flops, mfu, model_flops_per_token
 from d9d.trainer.providers import (
     BuildDataProviderContext,
     BuildDatasetContext,
@@ -228,9 +229,18 @@ class Trainer:
         data_iter = iter(self._data)
         last_log = time.perf_counter()
         tokens_since_log = 0.0
+        progress = (
+            ProgressLine(total, start) if self._context.is_main_process and cfg.logging.progress_bar else None
+        )
+        peak = device_peak_flops(self._context.device)
+        flops_per_token: float | None = None
         while self._step < total:
             step_start = time.perf_counter()
             microbatches = next(data_iter)
+            if flops_per_token is None and microbatches and isinstance(microbatches[0], dict):
+                ids = microbatches[0].get("input_ids")
+                if ids is not None:
+                    flops_per_token = model_flops_per_token(self._model, int(ids.shape[-1]))
             loss, norm, weight, applied = self._train_step(microbatches)
             self._step += 1
             losses.append(loss)
@@ -246,21 +256,27 @@ class Trainer:
             }
             if self._context.is_main_process:
                 _append_jsonl(metrics_path, record)
+                if progress is not None:
+                    progress.update(self._step, loss)
                 if self._step % cfg.logging.period_steps == 0 or self._step == total:
                     now = time.perf_counter()
+                    tokens_per_s = tokens_since_log / max(now - last_log, 1e-9)
                     _log.info(
                         "step",
                         step=self._step,
                         loss=round(loss, 5),
                         grad_norm=round(norm, 4),
                         lr=record["lr"],
-                        tokens_per_s=round(tokens_since_log / max(now - last_log, 1e-9), 1),
+                        tokens_per_s=round(tokens_per_s, 1),
+                        **mfu(tokens_per_s, flops_per_token, peak, self._context.world_size),
                         **_memory(self._context.device),
                     )
                     last_log, tokens_since_log = now, 0.0
             period = cfg.checkpointing.period_steps
             if self._step == total or (period and self._step % period == 0):
                 self.save_checkpoint()
+        if progress is not None:
+            progress.close()
         self._checkpoints.wait()
         return TrainResult(start_step=start, final_step=self._step, losses=losses)
 

@@ -1,0 +1,80 @@
+"""Throughput accounting: tokens/s, model FLOPs utilization against known device peaks, progress line."""
+
+import sys
+import time
+from typing import Any, TextIO
+
+import torch
+
+__all__ = ["PEAK_TFLOPS_BF16", "ProgressLine", "device_peak_flops", "model_flops_per_token"]
+
+#: Dense bf16 peak TFLOP/s of devices whose peak is known (name substring → TFLOP/s). A device not
+#: listed gets no MFU: never a made-up number.
+PEAK_TFLOPS_BF16: dict[str, float] = {
+    "H200": 989.0,
+    "H100 SXM": 989.0,
+    "H100 PCIe": 756.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "A10G": 125.0,
+    "L4": 121.0,
+}
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """Peak dense bf16 FLOP/s of `device`, or None when it is not in `PEAK_TFLOPS_BF16` (e.g. a CPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, tflops in PEAK_TFLOPS_BF16.items():  # most specific names come first
+        if key in name:
+            return tflops * 1e12
+    return None
+
+
+def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> float | None:
+    """Training FLOPs per token when the model (or its `config`) defines `flops_per_token(seq_len)`."""
+    for owner in (model, getattr(model, "config", None)):
+        method = getattr(owner, "flops_per_token", None)
+        if callable(method):
+            return float(method(seq_len))
+    return None
+
+
+class ProgressLine:
+    """A one-line progress display on a terminal (rewritten in place); silent when not a terminal."""
+
+    def __init__(self, total: int, start: int, stream: TextIO | None = None) -> None:
+        self._stream = stream if stream is not None else sys.stderr
+        self._enabled = self._stream.isatty()
+        self._total, self._start = total, start
+        self._t0 = time.perf_counter()
+
+    def update(self, step: int, loss: float) -> None:
+        """Show `step/total`, the loss and the time left."""
+        if not self._enabled:
+            return
+        done = step - self._start
+        rate = done / max(time.perf_counter() - self._t0, 1e-9)
+        left = (self._total - step) / rate if rate > 0 else 0.0
+        width = 30
+        filled = int(width * step / self._total)
+        bar = "#" * filled + "." * (width - filled)
+        self._stream.write(f"\r[{bar}] {step}/{self._total} loss {loss:.4f} eta {left:5.0f}s ")
+        self._stream.flush()
+
+    def close(self) -> None:
+        """End the line."""
+        if self._enabled:
+            self._stream.write("\n")
+            self._stream.flush()
+
+
+def mfu(
+    tokens_per_s: float, flops_per_token: float | None, peak: float | None, world_size: int
+) -> dict[str, Any]:
+    """{"mfu": fraction} when both the model's FLOPs and the device peak are known, else {}."""
+    if flops_per_token is None or peak is None:
+        return {}
+    return {"mfu": round(tokens_per_s * flops_per_token / (peak * world_size), 4)}
