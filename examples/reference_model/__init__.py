@@ -11,6 +11,18 @@ save_hf_pretrained(model, "hf_out")  # a Hugging Face folder (qwen3 / llama / qw
 """
 
 from .config import MoEConfig, ReferenceModelConfig, ReferenceModelConfigError
+from .mappers import (
+    HFConversionError,
+    from_hf_config,
+    hf_checkpoint_keys,
+    hf_export_mapper,
+    hf_import_mapper,
+    hf_model_type,
+    load_hf_pretrained,
+    read_hf_config,
+    save_hf_pretrained,
+    to_hf_config,
+)
 from .model import (
     MLP,
     Attention,
@@ -28,6 +40,7 @@ __all__ = [
     "MLP",
     "Attention",
     "DecoderLayer",
+    "HFConversionError",
     "MoEConfig",
     "RMSNorm",
     "ReferenceForCausalLM",
@@ -39,5 +52,14 @@ __all__ = [
     "apply_rotary",
     "apply_tensor_parallel",
     "build_moe",
+    "from_hf_config",
+    "hf_checkpoint_keys",
+    "hf_export_mapper",
+    "hf_import_mapper",
+    "hf_model_type",
+    "load_hf_pretrained",
+    "read_hf_config",
+    "save_hf_pretrained",
     "tensor_parallel_plan",
+    "to_hf_config",
 ]

@@ -6,8 +6,9 @@ constructed with one argument: its config section, converted into the class's `c
 declares one (else the raw mapping).
 """
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -54,6 +55,7 @@ class InitializeModelStageContext:
     context: DistributedContext
     stage_index: int = 0
     num_stages: int = 1
+    base_dir: Path = Path()
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,7 @@ class ParallelizeModelStageContext:
     model: nn.Module
     stage_index: int = 0
     num_stages: int = 1
+    base_dir: Path = Path()
 
 
 @dataclass(frozen=True)
@@ -83,24 +86,31 @@ class PrepareExportModelStageContext:
 
     context: DistributedContext
     model: nn.Module
+    base_dir: Path = Path()
 
 
 @dataclass(frozen=True)
 class PrepareExportModelStageResult:
     """How to save this stage: a `d9d.ckpt` state mapper from module names to saved names.
 
-    `mapper=None` saves the module's own state-dict names unchanged.
+    `mapper=None` saves the module's own state-dict names unchanged. `extra_files` (file name →
+    text) are written next to the weights by the main process, e.g. a Hugging Face `config.json`.
     """
 
     mapper: Any = None
+    extra_files: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class PrepareImportModelStageContext:
-    """What the optional `prepare_import_model_stage` receives: the initialized model."""
+    """What the optional `prepare_import_model_stage` receives: the initialized model.
+
+    `base_dir` is the config file's directory, for resolving a relative folder.
+    """
 
     context: DistributedContext
     model: nn.Module
+    base_dir: Path = Path()
 
 
 @dataclass(frozen=True)

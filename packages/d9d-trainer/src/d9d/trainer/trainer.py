@@ -107,10 +107,14 @@ class Trainer:
         if config.mesh.pipeline_parallel > 1:
             raise TrainingError("mesh.pipeline_parallel > 1 is not supported by the trainer yet; set it to 1")
         with torch.device("meta"):
-            result = job.model_provider.initialize_model_stage(InitializeModelStageContext(context=ctx))
+            result = job.model_provider.initialize_model_stage(
+                InitializeModelStageContext(context=ctx, base_dir=job.loaded.base_dir)
+            )
         model = result.model
         if not ctx.is_local:
-            job.model_provider.parallelize_model_stage(ParallelizeModelStageContext(context=ctx, model=model))
+            job.model_provider.parallelize_model_stage(
+                ParallelizeModelStageContext(context=ctx, model=model, base_dir=job.loaded.base_dir)
+            )
         materialize_and_initialize(model, ctx.device, config.trainer.determinism.seed)
         self._model = model
         self._optimizer = job.optimizer_provider.build_optimizer(model.named_parameters())
@@ -206,7 +210,11 @@ class Trainer:
         prepare = getattr(self._job.model_provider, "prepare_import_model_stage", None)
         if prepare is None:
             return
-        result = prepare(PrepareImportModelStageContext(context=self._context, model=self._model))
+        result = prepare(
+            PrepareImportModelStageContext(
+                context=self._context, model=self._model, base_dir=self._job.loaded.base_dir
+            )
+        )
         if result.folder is None:
             return
         load_safetensors(self._model, result.folder, mapper=result.mapper)
@@ -342,7 +350,9 @@ class Trainer:
         if target is None:
             raise TrainingError("no export directory: pass one or set export.dir in the config")
         result = self._job.model_provider.prepare_export_model_stage(
-            PrepareExportModelStageContext(context=self._context, model=self._model)
+            PrepareExportModelStageContext(
+                context=self._context, model=self._model, base_dir=self._job.loaded.base_dir
+            )
         )
         save_safetensors(
             self._model,
@@ -350,7 +360,14 @@ class Trainer:
             mapper=result.mapper,
             max_shard_size=self._job.config.export.shard_size_mb * 2**20,
         )
-        _log.info("exported", dir=str(target))
+        if self._context.is_main_process:
+            for name, text in result.extra_files.items():
+                path = Path(target) / name
+                tmp = path.with_name(path.name + ".tmp")
+                tmp.write_text(text, encoding="utf-8")
+                tmp.replace(path)
+        self._context.barrier()
+        _log.info("exported", dir=str(target), files=sorted(result.extra_files))
         return Path(target)
 
     # ------------------------------------------------------------------ shutdown

@@ -1,0 +1,388 @@
+"""State mappers and `config.json` conversion between the reference model and Hugging Face layouts.
+
+Three Hugging Face architectures have the reference model's computation exactly:
+
+| reference config | HF `model_type` | what the mapper does |
+|---|---|---|
+| dense, `qk_norm=True` | `qwen3` (`Qwen3ForCausalLM`) | identity |
+| dense, `qk_norm=False` | `llama` (`LlamaForCausalLM`) | identity (HF Llama checkpoints already use the half-split RoPE rows) |
+| `moe`, `qk_norm=True`, no shared expert | `qwen3_moe` (`Qwen3MoeForCausalLM`) | router rename, stacked experts ↔ one `[ffn, hidden]` weight per expert |
+
+With `tie_word_embeddings`, HF stores the table once as `model.embed_tokens.weight` (no `lm_head.weight`);
+the import mapper also accepts a folder that stores both and, as transformers does, ignores the copy.
+Nothing here imports transformers: the mappers are plain `d9d.ckpt` transforms and the configs plain dicts.
+"""
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from d9d.ckpt import (
+    Deduplicate,
+    Drop,
+    Duplicate,
+    Identity,
+    Parallel,
+    Prefix,
+    Rename,
+    Sequential,
+    StateMapper,
+    Transpose,
+    Unstack,
+    load_safetensors,
+    save_safetensors,
+)
+
+from .config import MoEConfig, ReferenceModelConfig
+from .model import ReferenceForCausalLM
+
+__all__ = [
+    "HFConversionError",
+    "from_hf_config",
+    "hf_checkpoint_keys",
+    "hf_export_mapper",
+    "hf_import_mapper",
+    "hf_model_type",
+    "load_hf_pretrained",
+    "read_hf_config",
+    "save_hf_pretrained",
+    "to_hf_config",
+]
+
+_EMBED = "model.embed_tokens.weight"
+_LM_HEAD = "lm_head.weight"
+_ARCHITECTURES = {
+    "qwen3": "Qwen3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+# transformers 5.x class defaults for keys a config.json may omit (they differ per architecture:
+# Qwen3's head_dim is 128 whatever the width, Qwen3-MoE does not renormalise top-k weights).
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768},
+    "llama": {"num_key_value_heads": None, "head_dim": None, "max_position_embeddings": 2048},
+    "qwen3_moe": {
+        "num_key_value_heads": 4,
+        "head_dim": None,
+        "max_position_embeddings": 32768,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
+}
+# Reference-config fields that do not change what the weights compute.
+_NUMERICALLY_INERT = ("initializer_range", "max_position_embeddings", "fp32_logits")
+
+
+class HFConversionError(ValueError):
+    """A config or checkpoint has no exact counterpart in the other layout; the message says which key."""
+
+
+def hf_model_type(config: ReferenceModelConfig) -> str:
+    """The HF `model_type` with this config's computation: "qwen3", "llama" or "qwen3_moe".
+
+    Raises:
+        HFConversionError: for MoE without q/k norm or with a shared expert (no exact HF architecture).
+    """
+    if config.moe is None:
+        return "qwen3" if config.qk_norm else "llama"
+    if not config.qk_norm:
+        raise HFConversionError(
+            "model.moe with model.qk_norm=false has no Hugging Face counterpart here (Qwen3-MoE normalises "
+            "q and k); set qk_norm: true to export as qwen3_moe"
+        )
+    if config.moe.shared_expert_intermediate_size is not None:
+        raise HFConversionError(
+            "model.moe.shared_expert_intermediate_size is set, but Qwen3-MoE has no shared expert (and "
+            "Qwen2-MoE's shared expert has a sigmoid gate the reference model lacks); remove it to export"
+        )
+    return "qwen3_moe"
+
+
+def _model_keys(config: ReferenceModelConfig) -> list[str]:
+    """The state-dict keys of the full model, from a storage-free meta build."""
+    with torch.device("meta"):
+        return list(ReferenceForCausalLM(config).state_dict())
+
+
+def _experts_to_hf(num_experts: int) -> StateMapper:
+    """One MoE block (keys relative to `mlp.`): router rename, stacked [E, a, b] → E per-expert [b, a]."""
+    parts: list[StateMapper] = [Rename("router.gate.weight", "gate.weight")]
+    for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
+        key = f"experts.{ours}"
+        per_expert = [f"experts.{j}.{theirs}.weight" for j in range(num_experts)]
+        # ours stores x @ W ([in, out]); HF stores nn.Linear weights ([out, in]).
+        parts.append(Sequential([Transpose(key, dims=(1, 2)), Unstack(key, per_expert)]))
+    return Parallel(parts)
+
+
+def hf_export_mapper(config: ReferenceModelConfig) -> StateMapper:
+    """Mapper from the reference model's state-dict keys to the HF layout of `hf_model_type(config)`.
+
+    Use with `save_safetensors(model, folder, mapper=hf_export_mapper(config))` (or `save_hf_pretrained`).
+    """
+    model_type = hf_model_type(config)
+    keys = _model_keys(config)
+    parts: list[StateMapper] = []
+    handled: set[str] = set()
+    if config.tie_word_embeddings:
+        parts.append(Deduplicate([_EMBED, _LM_HEAD], _EMBED))  # HF saves a tied table once
+        handled |= {_EMBED, _LM_HEAD}
+    if model_type == "qwen3_moe":
+        assert config.moe is not None
+        for index in range(config.num_layers):
+            if config.is_moe_layer(index):
+                prefix = f"model.layers.{index}.mlp."
+                parts.append(Prefix(prefix, _experts_to_hf(config.moe.num_experts)))
+                handled |= {k for k in keys if k.startswith(prefix)}
+    parts.extend(Identity(k) for k in keys if k not in handled)
+    return Parallel(parts)
+
+
+def hf_import_mapper(
+    config: ReferenceModelConfig, *, source_keys: Iterable[str] | None = None
+) -> StateMapper:
+    """Mapper from an HF checkpoint's keys to the reference model's: the inverse of `hf_export_mapper`.
+
+    Args:
+        source_keys: the keys the folder holds (`hf_checkpoint_keys(folder)`). Only needed for a tied
+            model whose folder also stores `lm_head.weight`: that copy is then read and dropped, as
+            transformers ignores it. None assumes transformers' own layout (the tied table stored once).
+    """
+    mapper = hf_export_mapper(config).inverse()
+    if config.tie_word_embeddings and source_keys is not None and _LM_HEAD in set(source_keys):
+        assert isinstance(mapper, Parallel)
+        others = [m for m in mapper.mappers if _LM_HEAD not in m.outputs]
+        mapper = Parallel([*others, Duplicate(_EMBED, [_EMBED, _LM_HEAD]), Drop([_LM_HEAD])])
+    return mapper
+
+
+def _moe_layout_to_hf(config: ReferenceModelConfig, moe: MoEConfig) -> dict[str, Any]:
+    if moe.layers is None:
+        return {"decoder_sparse_step": moe.every_n_layers, "mlp_only_layers": []}
+    return {
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in range(config.num_layers) if i not in moe.layers],
+    }
+
+
+def to_hf_config(config: ReferenceModelConfig, *, dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """The HF `config.json` contents for this config (`AutoConfig`/`AutoModelForCausalLM` read it).
+
+    Args:
+        dtype: the dtype the weights are saved in, recorded as `"dtype"` (omitted when None).
+
+    Raises:
+        HFConversionError: when no HF architecture computes the same thing (see `hf_model_type`).
+    """
+    model_type = hf_model_type(config)
+    hf: dict[str, Any] = {
+        "architectures": [_ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.kv_heads,
+        "head_dim": config.attention_head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_position_embeddings,
+        "initializer_range": config.initializer_range,
+        "rms_norm_eps": config.rms_norm_eps,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        # transformers >= 5 reads rope_parameters; older versions read rope_theta.
+        "rope_theta": config.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_cache": True,
+    }
+    if model_type == "llama":
+        hf["mlp_bias"] = False
+    else:
+        hf["use_sliding_window"] = False
+        hf["sliding_window"] = None
+    if model_type == "qwen3_moe":
+        assert config.moe is not None
+        hf |= {
+            "num_experts": config.moe.num_experts,
+            "num_experts_per_tok": config.moe.top_k,
+            "moe_intermediate_size": config.moe.moe_intermediate_size,
+            "norm_topk_prob": config.moe.norm_topk_prob,
+            **_moe_layout_to_hf(config, config.moe),
+        }
+    if dtype is not None:
+        hf["dtype"] = str(dtype).removeprefix("torch.")
+    return hf
+
+
+def _rope_theta(hf: Mapping[str, Any]) -> float:
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise HFConversionError(
+            f"config.json has rope_type {rope_type!r}; the reference model implements only default RoPE "
+            "(no scaling), so its positions would differ"
+        )
+    theta = params.get("rope_theta", hf.get("rope_theta", 10_000.0))
+    return float(theta)
+
+
+def _require(hf: Mapping[str, Any], key: str, expected: object, default: object) -> None:
+    value = hf.get(key, default)
+    if value != expected:
+        raise HFConversionError(
+            f"config.json has {key}={value!r}; the reference model supports only {key}={expected!r}"
+        )
+
+
+def from_hf_config(hf: Mapping[str, Any], **overrides: Any) -> ReferenceModelConfig:
+    """A `ReferenceModelConfig` from an HF `config.json` dict of a qwen3, llama or qwen3_moe model.
+
+    Keys the dict omits take transformers' class defaults for that architecture. `overrides` set
+    reference-only fields (e.g. `fp32_logits=True`).
+
+    Raises:
+        HFConversionError: another architecture, or a feature the reference model lacks (biases,
+            sliding windows, RoPE scaling, an activation other than SiLU).
+    """
+    model_type = hf.get("model_type")
+    if model_type not in _ARCHITECTURES:
+        raise HFConversionError(
+            f"config.json has model_type {model_type!r}; supported: {', '.join(sorted(_ARCHITECTURES))}"
+        )
+    defaults = _HF_DEFAULTS[model_type]
+    missing = [
+        k
+        for k in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        )
+        if k not in hf
+    ]
+    if model_type == "qwen3_moe":
+        missing += [k for k in ("num_experts_per_tok", "moe_intermediate_size") if k not in hf]
+        if "num_experts" not in hf and "num_local_experts" not in hf:
+            missing.append("num_experts")
+    if missing:
+        raise HFConversionError(f"config.json of a {model_type} model lacks {missing}")
+    _require(hf, "hidden_act", "silu", "silu")
+    _require(hf, "attention_bias", False, False)
+    _require(hf, "mlp_bias", False, False)
+    _require(hf, "use_sliding_window", False, False)
+    heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
+    kv_heads = hf.get("num_key_value_heads", defaults["num_key_value_heads"])
+    head_dim = hf.get("head_dim", defaults["head_dim"])
+    fields: dict[str, Any] = {
+        "vocab_size": int(hf["vocab_size"]),
+        "hidden_size": hidden,
+        "intermediate_size": int(hf["intermediate_size"]),
+        "num_layers": int(hf["num_hidden_layers"]),
+        "num_attention_heads": heads,
+        # None where the value is the reference default, so that configs round-trip unchanged
+        "num_key_value_heads": None if kv_heads is None or int(kv_heads) == heads else int(kv_heads),
+        "head_dim": None if head_dim is None or int(head_dim) * heads == hidden else int(head_dim),
+        "rope_theta": _rope_theta(hf),
+        "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+        "max_position_embeddings": int(
+            hf.get("max_position_embeddings", defaults["max_position_embeddings"])
+        ),
+        "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        "qk_norm": model_type != "llama",
+        "initializer_range": float(hf.get("initializer_range", 0.02)),
+    }
+    if model_type == "qwen3_moe":
+        num_experts = int(hf.get("num_experts", hf.get("num_local_experts", 0)))
+        step = int(hf.get("decoder_sparse_step", defaults["decoder_sparse_step"]))
+        dense_only = list(hf.get("mlp_only_layers") or defaults["mlp_only_layers"])
+        if num_experts > 0:
+            layout: dict[str, Any] = {"every_n_layers": step}
+            if dense_only:
+                layers = (i for i in range(fields["num_layers"]) if (i + 1) % step == 0)
+                layout = {"layers": tuple(i for i in layers if i not in dense_only)}
+            fields["moe"] = MoEConfig(
+                num_experts=num_experts,
+                top_k=int(hf["num_experts_per_tok"]),
+                moe_intermediate_size=int(hf["moe_intermediate_size"]),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", defaults["norm_topk_prob"])),
+                **layout,
+            )
+    fields.update(overrides)
+    return ReferenceModelConfig.from_dict(fields)
+
+
+def read_hf_config(folder: str | os.PathLike[str], **overrides: Any) -> ReferenceModelConfig:
+    """`from_hf_config` of `<folder>/config.json`."""
+    path = Path(folder) / "config.json"
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise HFConversionError(f"{path}: no config.json; is {folder} a Hugging Face model folder?") from None
+    return from_hf_config(hf, **overrides)
+
+
+def hf_checkpoint_keys(folder: str | os.PathLike[str]) -> list[str]:
+    """The tensor keys of a safetensors folder, from its index (or the single file's header): no data read."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return sorted(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
+    single = folder / "model.safetensors"
+    if not single.exists():
+        raise HFConversionError(f"{folder} holds neither model.safetensors.index.json nor model.safetensors")
+    from safetensors import safe_open
+
+    with safe_open(single, framework="pt") as handle:
+        return sorted(handle.keys())
+
+
+def save_hf_pretrained(
+    model: nn.Module,
+    folder: str | os.PathLike[str],
+    *,
+    config: ReferenceModelConfig | None = None,
+    max_shard_size: int | str = "5GB",
+) -> None:
+    """Write the model as an HF folder: safetensors through `hf_export_mapper` plus `config.json`.
+
+    Call it on every rank of a distributed job (the weights are gathered one group at a time);
+    only global rank 0 writes. `config` defaults to `model.config`.
+    """
+    config = config if config is not None else model.config
+    assert isinstance(config, ReferenceModelConfig)
+    dtype = next(iter(model.state_dict().values())).dtype
+    hf = to_hf_config(config, dtype=dtype)
+    save_safetensors(model, folder, mapper=hf_export_mapper(config), max_shard_size=max_shard_size)
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        (Path(folder) / "config.json").write_text(json.dumps(hf, indent=2) + "\n", encoding="utf-8")
+
+
+def _computation(config: ReferenceModelConfig) -> dict[str, Any]:
+    """The fields that decide what the weights compute, with the None defaults resolved."""
+    fields = {k: getattr(config, k) for k in config.__struct_fields__ if k not in _NUMERICALLY_INERT}
+    fields |= {"num_key_value_heads": config.kv_heads, "head_dim": config.attention_head_dim}
+    return fields
+
+
+def load_hf_pretrained(model: nn.Module, folder: str | os.PathLike[str]) -> None:
+    """Fill the model in place from an HF folder through `hf_import_mapper`, after checking its config.json.
+
+    Raises:
+        HFConversionError: the folder's config computes something else than `model.config`.
+    """
+    config = model.config
+    assert isinstance(config, ReferenceModelConfig)
+    ours, theirs = _computation(config), _computation(read_hf_config(folder))
+    if differ := [f"{k}: model {v!r}, folder {theirs[k]!r}" for k, v in ours.items() if theirs[k] != v]:
+        raise HFConversionError(f"{folder}/config.json does not describe this model ({'; '.join(differ)})")
+    mapper = hf_import_mapper(config, source_keys=hf_checkpoint_keys(folder))
+    load_safetensors(model, folder, mapper=mapper)
