@@ -38,7 +38,10 @@ def plain_loop(steps: int) -> list[float]:
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": job.optimizer.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        [
+            {"params": decay, "weight_decay": job.optimizer.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
         lr=job.optimizer.lr,
         betas=job.optimizer.betas,
     )
@@ -57,7 +60,10 @@ def plain_loop(steps: int) -> list[float]:
         opt.zero_grad(set_to_none=True)
         for mb in microbatches:
             logits = model(mb["input_ids"])
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), mb["labels"].flatten(), reduction="sum") / tokens
+            loss = (
+                F.cross_entropy(logits.flatten(0, 1).float(), mb["labels"].flatten(), reduction="sum")
+                / tokens
+            )
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), job.trainer.gradient_clipping.max_norm)
         opt.step()
@@ -83,7 +89,9 @@ def d9d_loop(steps: int) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
