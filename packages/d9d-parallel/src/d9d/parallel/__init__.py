@@ -77,3 +77,46 @@ __all__ = [
     "parallelize_tensor_parallel",
     "set_gradient_sync",
 ]
+
+# Pipeline parallelism (d9d.parallel.pipeline): layer-to-stage plans, schedules by name, the step.
+from d9d.parallel.pipeline import (
+    PIPELINE_SCHEDULES,
+    Pipeline,
+    PipelineConfig,
+    PipelineError,
+    PipelineLayout,
+    PipelineLossFn,
+    PipelineScheduleInfo,
+    PipelineStageModule,
+    StageSpec,
+    StageToRankStyle,
+    check_pipeline_microbatches,
+    fsdp_reshard_after_forward,
+    keep_stage_layers,
+    pipeline_schedule_info,
+    plan_pipeline,
+    prepare_fsdp_for_schedule,
+    split_layers,
+    stage_to_rank,
+)
+
+__all__ += [
+    "PIPELINE_SCHEDULES",
+    "Pipeline",
+    "PipelineConfig",
+    "PipelineError",
+    "PipelineLayout",
+    "PipelineLossFn",
+    "PipelineScheduleInfo",
+    "PipelineStageModule",
+    "StageSpec",
+    "StageToRankStyle",
+    "check_pipeline_microbatches",
+    "fsdp_reshard_after_forward",
+    "keep_stage_layers",
+    "pipeline_schedule_info",
+    "plan_pipeline",
+    "prepare_fsdp_for_schedule",
+    "split_layers",
+    "stage_to_rank",
+]

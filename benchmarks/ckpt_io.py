@@ -1,0 +1,166 @@
+"""Checkpoint and safetensors IO: peak memory of streaming export/import, and save/load throughput.
+
+    OMP_NUM_THREADS=1 uv run python benchmarks/ckpt_io.py [--mb 400] [--shard-mb 50]
+
+Every measurement runs in a fresh subprocess holding a model of `--mb` MB (fp32, 16 equal tensors).
+Memory is the peak RSS above the RSS right after the model was built. The streaming writer and reader
+of d9d.ckpt should stay near one shard plus one tensor; `safetensors.torch.save_file`/`load_file` and
+`torch.save`/`torch.load` of the full state dict need about the whole model. Throughput compares
+d9d's `CheckpointManager` (atomic commit, validation) with plain `torch.distributed.checkpoint`.
+"""
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+MB = 2**20
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * resource.getpagesize()
+
+
+class _PeakSampler:
+    """Samples this process's RSS every millisecond (ru_maxrss cannot be reset after the model build)."""
+
+    def __init__(self) -> None:
+        self.peak = _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss())
+            time.sleep(0.001)
+
+    def __enter__(self) -> "_PeakSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+
+
+def _model(total_mb: int):  # type: ignore[no-untyped-def]
+    import torch
+
+    n = 16
+    per = total_mb * MB // (4 * n)
+    side = int(per**0.5)
+    module = torch.nn.Module()
+    for i in range(n):
+        module.register_parameter(f"w{i:02d}", torch.nn.Parameter(torch.randn(side, side)))
+    return module
+
+
+def _child(op: str, folder: str, total_mb: int, shard_mb: int) -> None:
+    model = _model(total_mb)
+    base = _rss()
+    with _PeakSampler() as sampler:
+        seconds = _do(op, model, folder, shard_mb)
+    print(json.dumps({"op": op, "extra_mb": max(0, sampler.peak - base) / MB, "seconds": seconds}))
+
+
+def _do(op: str, model, folder: str, shard_mb: int) -> float:  # type: ignore[no-untyped-def]
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from d9d.ckpt import CheckpointManager, load_safetensors, save_safetensors
+
+    start = time.perf_counter()
+    if op == "d9d_export":
+        save_safetensors(model, folder, max_shard_size=shard_mb * MB)
+    elif op == "save_file":
+        save_file({k: v.detach() for k, v in model.state_dict().items()}, f"{folder}/model.safetensors")
+    elif op == "torch_save":
+        torch.save(model.state_dict(), f"{folder}/model.pt")
+    elif op == "d9d_import":
+        load_safetensors(model, folder)
+    elif op == "load_file":
+        model.load_state_dict(load_file(f"{folder}/model.safetensors"))
+    elif op == "torch_load":
+        model.load_state_dict(torch.load(f"{folder}/model.pt"))
+    elif op == "d9d_ckpt_save":
+        with CheckpointManager(folder, "bench") as manager:
+            manager.save(1, model)
+    elif op == "dcp_save":
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save({"model": model.state_dict()}, checkpoint_id=f"{folder}/dcp", no_dist=True)
+    elif op == "d9d_ckpt_load":
+        with CheckpointManager(folder, "bench") as manager:
+            manager.load(None, model)
+    elif op == "dcp_load":
+        import torch.distributed.checkpoint as dcp
+
+        state = {"model": model.state_dict()}
+        dcp.load(state, checkpoint_id=f"{folder}/dcp", no_dist=True)
+    return time.perf_counter() - start
+
+
+def _run(op: str, folder: str, args: argparse.Namespace) -> dict[str, float]:
+    out = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--child",
+            op,
+            "--folder",
+            folder,
+            "--mb",
+            str(args.mb),
+            "--shard-mb",
+            str(args.shard_mb),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--mb", type=int, default=400)
+    parser.add_argument("--shard-mb", type=int, default=50)
+    parser.add_argument("--child")
+    parser.add_argument("--folder")
+    args = parser.parse_args()
+    if args.child:
+        _child(args.child, args.folder, args.mb, args.shard_mb)
+        return
+    tensor_mb = args.mb / 16
+    with tempfile.TemporaryDirectory() as d9d_dir, tempfile.TemporaryDirectory() as plain_dir:
+        rows = [_run(op, d9d_dir if op.startswith("d9d") else plain_dir, args) for op in (
+            "d9d_export", "save_file", "torch_save", "d9d_import", "load_file", "torch_load",
+            "d9d_ckpt_save", "dcp_save", "d9d_ckpt_load", "dcp_load",
+        )]  # fmt: skip
+    by_op = {r["op"]: r for r in rows}
+    print(f"model {args.mb} MB in 16 tensors of {tensor_mb:.0f} MB; shard size {args.shard_mb} MB")
+    print(f"{'operation':<16} {'peak extra MB':>14} {'seconds':>9}")
+    for r in rows:
+        print(f"{r['op']:<16} {r['extra_mb']:>14.0f} {r['seconds']:>9.2f}")
+    budget = args.shard_mb + tensor_mb
+    print(f"streaming export extra / (shard + tensor): {by_op['d9d_export']['extra_mb'] / budget:.2f}")
+    print(f"streaming import extra / (shard + tensor): {by_op['d9d_import']['extra_mb'] / budget:.2f}")
+    print(f"save_file extra / model size: {by_op['save_file']['extra_mb'] / args.mb:.2f}")
+    print(
+        f"d9d checkpoint save / plain DCP save time: {by_op['d9d_ckpt_save']['seconds'] / by_op['dcp_save']['seconds']:.2f}"
+    )
+    print(
+        f"d9d checkpoint load / plain DCP load time: {by_op['d9d_ckpt_load']['seconds'] / by_op['dcp_load']['seconds']:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

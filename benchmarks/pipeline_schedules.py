@@ -1,0 +1,228 @@
+"""Step time of every pipeline schedule against its theoretical bubble fraction, same stages and microbatches.
+
+    uv run python benchmarks/pipeline_schedules.py [--pp 2] [--microbatches 8] [--layers 8] [--dim 256]
+
+Each schedule trains an MLP-block language model for a few steps on `--pp` forked CPU ranks (gloo).
+"theory" is the idle fraction of the schedule's own action order (torch's for the multi-stage
+schedules, torch's warm-up rule for gpipe/1f1b) replayed with unit costs F = 1, I = W = 1 (B = 2) and
+free communication. "measured" is 1 - (one-process step time / pp) / pipelined step time: bubble plus
+communication and runtime overhead. CPU timings are noisy (±15%), and with more ranks than cores the
+measured column is meaningless: keep --pp at the core count.
+"""
+
+import argparse
+import statistics
+import time
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from d9d.mesh import DistributedContext, MeshConfig
+from d9d.mesh.testing import run_distributed
+from d9d.parallel.pipeline import PIPELINE_SCHEDULES, Pipeline, PipelineConfig, StageSpec, plan_pipeline
+
+COST = {"F": 1.0, "I": 1.0, "W": 1.0, "B": 2.0}
+
+
+class Model(nn.Module):
+    """Embedding, residual MLP blocks, norm and head; built whole (`spec=None`) or as one stage."""
+
+    def __init__(self, args: argparse.Namespace, spec: StageSpec | None = None) -> None:
+        super().__init__()
+        layers = range(args.layers) if spec is None else spec.layers
+        first, last = spec is None or spec.is_first, spec is None or spec.is_last
+        self.embed = nn.Embedding(args.vocab, args.dim) if first else None
+        self.layers = nn.ModuleDict(
+            {
+                str(i): nn.Sequential(nn.LayerNorm(args.dim), nn.Linear(args.dim, 4 * args.dim), nn.GELU(),
+                                      nn.Linear(4 * args.dim, args.dim))
+                for i in layers
+            }
+        )  # fmt: skip
+        self.head = nn.Sequential(nn.LayerNorm(args.dim), nn.Linear(args.dim, args.vocab)) if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x) if self.embed is not None else x
+        for layer in self.layers.values():
+            x = x + layer(x)
+        return self.head(x) if self.head is not None else x
+
+
+def _loss(tokens: int):
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum") / tokens
+
+    return loss_fn
+
+
+def _batch(args: argparse.Namespace) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(
+        0, args.vocab, (args.microbatches * args.microbatch_size, args.seq + 1), generator=gen
+    )
+
+
+def _time(step, args: argparse.Namespace) -> float:
+    for _ in range(args.warmup):
+        step()
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def one_process(args: argparse.Namespace) -> float:
+    torch.manual_seed(0)
+    model = Model(args)
+    tokens = _batch(args)
+    loss_fn = _loss(tokens[:, 1:].numel())
+
+    def step() -> None:
+        loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        model.zero_grad()
+
+    return _time(step, args)
+
+
+def pipelined(args: argparse.Namespace, name: str) -> tuple[float, dict[int, list[tuple]]]:
+    with DistributedContext.from_env(MeshConfig(pipeline_parallel=args.pp)) as ctx:
+        layout = plan_pipeline(args.layers, args.pp, PipelineConfig(name), n_microbatches=args.microbatches)
+        torch.manual_seed(0)
+        modules = [Model(args, spec) for spec in layout.stages_of_rank(ctx.coordinate("pp"))]
+        tokens = _batch(args)
+        micro = list(tokens.chunk(args.microbatches))
+        pipe = Pipeline(
+            layout,
+            modules,
+            pp_group=ctx.mesh("dense")["pp"],
+            n_microbatches=args.microbatches,
+            loss_fn=_loss(tokens[:, 1:].numel()),
+        )
+
+        def step() -> None:
+            pipe.step([m[:, :-1] for m in micro], [m[:, 1:] for m in micro])
+            for m in modules:
+                m.zero_grad()
+
+        seconds = _time(step, args)
+        order = {}
+        if PIPELINE_SCHEDULES[name].multi_stage:  # single-stage schedules run their own loop, not this order
+            order = {
+                r: [_plain(a) for a in acts if a is not None]
+                for r, acts in pipe.schedule.pipeline_order.items()
+            }
+        return seconds, order
+
+
+def _plain(action) -> tuple:
+    """(kind, stage, microbatch, sub-actions) of a torch schedule action, picklable."""
+    subs = tuple(_plain(a) for a in (action.sub_actions or ()))
+    return (str(action.computation_type.value), action.stage_index, action.microbatch_index, subs)
+
+
+def single_stage_order(name: str, pp: int, n: int) -> dict[int, list[tuple]]:
+    """gpipe: all forwards, then all backwards; 1f1b: torch's warm-up of (pp - rank) forwards, then 1B1F."""
+    order = {}
+    for rank in range(pp):
+        if name == "gpipe":
+            acts = [("F", rank, m, ()) for m in range(n)] + [("B", rank, m, ()) for m in range(n)]
+        else:
+            warm = min(n, pp - rank)
+            acts = [("F", rank, m, ()) for m in range(warm)]
+            for m in range(n):
+                acts.append(("B", rank, m, ()))
+                if warm + m < n:
+                    acts.append(("F", rank, warm + m, ()))
+        order[rank] = acts
+    return order
+
+
+def bubble_fraction(order: dict[int, list[tuple]], num_stages: int) -> float:
+    """Idle share of rank-time when each rank runs its actions in order, as soon as their inputs exist."""
+    done: dict[tuple[str, int, int], float] = {}
+    clock = dict.fromkeys(order, 0.0)
+    pos = dict.fromkeys(order, 0)
+    busy = 0.0
+
+    def compute(acts: Iterable[tuple]) -> list[tuple]:
+        return [a for a in acts if a[0] in COST or a[0] == "OVERLAP_F_B"]
+
+    todo = {r: compute(acts) for r, acts in order.items()}
+
+    def ready_at(kind: str, stage: int, mb: int) -> float | None:
+        deps = []
+        if kind == "F" and stage > 0:
+            deps.append(("F", stage - 1, mb))
+        if kind in ("B", "I"):
+            deps.append(("F", stage, mb))
+            if stage < num_stages - 1:
+                deps.append(("grad", stage + 1, mb))
+        if kind == "W":
+            deps.append(("I", stage, mb))
+        times = [done.get(d) for d in deps]
+        return None if any(t is None for t in times) else max(times, default=0.0)
+
+    progress = True
+    while progress:
+        progress = False
+        for rank, acts in todo.items():
+            while pos[rank] < len(acts):
+                kind, stage, mb, subs = acts[pos[rank]]
+                parts = [(k, s, m) for k, s, m, _ in subs] if kind == "OVERLAP_F_B" else [(kind, stage, mb)]
+                ready = [ready_at(*p) for p in parts]
+                if any(t is None for t in ready):
+                    break
+                cost = sum(COST[k] for k, _, _ in parts)
+                end = max(clock[rank], *ready) + cost
+                clock[rank], busy, pos[rank], progress = end, busy + cost, pos[rank] + 1, True
+                for k, s, m in parts:
+                    done[(k, s, m)] = end
+                    if k in ("B", "I"):
+                        done[("grad", s, m)] = end
+    if any(pos[r] < len(todo[r]) for r in todo):
+        raise RuntimeError("the schedule's order deadlocks under the unit-cost replay")
+    makespan = max(clock.values())
+    return 1.0 - busy / (len(order) * makespan)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--microbatch-size", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--schedules", nargs="+", default=list(PIPELINE_SCHEDULES))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    single = run_distributed(one_process, 1, args, timeout=600)[0]
+    ideal = single / args.pp
+    print(
+        f"pp={args.pp} microbatches={args.microbatches}x{args.microbatch_size} seq={args.seq} "
+        f"layers={args.layers} dim={args.dim}; one process: {single * 1e3:.1f} ms/step, "
+        f"ideal pipelined: {ideal * 1e3:.1f} ms/step"
+    )
+    print(f"{'schedule':<24}{'stages':>7}{'ms/step':>10}{'vs ideal':>10}{'measured':>10}{'theory':>9}")
+    for name in args.schedules:
+        results = run_distributed(pipelined, args.pp, args, name, timeout=600)
+        seconds = max(r[0] for r in results)
+        num_stages = args.pp * PipelineConfig(name).resolved_stages_per_rank
+        order = results[0][1] or single_stage_order(name, args.pp, args.microbatches)
+        theory = bubble_fraction(order, num_stages)
+        print(
+            f"{name:<24}{num_stages:>7}{seconds * 1e3:>10.1f}{seconds / ideal:>10.2f}"
+            f"{1 - ideal / seconds:>10.1%}{theory:>9.1%}"
+        )
+
+
+if __name__ == "__main__":
+    main()
