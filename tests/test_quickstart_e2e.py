@@ -12,6 +12,11 @@ MESHES = {
     "hsdp2x2": (4, ["mesh.data_parallel_replicate=2", "mesh.data_parallel_shard=2"]),
     "tp2": (2, ["mesh.tensor_parallel=2"]),
     "fsdp2_tp2": (4, ["mesh.data_parallel_shard=2", "mesh.tensor_parallel=2"]),
+    "pp2_1f1b": (2, ["mesh.pipeline_parallel=2", "pipelining.schedule=1f1b"]),
+    "pp2_gpipe_fsdp2": (
+        4,
+        ["mesh.pipeline_parallel=2", "mesh.data_parallel_shard=2", "pipelining.schedule=gpipe"],
+    ),
 }
 
 

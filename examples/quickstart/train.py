@@ -19,6 +19,7 @@ from reference_model import (
     ReferenceModelConfig,
     apply_expert_parallel,
     apply_tensor_parallel,
+    trim_to_stage,
 )
 
 from d9d.data import TextDataset
@@ -47,7 +48,13 @@ class QuickstartModelProvider:
         self.config = config
 
     def initialize_model_stage(self, context: InitializeModelStageContext) -> InitializeModelStageResult:
-        return InitializeModelStageResult(model=ReferenceForCausalLM(self.config))
+        model = ReferenceForCausalLM(self.config)
+        if context.stage is not None:  # pipeline parallel: keep this stage's part (on meta: free)
+            trim_to_stage(model, context.stage)
+        return InitializeModelStageResult(model=model)
+
+    def pipeline_num_layers(self) -> int:
+        return self.config.num_layers
 
     def parallelize_model_stage(self, context: ParallelizeModelStageContext) -> None:
         model, ctx = context.model, context.context

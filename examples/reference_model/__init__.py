@@ -34,7 +34,7 @@ from .model import (
     apply_rotary,
     build_moe,
 )
-from .parallelize import apply_expert_parallel, apply_tensor_parallel, tensor_parallel_plan
+from .parallelize import apply_expert_parallel, apply_tensor_parallel, tensor_parallel_plan, trim_to_stage
 
 __all__ = [
     "MLP",
@@ -62,4 +62,5 @@ __all__ = [
     "save_hf_pretrained",
     "tensor_parallel_plan",
     "to_hf_config",
+    "trim_to_stage",
 ]

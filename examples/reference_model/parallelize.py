@@ -7,9 +7,11 @@ reads: tensor parallel → expert parallel → HSDP.
 from d9d.mesh import DistributedContext
 from d9d.parallel import (
     ReplicateParallel,
+    StageSpec,
     TensorParallelPlan,
     attention_plan,
     embedding_plan,
+    keep_stage_layers,
     lm_head_plan,
     mlp_plan,
     norm_plan,
@@ -19,7 +21,7 @@ from d9d.parallel import (
 
 from .model import ReferenceForCausalLM
 
-__all__ = ["apply_expert_parallel", "apply_tensor_parallel", "tensor_parallel_plan"]
+__all__ = ["apply_expert_parallel", "apply_tensor_parallel", "tensor_parallel_plan", "trim_to_stage"]
 
 
 def tensor_parallel_plan(model: ReferenceForCausalLM) -> TensorParallelPlan:
@@ -61,3 +63,14 @@ def apply_expert_parallel(model: ReferenceForCausalLM, context: DistributedConte
     """Shard the experts of every MoE layer over ep_shard (a no-op for a dense model or ep 1)."""
     if model.config.moe is not None and context.config.expert_parallel > 1:
         parallelize_expert_parallel(model, context)
+
+
+def trim_to_stage(model: ReferenceForCausalLM, stage: StageSpec) -> None:
+    """Keep only a pipeline stage's part of the model: its layers (whole-model names), the embedding on
+    the first stage, the final norm and LM head on the last. Call it on the meta device."""
+    keep_stage_layers(model.model.layers, stage)
+    if not stage.is_first:
+        model.model.embed_tokens = None
+    if not stage.is_last:
+        model.model.norm = None
+        model.lm_head = None

@@ -1,11 +1,10 @@
-"""d9d.cli: the `d9d` command (placeholder until the CLI issue lands)."""
+"""d9d.cli: the `d9d` command (`python -m d9d.cli` is its module form, e.g. under torchrun).
 
-import sys
+Importing this package is cheap: torch and the trainer are imported only by the commands that
+need them, so `d9d --help` answers at once.
+"""
 
-__all__ = ["main"]
+from d9d.cli.errors import CliError
+from d9d.cli.main import cli, main
 
-
-def main() -> None:
-    """Entry point of the `d9d` console script."""
-    print("d9d: the command line is not implemented yet; see README.md", file=sys.stderr)
-    sys.exit(2)
+__all__ = ["CliError", "cli", "main"]

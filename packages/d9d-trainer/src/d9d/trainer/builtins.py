@@ -45,7 +45,15 @@ class CausalLMTask:
         """Forward `input_ids` and sum the cross-entropy over every labelled token."""
         input_ids = context.batch["input_ids"].to(context.device, non_blocking=True)
         labels = context.batch["labels"].to(context.device, non_blocking=True)
-        logits = context.model(input_ids)
+        return self.pipeline_loss(context.model(input_ids), labels)
+
+    def pipeline_inputs(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Under pipeline parallelism: the first stage gets `input_ids`, the loss gets `labels`."""
+        return batch["input_ids"], batch["labels"]
+
+    def pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> LossResult:
+        """Summed cross-entropy of `logits` against `labels` (labels equal to IGNORE_INDEX skipped)."""
+        labels = labels.to(logits.device)
         loss = F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]).float(),
             labels.reshape(-1),

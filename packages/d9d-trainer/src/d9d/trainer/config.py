@@ -167,10 +167,16 @@ class LRSchedulerConfig(_Section):
 
 
 class PipeliningConfig(_Section):
-    """Pipeline schedule by name (used when mesh.pipeline_parallel > 1)."""
+    """Pipeline schedule by name (used when mesh.pipeline_parallel > 1).
+
+    `stages_per_rank: null` takes the schedule's default. The embedding and the head count as
+    `embedding_weight` / `head_weight` layers when layers are split into stages.
+    """
 
     schedule: str = "1f1b"
-    stages_per_rank: int = 1
+    stages_per_rank: int | None = None
+    embedding_weight: float = 1.0
+    head_weight: float = 1.0
 
 
 class ExportConfig(_Section):

@@ -50,11 +50,16 @@ class InitializeModelStageContext:
         context: where this rank sits (mesh, coordinates, device).
         stage_index: which pipeline stage to build (0 without pipeline parallelism).
         num_stages: pipeline stages in total (1 without pipeline parallelism).
+        stage: with pipeline parallelism, the `d9d.parallel.StageSpec` to build: the layers it
+            holds (keep their whole-model names) and whether it is the first / last stage (embedding,
+            final norm and head); None builds the whole model.
+        base_dir: the config file's directory.
     """
 
     context: DistributedContext
     stage_index: int = 0
     num_stages: int = 1
+    stage: Any = None
     base_dir: Path = Path()
 
 
@@ -77,6 +82,7 @@ class ParallelizeModelStageContext:
     model: nn.Module
     stage_index: int = 0
     num_stages: int = 1
+    stage: Any = None
     base_dir: Path = Path()
 
 
@@ -143,6 +149,9 @@ class ModelProvider(Protocol):
         """Return the mapper `Trainer.export()` saves through."""
         ...
 
+    # Optional, for pipeline parallelism: `pipeline_num_layers() -> int`, the number of layers the
+    # trainer splits into stages (the model is then built one stage at a time, see `stage`).
+    #
     # Optional: `prepare_import_model_stage(PrepareImportModelStageContext) -> PrepareImportModelStageResult`
     # names a safetensors folder (e.g. a Hugging Face checkpoint) to start from when the run has no
     # checkpoint of its own yet (fine-tuning).
@@ -229,6 +238,10 @@ class Task(Protocol):
     def compute_loss(self, context: LossContext) -> LossResult:
         """Forward the model on the batch and return the summed loss."""
         ...
+
+    # Optional, for pipeline parallelism (the pipeline runs the forward itself):
+    #   pipeline_inputs(batch) -> (first stage's input, target given to pipeline_loss)
+    #   pipeline_loss(output, target) -> LossResult   (output: the last stage's output)
 
 
 # ---------------------------------------------------------------------------------------- optim

@@ -4,6 +4,7 @@ build (mesh → logging → providers → model on meta → parallelize → mate
 LR schedule, data, checkpoints) → resume → train loop → checkpoint → export.
 """
 
+import datetime
 import json
 import math
 import sys
@@ -25,7 +26,16 @@ from d9d.ckpt import (
     save_safetensors,
 )
 from d9d.mesh import D9dError, DistributedContext, configure_logging, get_logger
-from d9d.parallel import clip_grad_norm_, grad_norm, set_gradient_sync
+from d9d.parallel import (
+    Pipeline,
+    PipelineConfig,
+    PipelineLayout,
+    StageSpec,
+    clip_grad_norm_,
+    grad_norm,
+    plan_pipeline,
+    set_gradient_sync,
+)
 from d9d.trainer._materialize import materialize_and_initialize
 from d9d.trainer.job import ResolvedJob, resolve_job
 from d9d.trainer.loading import LoadedJob, load_job_config
@@ -104,23 +114,6 @@ class Trainer:
     def _build(self) -> None:
         job, ctx = self._job, self._context
         config = job.config
-        if config.mesh.pipeline_parallel > 1:
-            raise TrainingError("mesh.pipeline_parallel > 1 is not supported by the trainer yet; set it to 1")
-        with torch.device("meta"):
-            result = job.model_provider.initialize_model_stage(
-                InitializeModelStageContext(context=ctx, base_dir=job.loaded.base_dir)
-            )
-        model = result.model
-        if not ctx.is_local:
-            job.model_provider.parallelize_model_stage(
-                ParallelizeModelStageContext(context=ctx, model=model, base_dir=job.loaded.base_dir)
-            )
-        materialize_and_initialize(model, ctx.device, config.trainer.determinism.seed)
-        self._model = model
-        self._optimizer = job.optimizer_provider.build_optimizer(model.named_parameters())
-        self._scheduler = job.lr_scheduler_provider.build_lr_scheduler(
-            self._optimizer, config.trainer.schedule.total_steps
-        )
         dataset = (
             job.dataset_provider.build_dataset(BuildDatasetContext(context=ctx, base_dir=job.loaded.base_dir))
             if job.dataset_provider is not None
@@ -128,6 +121,50 @@ class Trainer:
         )
         self._data = job.data_factory.build_data_provider(
             BuildDataProviderContext(context=ctx, dataset=dataset)
+        )
+        self._pipeline: Pipeline | None = None
+        self._pp_group = None
+        stage = None
+        layout = None
+        if config.mesh.pipeline_parallel > 1:
+            layout, stage = self._plan_pipeline()
+        with torch.device("meta"):
+            result = job.model_provider.initialize_model_stage(
+                InitializeModelStageContext(
+                    context=ctx,
+                    stage_index=stage.index if stage is not None else 0,
+                    num_stages=layout.num_stages if layout is not None else 1,
+                    stage=stage,
+                    base_dir=job.loaded.base_dir,
+                )
+            )
+        model = result.model
+        if not ctx.is_local:
+            job.model_provider.parallelize_model_stage(
+                ParallelizeModelStageContext(
+                    context=ctx,
+                    model=model,
+                    stage_index=stage.index if stage is not None else 0,
+                    num_stages=layout.num_stages if layout is not None else 1,
+                    stage=stage,
+                    base_dir=job.loaded.base_dir,
+                )
+            )
+        materialize_and_initialize(model, ctx.device, config.trainer.determinism.seed)
+        self._model = model
+        if layout is not None:
+            self._pp_group = ctx.mesh("dense")["pp"]
+            self._pipeline = Pipeline(
+                layout,
+                [model],
+                pp_group=self._pp_group,
+                n_microbatches=self._n_microbatches,
+                loss_fn=self._pipeline_loss,
+                device=ctx.device,
+            )
+        self._optimizer = job.optimizer_provider.build_optimizer(model.named_parameters())
+        self._scheduler = job.lr_scheduler_provider.build_lr_scheduler(
+            self._optimizer, config.trainer.schedule.total_steps
         )
         ckpt = config.trainer.checkpointing
         self._checkpoints = CheckpointManager(
@@ -138,6 +175,7 @@ class Trainer:
             context=ctx,
         )
         self._step = 0
+        self._global_weight = 1.0
         self._dp_group = None if ctx.is_local else ctx.mesh("batch").get_group("dp")
         n_params = sum(p.numel() for p in model.parameters())
         _log.info(
@@ -147,6 +185,49 @@ class Trainer:
             local_params=n_params,
             device=str(ctx.device),
         )
+
+    def _plan_pipeline(self) -> tuple[PipelineLayout, StageSpec]:
+        """This rank's pipeline stage (the trainer runs one stage per rank for now)."""
+        job, ctx = self._job, self._context
+        pcfg = job.config.pipelining
+        config = PipelineConfig(pcfg.schedule, pcfg.stages_per_rank)
+        if config.info.multi_stage:
+            raise TrainingError(
+                f"pipelining.schedule {pcfg.schedule!r} runs several stages per rank, which the trainer does "
+                "not support yet (a checkpoint holds one model per rank); use gpipe or 1f1b"
+            )
+        count = getattr(job.model_provider, "pipeline_num_layers", None)
+        if count is None:
+            raise TrainingError(
+                "mesh.pipeline_parallel > 1 needs a model provider with pipeline_num_layers() and stage "
+                "support in initialize_model_stage (context.stage); see docs/parallelism.md"
+            )
+        task = job.task
+        if not (hasattr(task, "pipeline_inputs") and hasattr(task, "pipeline_loss")):
+            raise TrainingError(
+                "mesh.pipeline_parallel > 1 needs a task with pipeline_inputs() and pipeline_loss()"
+            )
+        n = getattr(self._data, "microbatches_per_step", None)
+        if n is None:
+            raise TrainingError("mesh.pipeline_parallel > 1 needs a data provider with microbatches_per_step")
+        self._n_microbatches = int(n)
+        layout = plan_pipeline(
+            int(count()),
+            ctx.axis_size("pp"),
+            config,
+            embedding_weight=pcfg.embedding_weight,
+            head_weight=pcfg.head_weight,
+            n_microbatches=self._n_microbatches,
+        )
+        (stage,) = layout.stages_of_rank(ctx.coordinate("pp"))
+        _log.info(
+            "pipeline stage", stage=stage.index, layers=f"{stage.layers.start}..{stage.layers.stop - 1}"
+        )
+        return layout, stage
+
+    def _pipeline_loss(self, output: Any, target: Any) -> torch.Tensor:
+        result = self._job.task.pipeline_loss(output, target)  # type: ignore[attr-defined]
+        return result.loss_sum / self._global_weight
 
     # ------------------------------------------------------------------ accessors
 
@@ -201,8 +282,6 @@ class Trainer:
         self._scheduler.load_state_dict(extra["lr_scheduler"])
         if loaded.rank_state is not None:
             restore_rng_state(loaded.rank_state)
-        if self._context.is_main_process:
-            _truncate_metrics(self.run_dir / METRICS_FILE, self._step)
         _log.info("resumed", step=self._step, checkpoint=str(latest.path))
         return True
 
@@ -234,6 +313,9 @@ class Trainer:
             return TrainResult(start_step=start, final_step=start, losses=losses)
         self._context.use_step_timeout()
         metrics_path = self.run_dir / METRICS_FILE
+        if self._context.is_main_process:  # steps after the checkpoint were lost with the crash: redo them
+            _truncate_metrics(metrics_path, start)
+        launch = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         data_iter = iter(self._data)
         last_log = time.perf_counter()
         tokens_since_log = 0.0
@@ -249,6 +331,7 @@ class Trainer:
                 ids = microbatches[0].get("input_ids")
                 if ids is not None:
                     flops_per_token = model_flops_per_token(self._model, int(ids.shape[-1]))
+            lr = self._scheduler.get_last_lr()[0]  # the learning rate this step uses
             loss, norm, weight, applied = self._train_step(microbatches)
             self._step += 1
             losses.append(loss)
@@ -257,10 +340,11 @@ class Trainer:
                 "step": self._step,
                 "loss": loss,
                 "grad_norm": norm,
-                "lr": self._scheduler.get_last_lr()[0],
+                "lr": lr,
                 "tokens": weight,
                 "step_time_s": time.perf_counter() - step_start,
                 "skipped": not applied,
+                "launch": launch,
             }
             if self._context.is_main_process:
                 _append_jsonl(metrics_path, record)
@@ -296,17 +380,31 @@ class Trainer:
             raise TrainingError(f"step {self._step + 1} has no labelled tokens in the whole global batch")
         model.train()
         self._optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        for i, batch in enumerate(microbatches):
-            set_gradient_sync(model, i == len(microbatches) - 1)
-            result = task.compute_loss(LossContext(model=model, batch=batch, device=ctx.device))
-            (result.loss_sum / weight).backward()
-            loss_sum += result.loss_sum.detach().to("cpu", torch.float64)
-        set_gradient_sync(model, True)
-        loss = self._dp_sum(loss_sum).item() / weight
+        if self._pipeline is not None:
+            self._global_weight = weight
+            pairs = [task.pipeline_inputs(mb) for mb in microbatches]  # type: ignore[attr-defined]
+            inputs = [x.to(ctx.device) for x, _ in pairs]
+            targets = [y.to(ctx.device) for _, y in pairs]
+            share = self._pipeline.step(inputs, targets, broadcast_loss=True)
+            assert share is not None
+            loss = self._dp_sum(share.detach().to("cpu", torch.float64)).item()
+        else:
+            loss_sum = torch.zeros((), dtype=torch.float64)
+            for i, batch in enumerate(microbatches):
+                set_gradient_sync(model, i == len(microbatches) - 1)
+                result = task.compute_loss(LossContext(model=model, batch=batch, device=ctx.device))
+                (result.loss_sum / weight).backward()
+                loss_sum += result.loss_sum.detach().to("cpu", torch.float64)
+            set_gradient_sync(model, True)
+            loss = self._dp_sum(loss_sum).item() / weight
         max_norm = self._job.config.trainer.gradient_clipping.max_norm
         params = [p for p in model.parameters() if p.grad is not None]
-        norm = (clip_grad_norm_(params, max_norm) if max_norm is not None else grad_norm(params)).item()
+        pp = self._pp_group
+        norm = (
+            clip_grad_norm_(params, max_norm, pp_group=pp)
+            if max_norm is not None
+            else grad_norm(params, pp_group=pp)
+        ).item()
         if not (math.isfinite(loss) and math.isfinite(norm)):
             if self._job.config.trainer.on_nonfinite == "stop":
                 raise TrainingError(
@@ -338,6 +436,7 @@ class Trainer:
             "data": self._data.state_dict(),
             "lr_scheduler": _plain(self._scheduler.state_dict()),
             "config": self._job.loaded.raw,
+            "config_dir": str(self._job.loaded.base_dir.resolve()),
         }
         self._checkpoints.save(
             self._step, self._model, self._optimizer, extra_state=extra, rank_state=capture_rng_state()
@@ -347,6 +446,11 @@ class Trainer:
     def export(self, out_dir: str | Path | None = None) -> Path:
         """Write the model as safetensors through the model provider's export mapper."""
         target = out_dir if out_dir is not None else self._job.config.export.dir
+        if self._pipeline is not None:
+            raise TrainingError(
+                "export from a pipeline-parallel run is not supported yet: export the run's checkpoint "
+                "from a mesh without pipeline_parallel (e.g. `d9d export` in one process)"
+            )
         if target is None:
             raise TrainingError("no export directory: pass one or set export.dir in the config")
         result = self._job.model_provider.prepare_export_model_stage(
@@ -391,9 +495,7 @@ class Trainer:
         self.close()
 
 
-def _seconds(value: float) -> Any:
-    import datetime
-
+def _seconds(value: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=value)
 
 

@@ -1,0 +1,1 @@
+"""One module per `d9d` command; each defines one click command, registered in `d9d.cli.main`."""

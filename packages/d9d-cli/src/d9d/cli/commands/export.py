@@ -1,0 +1,226 @@
+"""`d9d export`: write a checkpoint's model as safetensors through the model provider's export mapper.
+
+From a run directory, the job is rebuilt from the config stored in the checkpoint. That config names
+`file.py:Name` providers (and data files) relative to the directory of the original config file,
+which a checkpoint does not record; `find_config_dir` looks for it where it usually is.
+"""
+
+import copy
+import dataclasses
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from d9d.cli.commands._options import overrides_option
+from d9d.cli.commands._runs import METRICS_FILE, check_run_dir, scan_run_dir
+from d9d.cli.errors import CliError, reports_errors
+
+if TYPE_CHECKING:  # the trainer imports torch: only inside the command at run time
+    from d9d.trainer import LoadedJob
+
+__all__ = ["export", "find_config_dir", "relative_provider_files"]
+
+_MESH_KEYS = (
+    "pipeline_parallel",
+    "data_parallel_replicate",
+    "data_parallel_shard",
+    "context_parallel",
+    "tensor_parallel",
+    "expert_parallel",
+)
+
+
+def relative_provider_files(raw: dict[str, Any]) -> list[str]:
+    """The relative `file.py` parts of the `providers:` import paths of a raw config."""
+    providers = raw.get("providers") or {}
+    files = []
+    for spec in providers.values() if isinstance(providers, dict) else ():
+        target = str(spec).rpartition(":")[0]
+        if target.endswith(".py") and not Path(target).is_absolute():
+            files.append(target)
+    return files
+
+
+def find_config_dir(
+    raw: dict[str, Any], run_dir: Path, cwd: Path, stored: str | None = None
+) -> tuple[Path | None, list[Path]]:
+    """The directory a stored config's relative provider files resolve in, and the places tried.
+
+    Tried in order: `stored` (a config directory the trainer kept with the config), the directory
+    the job was started from (the run directory minus a relative `trainer.checkpointing.save_dir`),
+    the current directory and the run directory's parents; then the subdirectories of those, where
+    exactly one must hold the files (or one whose YAML file names the same providers). None when
+    the config has no relative file or no unambiguous place holds them all.
+    """
+    files = relative_provider_files(raw)
+    candidates: list[Path] = []
+    if stored:
+        candidates.append(Path(stored))
+    save_dir = ((raw.get("trainer") or {}).get("checkpointing") or {}).get("save_dir", "runs")
+    if isinstance(save_dir, str) and not Path(save_dir).is_absolute():
+        started_in = run_dir.resolve().parent
+        for _ in Path(save_dir).parts:
+            started_in = started_in.parent
+        candidates.append(started_in)
+    candidates += [cwd, run_dir.resolve().parent, run_dir.resolve().parent.parent]
+    tried = [c for c in dict.fromkeys(c.resolve() for c in candidates) if c.is_dir()]
+    if not files:
+        return None, tried
+
+    def holds_all(directory: Path) -> bool:
+        return all((directory / f).is_file() for f in files)
+
+    for directory in tried:
+        if holds_all(directory):
+            return directory, tried
+    children = [
+        c for parent in tried for c in sorted(parent.iterdir()) if c.is_dir() and not c.name.startswith(".")
+    ]
+    found = list(dict.fromkeys(c for c in children if holds_all(c)))
+    if len(found) > 1:
+        found = [c for c in found if _names_providers(c, raw.get("providers"))]
+    return (found[0] if len(found) == 1 else None), tried
+
+
+def _names_providers(directory: Path, providers: Any) -> bool:
+    """True when a YAML file in `directory` has exactly this `providers:` section."""
+    import yaml
+
+    for path in [*directory.glob("*.yaml"), *directory.glob("*.yml")]:
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError):
+            continue
+        if isinstance(data, dict) and data.get("providers") == providers:
+            return True
+    return False
+
+
+def _single_process_mesh(overrides: list[str]) -> list[str]:
+    """Outside torchrun, export in this one process (checkpoints reshard to any mesh)."""
+    if "WORLD_SIZE" in os.environ:
+        return overrides
+    return [f"mesh.{key}=1" for key in _MESH_KEYS] + overrides
+
+
+@click.command(short_help="Export a checkpoint as safetensors.")
+@click.argument("source", metavar="CONFIG_OR_RUN_DIR", type=click.Path())
+@click.option(
+    "--out",
+    "out_dir",
+    required=True,
+    type=click.Path(),
+    help="Directory to write (new or empty).",
+)
+@click.option("--step", type=click.IntRange(min=0), help="Checkpoint step to export (default: the latest).")
+@overrides_option
+@reports_errors
+def export(source: str, out_dir: str, step: int | None, overrides: Sequence[str]) -> None:
+    """Export a checkpoint's model as safetensors (Hugging Face sharded layout).
+
+    CONFIG_OR_RUN_DIR is either the job's config file (its run directory is save_dir/run.name) or a
+    run directory, whose checkpoint holds the config the job ran with. The model goes through the
+    model provider's prepare_export_model_stage() mapper. Run as one process, the mesh is set to
+    1 process (any checkpoint reshards); under torchrun the config's mesh is kept.
+
+    \b
+    Examples:
+      d9d export runs/quickstart --out exported/
+      d9d export runs/quickstart --out exported-50/ --step 50
+      d9d export config.yaml --out exported/ --set trainer.run.name=try2
+    """
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CliError(f"--out {out} exists and is not an empty directory; choose a new one (or empty it)")
+    src = Path(source)
+    if not src.exists():
+        raise CliError(f"{src}: no such config file or run directory")
+    extra = _single_process_mesh(list(overrides))
+
+    from d9d.trainer import load_job_config
+
+    if src.is_dir():
+        run_dir = check_run_dir(src)
+        loaded = _loaded_from_run(run_dir, step, extra)
+    else:
+        loaded = load_job_config(src, extra)
+        ckpt = loaded.config.trainer.checkpointing
+        run_dir = Path(ckpt.save_dir) / loaded.config.trainer.run.name
+        _committed_steps(run_dir, step)
+
+    from d9d.trainer import Trainer
+
+    metrics = run_dir / METRICS_FILE
+    kept = metrics.read_bytes() if metrics.is_file() else None
+    try:
+        with Trainer.from_config(loaded) as trainer:
+            trainer.resume(step)
+            trainer.export(out)
+            done = trainer.step
+    finally:
+        # Trainer.resume rewinds the metrics file to the loaded step; exporting must not change the run.
+        if kept is not None and _is_reporting_rank():
+            metrics.write_bytes(kept)
+    if _is_reporting_rank():
+        click.echo(f"exported step {done} of {run_dir} to {out}")
+
+
+def _is_reporting_rank() -> bool:
+    """True on the process that reports (rank 0, or the only process)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _committed_steps(run_dir: Path, step: int | None) -> list[Any]:
+    """The run's committed checkpoints (`CheckpointInfo`); an error unless `step` (or any) is among them."""
+    if not run_dir.is_dir():
+        raise CliError(
+            f"run directory {run_dir} does not exist; train the job first (or check trainer.run.name)"
+        )
+    committed = scan_run_dir(run_dir).committed
+    steps = [info.step for info in committed]
+    if not steps:
+        raise CliError(f"{run_dir} has no committed checkpoint to export; train the job first")
+    if step is not None and step not in steps:
+        raise CliError(f"{run_dir} has no committed checkpoint of step {step}; it has steps {steps}")
+    return committed
+
+
+def _loaded_from_run(run_dir: Path, step: int | None, overrides: list[str]) -> "LoadedJob":
+    """The job config stored in the run's checkpoint, pointed back at this run directory."""
+    from d9d.ckpt import CheckpointManager
+    from d9d.trainer import load_job_config
+
+    committed = _committed_steps(run_dir, step)
+    info = next(i for i in reversed(committed) if step is None or i.step == step)
+    with CheckpointManager(run_dir.parent, run_dir.name) as manager:
+        extra_state = manager.load(info).extra_state
+    raw = extra_state.get("config")
+    if not isinstance(raw, dict):
+        raise CliError(
+            f"checkpoint {info.path} does not hold the config it was trained with; "
+            "export with the config instead: d9d export CONFIG --out DIR"
+        )
+    stored = extra_state.get("config_dir")
+    base, tried = find_config_dir(raw, run_dir, Path.cwd(), stored if isinstance(stored, str) else None)
+    files = list(dict.fromkeys(relative_provider_files(raw)))
+    if files and base is None:
+        raise CliError(
+            f"the config stored in {info.path} names {', '.join(files)} relative to its original config "
+            f"file, which was not found in (or below) {', '.join(str(t) for t in tried)}; export with "
+            "the config instead: d9d export path/to/config.yaml --out DIR"
+        )
+    loaded = load_job_config(raw, overrides)
+    # Point the job at this run directory wherever it was trained (set in the dict: no YAML typing).
+    pinned = copy.deepcopy(loaded.raw)
+    trainer = pinned.setdefault("trainer", {})
+    trainer.setdefault("checkpointing", {})["save_dir"] = str(run_dir.resolve().parent)
+    trainer.setdefault("run", {})["name"] = run_dir.name
+    loaded = load_job_config(pinned)
+    # file.py providers and data paths resolve next to the original (here: virtual) config file
+    # (with no relative provider file to go by, the first place tried is the best guess for data paths)
+    guess = base or (tried[0] if tried else Path.cwd())
+    virtual = guess / f"<config stored in {run_dir.name} save-{info.step}>"
+    return dataclasses.replace(loaded, path=virtual)

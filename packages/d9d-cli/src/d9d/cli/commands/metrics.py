@@ -1,0 +1,197 @@
+"""`d9d metrics`: a summary of a run's per-step metrics file, and optionally a plot of it.
+
+Reads only the JSON-lines file the trainer writes (no torch import). A restart shows in the file as
+a step that does not follow the previous one (the trainer rewinds to the checkpoint it resumed
+from), or, when the records carry a `launch` field, as a change of its value.
+"""
+
+import itertools
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+
+from d9d.cli.commands._runs import METRICS_FILE, check_run_dir
+from d9d.cli.errors import CliError, reports_errors
+
+__all__ = ["MetricsSummary", "find_restarts", "metrics", "read_metrics", "summarize"]
+
+
+@dataclass(frozen=True)
+class MetricsSummary:
+    """What `d9d metrics` prints about a run."""
+
+    records: int
+    first_step: int
+    last_step: int
+    first_loss: float
+    last_loss: float
+    min_loss: float
+    min_loss_step: int
+    tokens_per_s: float | None
+    skipped: int
+    restarts: list[tuple[int, int]]  # (step before, step after) of every restart
+
+
+def read_metrics(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """The records of a metrics file in file order, and how many lines were unreadable (skipped)."""
+    records: list[dict[str, Any]] = []
+    bad = 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            bad += 1  # e.g. a line cut short by a crash
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            bad += 1
+            continue
+        records.append(record)
+    return records, bad
+
+
+def find_restarts(records: Sequence[dict[str, Any]]) -> list[tuple[int, int]]:
+    """(previous step, next step) wherever the run was started again.
+
+    A restart is a record whose step is not the previous step + 1, or whose `launch` value (when
+    the trainer writes one) differs from the previous record's.
+    """
+    found = []
+    for prev, cur in itertools.pairwise(records):
+        relaunched = "launch" in cur and cur.get("launch") != prev.get("launch")
+        if cur["step"] != prev["step"] + 1 or relaunched:
+            found.append((prev["step"], cur["step"]))
+    return found
+
+
+def summarize(records: Sequence[dict[str, Any]]) -> MetricsSummary:
+    """Summarize records in file order; a step recorded twice (after a restart) counts once, as its last record."""
+    if not records:
+        raise CliError("the metrics file has no records yet")
+    by_step = {r["step"]: r for r in records}
+    steps = sorted(by_step)
+    finite = [(by_step[s]["loss"], s) for s in steps if _finite(by_step[s].get("loss"))]
+    if not finite:
+        raise CliError("the metrics file has no finite loss")
+    min_loss, min_step = min(finite)
+    tokens = sum(float(by_step[s].get("tokens", 0.0)) for s in steps)
+    seconds = sum(float(by_step[s].get("step_time_s", 0.0)) for s in steps)
+    return MetricsSummary(
+        records=len(records),
+        first_step=steps[0],
+        last_step=steps[-1],
+        first_loss=finite[0][0],
+        last_loss=finite[-1][0],
+        min_loss=min_loss,
+        min_loss_step=min_step,
+        tokens_per_s=tokens / seconds if seconds > 0 and tokens > 0 else None,
+        skipped=sum(1 for s in steps if by_step[s].get("skipped")),
+        restarts=find_restarts(records),
+    )
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+def _format(summary: MetricsSummary, path: Path, bad: int) -> str:
+    s = summary
+    n = s.last_step - s.first_step + 1
+    lines = [
+        f"metrics: {path} ({s.records} records"
+        + (f", {bad} unreadable line{'s' if bad > 1 else ''} skipped)" if bad else ")"),
+        f"steps: {s.first_step}..{s.last_step} ({n} step{'s' if n != 1 else ''})",
+        f"loss: first {s.first_loss:.4f}, last {s.last_loss:.4f}, min {s.min_loss:.4f} (step {s.min_loss_step})",
+        "tokens/s: "
+        + (
+            f"{s.tokens_per_s:,.0f} (total tokens / total step time)"
+            if s.tokens_per_s is not None
+            else "unknown"
+        ),
+        f"skipped steps: {s.skipped}",
+        f"restarts: {len(s.restarts)}"
+        + (" (" + ", ".join(f"step {a} → {b}" for a, b in s.restarts) + ")" if s.restarts else ""),
+    ]
+    return "\n".join(lines)
+
+
+def plot_metrics(records: Sequence[dict[str, Any]], restarts: Iterable[tuple[int, int]], out: Path) -> None:
+    """Draw loss, learning rate, grad norm and tokens/s against step into a PNG at `out`.
+
+    Raises:
+        CliError: when matplotlib is not installed.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise CliError(
+            "--plot needs matplotlib, which is not installed; `pip install 'd9d-cli[plot]'` "
+            "(or `pip install matplotlib`) and run again"
+        ) from None
+    by_step = {r["step"]: r for r in records}
+    steps = sorted(by_step)
+    panels = (
+        ("loss", lambda r: r.get("loss")),
+        ("learning rate", lambda r: r.get("lr")),
+        ("grad norm", lambda r: r.get("grad_norm")),
+        (
+            "tokens/s",
+            lambda r: r["tokens"] / r["step_time_s"] if r.get("tokens") and r.get("step_time_s") else None,
+        ),
+    )
+    fig, axes = plt.subplots(len(panels), 1, sharex=True, figsize=(8, 2.2 * len(panels)))
+    for ax, (title, value) in zip(axes, panels, strict=True):
+        points = [(s, value(by_step[s])) for s in steps]
+        xs = [s for s, v in points if _finite(v)]
+        ax.plot(xs, [v for _, v in points if _finite(v)], linewidth=1)
+        ax.set_ylabel(title)
+        ax.grid(alpha=0.3)
+        for _, after in restarts:
+            ax.axvline(after, color="gray", linestyle=":", linewidth=1)
+    axes[-1].set_xlabel("step")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+@click.command(short_help="Summarize (and plot) a run's metrics.")
+@click.argument("run_dir", type=click.Path())
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(),
+    help="Also draw loss, lr, grad norm and tokens/s against step into this PNG (needs matplotlib).",
+)
+@reports_errors
+def metrics(run_dir: str, plot_path: str | None) -> None:
+    """Summarize RUN_DIR's metrics file (save_dir/run.name/metrics.jsonl).
+
+    Prints the steps, the first, last and lowest loss, mean throughput (tokens / step time),
+    skipped steps and restarts. RUN_DIR may also be the metrics file itself.
+
+    \b
+    Examples:
+      d9d metrics runs/quickstart
+      d9d metrics runs/quickstart --plot quickstart.png
+    """
+    path = Path(run_dir)
+    if not path.is_file():
+        path = check_run_dir(path) / METRICS_FILE
+        if not path.is_file():
+            raise CliError(f"{path.parent} has no {METRICS_FILE}; has the run done a step yet?")
+    records, bad = read_metrics(path)
+    summary = summarize(records)
+    click.echo(_format(summary, path, bad))
+    if plot_path is not None:
+        plot_metrics(records, summary.restarts, Path(plot_path))
+        click.echo(f"plot: {plot_path}")

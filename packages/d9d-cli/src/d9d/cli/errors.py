@@ -1,0 +1,64 @@
+"""How the CLI reports a user's mistake: one `error: ...` line on stderr and exit status 2.
+
+`CliError` is raised by the commands themselves; every `d9d.mesh.D9dError` (a bad config, a mesh
+mismatch, a missing checkpoint, ...) and `OSError` (a path that cannot be read or written) is
+reported the same way. `d9d --debug COMMAND ...` shows the full traceback instead.
+"""
+
+import functools
+import os
+import sys
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
+
+import click
+
+__all__ = ["EXIT_ERROR", "CliError", "reports_errors"]
+
+#: Exit status of every reported error (click's usage errors use 2 as well).
+EXIT_ERROR = 2
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+class CliError(Exception):
+    """A mistake in how a command was called (a missing path, a mesh that does not fit the launch, ...)."""
+
+
+def _is_user_error(exc: BaseException) -> bool:
+    if isinstance(exc, CliError | OSError):
+        return True
+    if "d9d.mesh" not in sys.modules:  # nothing that could raise a D9dError was imported
+        return False
+    from d9d.mesh import D9dError
+
+    return isinstance(exc, D9dError)
+
+
+def reports_errors(func: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Decorate a command callback: user errors become one stderr line and exit status 2."""
+
+    @functools.wraps(func)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return func(*args, **kwargs)
+        except Exception as exc:
+            if not _is_user_error(exc) or _debug():
+                raise
+            if os.environ.get("RANK", "0") == "0":  # every rank sees the same error; say it once
+                click.echo(f"error: {_one_line(exc)}", err=True)
+            sys.exit(EXIT_ERROR)
+
+    return wrapper
+
+
+def _debug() -> bool:
+    ctx = click.get_current_context(silent=True)
+    obj: Any = ctx.find_root().obj if ctx is not None else None
+    return bool(obj and obj.get("debug"))
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return " ".join(part.strip() for part in text.splitlines() if part.strip())

@@ -1,0 +1,119 @@
+"""`d9d metrics`: the summary of a metrics file, restarts, and the plot (or its clear refusal)."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _cli_job import run_cli
+
+from d9d.cli import cli
+from d9d.cli.commands.metrics import find_restarts, read_metrics, summarize
+from d9d.trainer import METRICS_FILE
+
+
+def _record(step, loss, tokens=100.0, time=0.5, **extra):
+    return {
+        "step": step,
+        "loss": loss,
+        "grad_norm": 1.0,
+        "lr": 0.1,
+        "tokens": tokens,
+        "step_time_s": time,
+        "skipped": False,
+        **extra,
+    }
+
+
+def _write(path: Path, records, tail: str = "") -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in records) + tail)
+    return path
+
+
+def test_metrics_file_name_is_the_trainers():
+    from d9d.cli.commands._runs import METRICS_FILE as cli_name
+
+    assert cli_name == METRICS_FILE
+
+
+def test_summary_of_a_run_with_a_restart():
+    records = [_record(1, 3.0), _record(2, 2.0), _record(3, 2.5), _record(2, 1.5, time=1.0), _record(3, 1.8)]
+    assert find_restarts(records) == [(3, 2)]
+    s = summarize(records)
+    assert (s.first_step, s.last_step, s.records) == (1, 3, 5)
+    # step 2 and 3 count once, as their last records
+    assert (s.first_loss, s.last_loss, s.min_loss, s.min_loss_step) == (3.0, 1.8, 1.5, 2)
+    assert s.tokens_per_s == pytest.approx(300.0 / 2.0)
+
+
+def test_a_launch_field_marks_restarts_without_a_step_gap():
+    records = [_record(1, 3.0, launch="a"), _record(2, 2.0, launch="a"), _record(3, 1.0, launch="b")]
+    assert find_restarts(records) == [(2, 3)]
+
+
+def test_cli_summary_of_a_real_run(runner, tiny_run):
+    result = runner.invoke(cli, ["metrics", str(tiny_run.run_dir)])
+    assert result.exit_code == 0, result.output
+    records, bad = read_metrics(tiny_run.run_dir / METRICS_FILE)
+    assert bad == 0 and [r["step"] for r in records] == [1, 2, 3, 4]
+    assert "steps: 1..4 (4 steps)" in result.output
+    assert f"last {records[-1]['loss']:.4f}" in result.output
+    assert "restarts: 0" in result.output
+
+
+def test_cut_off_line_is_skipped_and_counted(runner, tmp_path):
+    run = _write(tmp_path / "run", [_record(1, 2.0), _record(2, 1.0)], tail='{"step": 3, "lo')
+    result = runner.invoke(cli, ["metrics", str(run)])
+    assert result.exit_code == 0, result.output
+    assert "1 unreadable line skipped" in result.output and "steps: 1..2" in result.output
+
+
+def test_plot_without_matplotlib_says_how_to_install(runner, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    run = _write(tmp_path / "run", [_record(1, 2.0)])
+    result = runner.invoke(cli, ["metrics", str(run), "--plot", str(tmp_path / "m.png")])
+    assert result.exit_code == 2
+    assert "pip install matplotlib" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "m.png").exists()
+
+
+def test_plot_draws_a_png(runner, tmp_path):
+    pytest.importorskip("matplotlib")
+    run = _write(tmp_path / "run", [_record(1, 2.0), _record(2, 1.0), _record(1, 1.5)])
+    result = runner.invoke(cli, ["metrics", str(run), "--plot", str(tmp_path / "m.png")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("case", ["missing", "no-metrics", "empty"])
+def test_errors_are_one_line(runner, tmp_path, case):
+    path = tmp_path / "run"
+    if case == "no-metrics":
+        (path / "save-2").mkdir(parents=True)
+    if case == "empty":
+        _write(path, [])
+    result = runner.invoke(cli, ["metrics", str(path)])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+
+
+def test_metrics_in_a_subprocess(tiny_run, tmp_path):
+    ok = run_cli("metrics", str(tiny_run.run_dir))
+    assert ok.returncode == 0, ok.stderr
+    assert "steps: 1..4" in ok.stdout
+    code = "import sys; sys.modules['matplotlib'] = None; from d9d.cli import main; main()"
+    import subprocess
+
+    no_mpl = subprocess.run(
+        [sys.executable, "-c", code, "metrics", str(tiny_run.run_dir), "--plot", str(tmp_path / "x.png")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert no_mpl.returncode == 2 and "pip install matplotlib" in no_mpl.stderr
+    missing = run_cli("metrics", str(tmp_path / "nope"))
+    assert missing.returncode == 2 and missing.stderr.startswith("error: ")
