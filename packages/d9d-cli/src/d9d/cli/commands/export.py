@@ -23,16 +23,6 @@ if TYPE_CHECKING:  # the trainer imports torch: only inside the command at run t
 
 __all__ = ["export", "find_config_dir", "relative_provider_files"]
 
-_MESH_KEYS = (
-    "pipeline_parallel",
-    "data_parallel_replicate",
-    "data_parallel_shard",
-    "context_parallel",
-    "tensor_parallel",
-    "expert_parallel",
-)
-
-
 def relative_provider_files(raw: dict[str, Any]) -> list[str]:
     """The relative `file.py` parts of the `providers:` import paths of a raw config."""
     providers = raw.get("providers") or {}
@@ -103,7 +93,9 @@ def _single_process_mesh(overrides: list[str]) -> list[str]:
     """Outside torchrun, export in this one process (checkpoints reshard to any mesh)."""
     if "WORLD_SIZE" in os.environ:
         return overrides
-    return [f"mesh.{key}=1" for key in _MESH_KEYS] + overrides
+    from d9d.mesh import DEGREE_KEYS  # imports torch: only when the command runs
+
+    return [f"mesh.{key}=1" for key in DEGREE_KEYS] + overrides
 
 
 @click.command(short_help="Export a checkpoint as safetensors.")
