@@ -23,7 +23,8 @@ def test_world_size_mismatch_through_torchrun(tmp_path):
     result = run_torchrun([JOB, json.dumps(mesh), str(tmp_path / "logs")], nproc_per_node=2, timeout=120)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 2  # one line per rank, nothing else of ours
+    # each rank that gets to print says the same one line (torchrun may stop a peer before it prints)
+    assert 1 <= len(errors) <= 2 and len(set(errors)) == 1
     assert "needs 4 processes, but torchrun started 2" in errors[0]
     assert "--nproc-per-node 4" in errors[0]
     assert not (tmp_path / "logs").exists()  # nothing written before the check

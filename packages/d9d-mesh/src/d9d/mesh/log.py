@@ -166,6 +166,7 @@ def configure_logging(
         for old in list(library.handlers):
             library.removeHandler(old)
         library.propagate = True
+    logging.captureWarnings(False)  # re-capture: someone (e.g. pytest) may have replaced showwarning since
     logging.captureWarnings(True)
     structlog.configure(
         processors=[*_shared_processors(), structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
