@@ -3,50 +3,21 @@
     OMP_NUM_THREADS=1 uv run python benchmarks/ckpt_io.py [--mb 400] [--shard-mb 50]
 
 Every measurement runs in a fresh subprocess holding a model of `--mb` MB (fp32, 16 equal tensors).
-Memory is the peak RSS above the RSS right after the model was built. The streaming writer and reader
-of d9d.ckpt should stay near one shard plus one tensor; `safetensors.torch.save_file`/`load_file` and
+Memory is the peak RSS above the RSS right after the model was built (the libraries are imported
+and `os.sync()` has run before that, so neither import memory nor an earlier op's writeback is
+counted). The streaming writer and reader of d9d.ckpt should stay near one shard plus one tensor; `safetensors.torch.save_file`/`load_file` and
 `torch.save`/`torch.load` of the full state dict need about the whole model. Throughput compares
 d9d's `CheckpointManager` (atomic commit, validation) with plain `torch.distributed.checkpoint`.
 """
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
-MB = 2**20
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * resource.getpagesize()
-
-
-class _PeakSampler:
-    """Samples this process's RSS every millisecond (ru_maxrss cannot be reset after the model build)."""
-
-    def __init__(self) -> None:
-        self.peak = _rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _rss())
-            time.sleep(0.001)
-
-    def __enter__(self) -> "_PeakSampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _rss())
+from _common import MB, PeakSampler, Row, row, rss, write_rows
 
 
 def _model(total_mb: int):  # type: ignore[no-untyped-def]
@@ -62,9 +33,17 @@ def _model(total_mb: int):  # type: ignore[no-untyped-def]
 
 
 def _child(op: str, folder: str, total_mb: int, shard_mb: int) -> None:
+    import os
+
+    import safetensors.torch  # noqa: F401  (imported before the baseline: their memory is not the op's)
+    import torch.distributed.checkpoint  # noqa: F401
+
+    import d9d.ckpt  # noqa: F401
+
     model = _model(total_mb)
-    base = _rss()
-    with _PeakSampler() as sampler:
+    os.sync()  # no dirty pages of an earlier op are flushed during this one
+    base = rss()
+    with PeakSampler() as sampler:
         seconds = _do(op, model, folder, shard_mb)
     print(json.dumps({"op": op, "extra_mb": max(0, sampler.peak - base) / MB, "seconds": seconds}))
 
@@ -133,6 +112,7 @@ def main() -> None:
     )
     parser.add_argument("--mb", type=int, default=400)
     parser.add_argument("--shard-mb", type=int, default=50)
+    parser.add_argument("--json", help="also write the ratios here (for run_all.py)")
     parser.add_argument("--child")
     parser.add_argument("--folder")
     args = parser.parse_args()
@@ -151,15 +131,23 @@ def main() -> None:
     for r in rows:
         print(f"{r['op']:<16} {r['extra_mb']:>14.0f} {r['seconds']:>9.2f}")
     budget = args.shard_mb + tensor_mb
-    print(f"streaming export extra / (shard + tensor): {by_op['d9d_export']['extra_mb'] / budget:.2f}")
-    print(f"streaming import extra / (shard + tensor): {by_op['d9d_import']['extra_mb'] / budget:.2f}")
-    print(f"save_file extra / model size: {by_op['save_file']['extra_mb'] / args.mb:.2f}")
-    print(
-        f"d9d checkpoint save / plain DCP save time: {by_op['d9d_ckpt_save']['seconds'] / by_op['dcp_save']['seconds']:.2f}"
-    )
-    print(
-        f"d9d checkpoint load / plain DCP load time: {by_op['d9d_ckpt_load']['seconds'] / by_op['dcp_load']['seconds']:.2f}"
-    )
+    ex, im, sf = by_op["d9d_export"], by_op["d9d_import"], by_op["save_file"]
+    ratios: list[Row] = [
+        row("streaming export peak extra / (shard + tensor)", ex["extra_mb"] / budget, "<= 1",
+            f"{ex['extra_mb']:.0f} MB; model {args.mb} MB"),
+        row("streaming import peak extra / (shard + tensor)", im["extra_mb"] / budget, "<= 1",
+            f"{im['extra_mb']:.0f} MB; load_file: {by_op['load_file']['extra_mb']:.0f} MB"),
+        row("save_file peak extra / model size", sf["extra_mb"] / args.mb, "(baseline)"),
+        row("d9d export / save_file time", ex["seconds"] / sf["seconds"], "<= 1"),
+        row("d9d import / load_file time", im["seconds"] / by_op["load_file"]["seconds"], "<= 1"),
+        row("CheckpointManager / plain DCP save time",
+            by_op["d9d_ckpt_save"]["seconds"] / by_op["dcp_save"]["seconds"], "~1 (+ commit, fsync)"),
+        row("CheckpointManager / plain DCP load time",
+            by_op["d9d_ckpt_load"]["seconds"] / by_op["dcp_load"]["seconds"], "~1 (+ validation)"),
+    ]  # fmt: skip
+    for r in ratios:
+        print(f"{r['name']}: {r['ratio']:.2f} (ideal {r['ideal']}) {r['note']}")
+    write_rows(args.json, ratios)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from _common import row, write_rows
+
 
 def _median_seconds(command: list[str], repeats: int) -> float:
     times = []
@@ -28,6 +30,7 @@ def _median_seconds(command: list[str], repeats: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--json", help="also write the ratios here (for run_all.py)")
     args = parser.parse_args()
     python = sys.executable
     bare = _median_seconds([python, "-c", "pass"], args.repeats)
@@ -40,6 +43,17 @@ def main() -> None:
     print(f"d9d --help              {cli * 1000:8.1f} ms   ratio {cli / bare:5.2f}x")
     print(f"python -m d9d.cli --help{module * 1000:8.1f} ms   ratio {module / bare:5.2f}x")
     print(f"python -c 'import torch'{torch * 1000:8.1f} ms   ratio {torch / bare:5.2f}x  (for scale)")
+    write_rows(
+        args.json,
+        [
+            row(
+                "d9d --help / python -c pass",
+                cli / bare,
+                "small: no torch import",
+                f"{cli * 1000:.0f} vs {bare * 1000:.0f} ms; import torch is {torch / bare:.0f}x",
+            )
+        ],
+    )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from _common import Row, row, write_rows
 from torch.utils.data import DataLoader
 
 from d9d.data import AutoDataConfig, AutoDataProvider, TokenFileDataset
@@ -58,10 +59,12 @@ def main():
     parser.add_argument("--microbatch-size", type=int, default=8)
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", help="also write the ratios here (for run_all.py)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
 
+    rows: list[Row] = []
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "tokens.bin"
         num_tokens = 2 * args.samples * args.seq_len + 1
@@ -86,6 +89,15 @@ def main():
                 f"num_workers={workers}: AutoDataProvider {ours:,.0f} samples/s, DataLoader {plain:,.0f} "
                 f"samples/s, ratio {ours / plain:.2f}"
             )
+            rows.append(
+                row(
+                    f"AutoDataProvider / DataLoader samples/s, {workers} workers",
+                    ours / plain,
+                    "1",
+                    f"{ours:,.0f} vs {plain:,.0f} samples/s",
+                )
+            )
+    write_rows(args.json, rows)
 
 
 if __name__ == "__main__":

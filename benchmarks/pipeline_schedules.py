@@ -6,7 +6,8 @@ Each schedule trains an MLP-block language model for a few steps on `--pp` forke
 "theory" is the idle fraction of the schedule's own action order (torch's for the multi-stage
 schedules, torch's warm-up rule for gpipe/1f1b) replayed with unit costs F = 1, I = W = 1 (B = 2) and
 free communication. "measured" is 1 - (one-process step time / pp) / pipelined step time: bubble plus
-communication and runtime overhead. CPU timings are noisy (±15%), and with more ranks than cores the
+communication and runtime overhead; the one-process run is repeated just before each schedule, so
+both see the same load on a shared machine. CPU timings are noisy (±15%), and with more ranks than cores the
 measured column is meaningless: keep --pp at the core count.
 """
 
@@ -17,6 +18,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
+from _common import Row, row, write_rows
 from torch import nn
 
 from d9d.mesh import DistributedContext, MeshConfig
@@ -201,27 +203,40 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--schedules", nargs="+", default=list(PIPELINE_SCHEDULES))
+    parser.add_argument("--json", help="also write the ratios here (for run_all.py)")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    single = run_distributed(one_process, 1, args, timeout=600)[0]
-    ideal = single / args.pp
     print(
         f"pp={args.pp} microbatches={args.microbatches}x{args.microbatch_size} seq={args.seq} "
-        f"layers={args.layers} dim={args.dim}; one process: {single * 1e3:.1f} ms/step, "
-        f"ideal pipelined: {ideal * 1e3:.1f} ms/step"
+        f"layers={args.layers} dim={args.dim}; ideal pipelined step = one-process step / {args.pp}"
     )
-    print(f"{'schedule':<24}{'stages':>7}{'ms/step':>10}{'vs ideal':>10}{'measured':>10}{'theory':>9}")
+    print(
+        f"{'schedule':<24}{'stages':>7}{'ms/step':>10}{'1 proc ms':>10}{'vs ideal':>10}{'measured':>10}{'theory':>9}"
+    )
+    rows: list[Row] = []
     for name in args.schedules:
+        # re-measured next to each schedule, so both see the same load on a shared machine
+        single = run_distributed(one_process, 1, args, timeout=600)[0]
+        ideal = single / args.pp
         results = run_distributed(pipelined, args.pp, args, name, timeout=600)
         seconds = max(r[0] for r in results)
         num_stages = args.pp * PipelineConfig(name).resolved_stages_per_rank
         order = results[0][1] or single_stage_order(name, args.pp, args.microbatches)
         theory = bubble_fraction(order, num_stages)
         print(
-            f"{name:<24}{num_stages:>7}{seconds * 1e3:>10.1f}{seconds / ideal:>10.2f}"
+            f"{name:<24}{num_stages:>7}{seconds * 1e3:>10.1f}{single * 1e3:>10.1f}{seconds / ideal:>10.2f}"
             f"{1 - ideal / seconds:>10.1%}{theory:>9.1%}"
         )
+        rows.append(
+            row(
+                f"pipeline {name}: step / (1 process / pp)",
+                seconds / ideal,
+                f"{1 / (1 - theory):.2f} (bubble only)",
+                f"pp {args.pp}, {num_stages} stages",
+            )
+        )
+    write_rows(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
+from _common import row, write_rows  # noqa: E402
 from reference_model import ReferenceForCausalLM, ReferenceModelConfig  # noqa: E402
 
 from d9d.data import AutoDataConfig, AutoDataProvider, TextDataset  # noqa: E402
@@ -94,6 +95,7 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--json", help="also write the ratios here (for run_all.py)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     plain, d9d = [], []
@@ -105,6 +107,8 @@ def main() -> None:
     print(f"{'plain torch':<12} {p * 1e3:>18.2f} {len(plain):>6}")
     print(f"{'d9d':<12} {d * 1e3:>18.2f} {len(d9d):>6}")
     print(f"d9d / plain step time: {d / p:.3f}")
+    note = f"{d * 1e3:.0f} vs {p * 1e3:.0f} ms, median of {len(d9d)} / {len(plain)} steps"
+    write_rows(args.json, [row("trainer: d9d / plain loop step time", d / p, "1", note)])
 
 
 if __name__ == "__main__":
