@@ -2,12 +2,14 @@
 
 `CliError` is raised by the commands themselves; every `d9d.mesh.D9dError` (a bad config, a mesh
 mismatch, a missing checkpoint, ...) and `OSError` (a path that cannot be read or written) is
-reported the same way. `d9d --debug COMMAND ...` shows the full traceback instead.
+reported the same way, by rank 0 alone under a launcher. `d9d --debug COMMAND ...` shows the full
+traceback instead.
 """
 
 import functools
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
@@ -17,6 +19,9 @@ __all__ = ["EXIT_ERROR", "CliError", "reports_errors"]
 
 #: Exit status of every reported error (click's usage errors use 2 as well).
 EXIT_ERROR = 2
+#: Seconds a rank other than 0 waits before it exits on an error that rank 0 reports (see `reports_errors`);
+#: torchrun ends the wait as soon as rank 0 has exited.
+PEER_ERROR_GRACE_S = 10.0
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -48,9 +53,33 @@ def reports_errors(func: Callable[_P, _R]) -> Callable[_P, _R]:
                 raise
             if os.environ.get("RANK", "0") == "0":  # every rank sees the same error; say it once
                 click.echo(f"error: {_one_line(exc)}", err=True)
+            elif _met_by_every_rank(exc):
+                # Under torchrun the first rank to exit gets the others killed: had this rank exited
+                # at once, rank 0 could be killed before it printed the error. Wait for it instead.
+                time.sleep(PEER_ERROR_GRACE_S)
             sys.exit(EXIT_ERROR)
 
     return wrapper
+
+
+def _met_by_every_rank(exc: BaseException) -> bool:
+    """Whether every rank raises this error alike, so that rank 0 reports it for all.
+
+    True for a mistake in the config, mesh or launch, and for a checkpoint that cannot be loaded or
+    saved (d9d-ckpt agrees on those across ranks before it raises).
+    """
+    if isinstance(exc, CliError | ValueError):  # ConfigError, MeshConfigError, batch sizes, ...
+        return True
+    if "d9d.mesh" in sys.modules:
+        from d9d.mesh import LaunchError
+
+        if isinstance(exc, LaunchError):
+            return True
+    if "d9d.ckpt" in sys.modules:
+        from d9d.ckpt import CheckpointError
+
+        return isinstance(exc, CheckpointError)
+    return False
 
 
 def _debug() -> bool:

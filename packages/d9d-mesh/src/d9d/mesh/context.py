@@ -9,7 +9,7 @@ import datetime
 import os
 from collections.abc import Mapping
 from types import TracebackType
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -118,7 +118,9 @@ class DistributedContext:
         owns = not dist.is_initialized()
         if owns:
             backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
-            dist.init_process_group(backend=backend, timeout=init_timeout)
+            dist.init_process_group(
+                backend=backend, timeout=init_timeout, **_attempt_store(env, init_timeout)
+            )
         elif dist.get_world_size() != config.world_size:
             raise LaunchError(
                 f"the existing process group has {dist.get_world_size()} ranks but the mesh "
@@ -308,6 +310,21 @@ class DistributedContext:
 
     def __repr__(self) -> str:
         return f"DistributedContext(mode={self._mode}, {self.log_tag}, world_size={self.world_size})"
+
+
+def _attempt_store(env: Mapping[str, str], timeout: datetime.timedelta) -> dict[str, Any]:
+    """Under `torchrun --max-restarts`, a store namespace per attempt (else {}: env:// as usual).
+
+    The launcher's store outlives a restart, and process groups created after the default one would
+    find the dead attempt's addresses there (gloo: "connectFullMesh failed ... Connection refused").
+    """
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+        return {}
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    is_host = env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_host, timeout=timeout)
+    return {"store": dist.PrefixStore(f"d9d-attempt-{attempt}/", store), "rank": rank, "world_size": world}
 
 
 def _domain_of(axis: str) -> str:

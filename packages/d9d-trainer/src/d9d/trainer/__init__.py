@@ -33,6 +33,7 @@ from d9d.trainer.config import (
     TrainerConfig,
 )
 from d9d.trainer.entry import main, run_job
+from d9d.trainer.errors import PeerFailedError, RunLockedError, TrainingError
 from d9d.trainer.job import ResolvedJob, resolve_job
 from d9d.trainer.loading import ConfigError, LoadedJob, apply_overrides, load_job_config, resolve_object
 from d9d.trainer.providers import (
@@ -55,10 +56,14 @@ from d9d.trainer.providers import (
     PrepareImportModelStageResult,
     Task,
 )
-from d9d.trainer.trainer import METRICS_FILE, Trainer, TrainingError, TrainResult
+from d9d.trainer.run_lock import LOCK_FILE, RunLock
+from d9d.trainer.trainer import METRICS_FILE, Trainer, TrainResult
+from d9d.trainer.watchdog import EXIT_STEP_TIMEOUT
 
 __all__ = [
+    "EXIT_STEP_TIMEOUT",
     "IGNORE_INDEX",
+    "LOCK_FILE",
     "METRICS_FILE",
     "AutoDataProviderFactory",
     "BuildDataProviderContext",
@@ -88,6 +93,7 @@ __all__ = [
     "OptimizerConfig",
     "OptimizerProvider",
     "ParallelizeModelStageContext",
+    "PeerFailedError",
     "PipeliningConfig",
     "PrepareExportModelStageContext",
     "PrepareExportModelStageResult",
@@ -96,6 +102,8 @@ __all__ = [
     "ProvidersConfig",
     "ResolvedJob",
     "RunConfig",
+    "RunLock",
+    "RunLockedError",
     "ScheduleConfig",
     "Task",
     "TimeoutsConfig",

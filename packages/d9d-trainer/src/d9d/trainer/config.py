@@ -114,7 +114,13 @@ class DeterminismConfig(_Section):
 
 
 class TimeoutsConfig(_Section):
-    """Collective timeouts in seconds: generous while starting, short once steps run."""
+    """Timeouts in seconds: generous while starting, short once steps run.
+
+    `init_s` bounds start-up collectives (rendezvous, loading a checkpoint). `step_s` bounds one
+    training step (data, forward/backward, optimizer) on a distributed run: past it, the step
+    watchdog stops every rank and names the ranks that are stuck (see `d9d.trainer.watchdog`).
+    Checkpoint saves are not part of a step; they wait up to `init_s`.
+    """
 
     init_s: float = 600.0
     step_s: float = 600.0

@@ -31,6 +31,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         run_job(args[0], overrides)
     except D9dError as exc:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {exc}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # every rank stops with the same message: say it once
+            print("error: " + " ".join(str(exc).split()), file=sys.stderr)
         sys.exit(2)

@@ -1,8 +1,15 @@
-"""Resolve a loaded job config into provider instances, each built from its own config section."""
+"""Resolve a loaded job config into provider instances, each built from its own config section.
 
+Also the checks that need more than the config text, still before any process group, file or model
+exists: batch sizes against the mesh, and the directories the job will write.
+"""
+
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from d9d.data import AutoDataConfig, DataError, check_batch_sizes
 from d9d.trainer.config import JobConfig
 from d9d.trainer.loading import ConfigError, LoadedJob, convert_section, resolve_object
 from d9d.trainer.providers import (
@@ -15,6 +22,8 @@ from d9d.trainer.providers import (
 )
 
 __all__ = ["ResolvedJob", "resolve_job"]
+
+_BUILTIN_DATA = "d9d.trainer:AutoDataProviderFactory"
 
 
 @dataclass(frozen=True)
@@ -39,10 +48,12 @@ def resolve_job(loaded: LoadedJob) -> ResolvedJob:
     """Import every provider and construct it from its section (`model:`, `dataset:`, `data:`, ...).
 
     Raises:
-        ConfigError: a provider does not import, lacks a required method, or its section does not fit.
+        ConfigError: a provider does not import, lacks a required method, or its section does not fit;
+            the batch sizes do not divide over the mesh; a directory to write is blocked by a file.
     """
     config = loaded.config
     where = str(loaded.path) if loaded.path is not None else "config"
+    _check_directories(config, where)
     providers = config.providers
     sections: dict[str, Any] = {
         "model": (
@@ -63,7 +74,7 @@ def resolve_job(loaded: LoadedJob) -> ResolvedJob:
     }
     if providers.dataset is not None:
         sections["dataset"] = (providers.dataset, config.dataset, "dataset", ("build_dataset",))
-    elif providers.data == "d9d.trainer:AutoDataProviderFactory":
+    elif providers.data == _BUILTIN_DATA:
         raise ConfigError(
             f"{where}: providers.dataset is missing; the built-in AutoDataProvider needs a dataset provider "
             "(e.g. providers.dataset: train.py:MyDataset), or set providers.data to your own data provider"
@@ -74,6 +85,8 @@ def resolve_job(loaded: LoadedJob) -> ResolvedJob:
         built[role] = _construct(
             cls, section, where=where, role=role, section_key=section_key, methods=methods
         )
+    if providers.data == _BUILTIN_DATA:
+        _check_batch(config, where)
     return ResolvedJob(
         loaded=loaded,
         model_provider=built["model"],
@@ -112,3 +125,40 @@ def _as_builtins(struct: Any) -> Any:
     import msgspec
 
     return msgspec.to_builtins(struct)
+
+
+def _check_batch(config: JobConfig, where: str) -> None:
+    """The built-in AutoDataProvider's batch arithmetic against the mesh (pure, so checked up front)."""
+    data = convert_section(config.data, AutoDataConfig, where=where, prefix="data")
+    try:
+        check_batch_sizes(data.global_batch_size, data.microbatch_size, config.mesh.data_parallel)
+    except DataError as exc:  # the message names data.* and the mesh degrees already
+        raise ConfigError(str(exc)) from None
+
+
+def _check_directories(config: JobConfig, where: str) -> None:
+    """Each directory the job writes must be a directory or creatable: no file may stand in its way."""
+    trainer = config.trainer
+    save_dir = Path(trainer.checkpointing.save_dir)
+    targets = {
+        "trainer.checkpointing.save_dir": save_dir / trainer.run.name,
+        "trainer.logging.log_dir": trainer.logging.log_dir,
+        "export.dir": config.export.dir,
+    }
+    for key, target in targets.items():
+        if target is None:
+            continue
+        blocker = _file_in_the_way(Path(target))
+        if blocker is not None:
+            raise ConfigError(
+                f"{where}: {key}: {blocker} is a file, not a directory; "
+                f"point {key} elsewhere or move the file away"
+            )
+
+
+def _file_in_the_way(path: Path) -> Path | None:
+    """The nearest existing ancestor of `path` (or `path` itself) when it is not a directory."""
+    for candidate in (path, *path.parents):
+        if os.path.lexists(candidate):
+            return None if candidate.is_dir() else candidate
+    return None

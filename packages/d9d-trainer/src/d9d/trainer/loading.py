@@ -9,17 +9,20 @@ path and the fix.
 import copy
 import importlib
 import importlib.util
+import logging
 import re
 import sys
+import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import msgspec
 import yaml
 
 from d9d.mesh import D9dError
+from d9d.parallel import PIPELINE_SCHEDULES, PipelineConfig, PipelineError
 from d9d.trainer.config import JobConfig
 
 __all__ = ["ConfigError", "LoadedJob", "apply_overrides", "load_job_config", "resolve_object"]
@@ -66,6 +69,10 @@ def load_job_config(
             raw = yaml.safe_load(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"{where}: no such config file; check the path") from None
+        except IsADirectoryError:
+            raise ConfigError(
+                f"{where} is a directory, not a config file (a YAML file such as config.yaml)"
+            ) from None
         except OSError as exc:
             raise ConfigError(f"{where}: cannot read the config file: {exc.strerror}") from None
         except yaml.YAMLError as exc:
@@ -74,13 +81,18 @@ def load_job_config(
             problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
             raise ConfigError(f"{where}: invalid YAML{at}: {problem}") from None
         if raw is None:
-            raw = {}
+            raise ConfigError(
+                f"{where} is empty; a job needs at least the providers: and trainer: sections "
+                "(`d9d init` writes a complete example)"
+            )
         if not isinstance(raw, dict):
             raise ConfigError(
                 f"{where}: the top level must be a mapping of sections, got {type(raw).__name__}"
             )
     raw = apply_overrides(raw, overrides)
     config = convert_section(raw, schema, where=where, prefix="")
+    if isinstance(config, JobConfig):
+        _check_rules(config, where)
     return LoadedJob(config=config, path=path, raw=raw)
 
 
@@ -133,6 +145,10 @@ def _explain(message: str, schema: type, *, where: str, prefix: str) -> str:
     missing = re.match(r"Object missing required field `(?P<key>[^`]+)`", text)
     if missing:
         return f"{where}: missing required key {_join(key, missing['key'])}; add it to the config"
+    if text.startswith("Invalid enum value"):
+        choices = _choices_at(schema, at.lstrip("."))
+        hint = f"; choose one of {', '.join(choices)}" if choices else ""
+        return f"{where}: {key or 'top level'}: {text.replace('`', '')}{hint}"
     if text.startswith(("Expected", "Invalid")):
         return f"{where}: {key or 'top level'}: {text.replace('`', '')}"
     # a rule from a __post_init__: its message already names the key
@@ -143,19 +159,72 @@ def _join(prefix: str, rest: str) -> str:
     return ".".join(p for p in (prefix, rest) if p)
 
 
-def _fields_at(schema: type, path: str) -> list[str]:
-    """Field names of the struct found by walking `path` (dotted) from `schema`; [] if not a struct."""
+def _type_at(schema: type, path: str) -> Any:
+    """The annotated type found by walking `path` (dotted) through structs from `schema`; None if lost."""
     current: Any = schema
     for part in [p for p in re.split(r"[.\[\]]", path) if p]:
+        current = _unwrap_optional(current)
         if not (isinstance(current, type) and issubclass(current, msgspec.Struct)):
-            return []
+            return None
         hints = get_type_hints(current)
         if part not in hints:
-            return []
+            return None
         current = hints[part]
+    return _unwrap_optional(current)
+
+
+def _unwrap_optional(annotation: Any) -> Any:
+    """`X` for `X | None` (the type a value must have when it is given at all)."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return annotation
+
+
+def _fields_at(schema: type, path: str) -> list[str]:
+    """Field names of the struct found by walking `path` (dotted) from `schema`; [] if not a struct."""
+    current = _type_at(schema, path)
     if isinstance(current, type) and issubclass(current, msgspec.Struct):
         return list(current.__struct_fields__)
     return []
+
+
+def _choices_at(schema: type, path: str) -> list[str]:
+    """The allowed values of the `Literal[...]` field at `path`; [] if it is not one."""
+    current = _type_at(schema, path)
+    if get_origin(current) is Literal:
+        return [str(v) for v in get_args(current)]
+    return []
+
+
+def _check_rules(config: JobConfig, where: str) -> None:
+    """Rules the section structs cannot check alone, as they need the lower packages' vocabularies.
+
+    Raises:
+        ConfigError: a log level logging does not know, or a pipeline schedule the trainer cannot run.
+    """
+    level = config.trainer.logging.level
+    if not isinstance(logging.getLevelName(level.upper()), int):
+        raise ConfigError(
+            f"{where}: trainer.logging.level {level!r} is not a log level; "
+            "use one of DEBUG, INFO, WARNING, ERROR, CRITICAL"
+        )
+    pipelining = config.pipelining
+    if pipelining.schedule not in PIPELINE_SCHEDULES:
+        raise ConfigError(
+            f"{where}: pipelining.schedule {pipelining.schedule!r} is not a pipeline schedule; "
+            f"choose one of {', '.join(PIPELINE_SCHEDULES)}"
+        )
+    try:
+        schedule = PipelineConfig(pipelining.schedule, pipelining.stages_per_rank)
+    except PipelineError as exc:
+        raise ConfigError(f"{where}: pipelining.stages_per_rank: {exc}") from None
+    if config.mesh.pipeline_parallel > 1 and schedule.info.multi_stage:
+        raise ConfigError(
+            f"{where}: pipelining.schedule {pipelining.schedule!r} runs several stages per rank, which "
+            "the trainer does not support yet (a checkpoint holds one model per rank); use gpipe or 1f1b"
+        )
 
 
 def resolve_object(spec: str, base_dir: Path, *, key: str) -> Any:
@@ -190,9 +259,20 @@ def resolve_object(spec: str, base_dir: Path, *, key: str) -> Any:
         try:
             module = importlib.import_module(target)
         except ImportError as exc:
+            missing = exc.name or ""
+            if missing and missing != target and not target.startswith(missing + "."):
+                # the module was found; something it imports was not
+                raise ConfigError(
+                    f"{key}: importing module {target!r} failed: {type(exc).__name__}: {exc}; "
+                    "is the package it needs installed?"
+                ) from None
             raise ConfigError(
                 f"{key}: cannot import module {target!r} ({exc}); is the package installed?"
             ) from None
+        except Exception as exc:  # the module exists but its own code failed
+            raise ConfigError(
+                f"{key}: importing module {target!r} failed: {type(exc).__name__}: {exc}"
+            ) from exc
     try:
         return getattr(module, name)
     except AttributeError:

@@ -4,6 +4,7 @@ build (mesh → logging → providers → model on meta → parallelize → mate
 LR schedule, data, checkpoints) → resume → train loop → checkpoint → export.
 """
 
+import contextlib
 import datetime
 import json
 import math
@@ -25,7 +26,7 @@ from d9d.ckpt import (
     restore_rng_state,
     save_safetensors,
 )
-from d9d.mesh import D9dError, DistributedContext, configure_logging, get_logger
+from d9d.mesh import DistributedContext, configure_logging, get_logger
 from d9d.parallel import (
     Pipeline,
     PipelineConfig,
@@ -36,7 +37,10 @@ from d9d.parallel import (
     plan_pipeline,
     set_gradient_sync,
 )
+from d9d.trainer._fault_injection import FaultInjection
 from d9d.trainer._materialize import materialize_and_initialize
+from d9d.trainer.errors import TrainingError
+from d9d.trainer.failures import FailureBoard, job_store
 from d9d.trainer.job import ResolvedJob, resolve_job
 from d9d.trainer.loading import LoadedJob, load_job_config
 from d9d.trainer.metrics import ProgressLine, device_peak_flops, mfu, model_flops_per_token
@@ -49,17 +53,17 @@ from d9d.trainer.providers import (
     PrepareExportModelStageContext,
     PrepareImportModelStageContext,
 )
+from d9d.trainer.run_lock import RunLock
+from d9d.trainer.watchdog import REPORT_GRACE_S, StepWatchdog
 
 __all__ = ["METRICS_FILE", "TrainResult", "Trainer", "TrainingError"]
 
 #: Per-step metrics of a run, one JSON object per line, in `save_dir/run.name/`.
 METRICS_FILE = "metrics.jsonl"
+#: The process-group timeout once steps run is step_s plus this: the step watchdog acts first.
+_COLLECTIVE_BACKSTOP_S = 2 * REPORT_GRACE_S + 5.0
 
 _log = get_logger("d9d.trainer")
-
-
-class TrainingError(D9dError, RuntimeError):
-    """Training cannot go on (e.g. a non-finite loss); the last committed checkpoint stays latest."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +91,7 @@ class Trainer:
         self._context = DistributedContext.from_env(
             config.mesh,
             init_timeout=_seconds(tcfg.timeouts.init_s),
-            step_timeout=_seconds(tcfg.timeouts.step_s),
+            step_timeout=_seconds(tcfg.timeouts.step_s + _COLLECTIVE_BACKSTOP_S),
         )
         try:
             configure_logging(
@@ -98,7 +102,7 @@ class Trainer:
             )
             self._build()
         except BaseException:
-            self._context.close()
+            self.close()
             raise
 
     @classmethod
@@ -177,6 +181,18 @@ class Trainer:
         self._step = 0
         self._global_weight = 1.0
         self._dp_group = None if ctx.is_local else ctx.mesh("batch").get_group("dp")
+        # Fault handling: one job per run directory, one report per failure, no silent hang.
+        store = job_store(ctx)
+        self._failures = FailureBoard(store, ctx.rank, ctx.world_size)
+        self._lock = RunLock.acquire(self.run_dir, ctx)
+        if ctx.is_main_process:  # no other job writes the run now: what crashed saves left can go
+            self._checkpoints.remove_leftovers()
+        self._watchdog = (
+            StepWatchdog(store, self._failures, ctx.rank, ctx.world_size, config.trainer.timeouts.step_s)
+            if store is not None
+            else None
+        )
+        self._faults = FaultInjection.from_env(ctx.rank)
         n_params = sum(p.numel() for p in model.parameters())
         _log.info(
             "job built",
@@ -262,6 +278,7 @@ class Trainer:
         Raises:
             TrainingError: `step` is given but the run has no committed checkpoint of that step.
         """
+        self._checkpoints.check_uncommitted()
         found = self._checkpoints.checkpoints()
         if step is not None:
             matching = [c for c in found if c.step == step]
@@ -324,53 +341,66 @@ class Trainer:
         )
         peak = device_peak_flops(self._context.device)
         flops_per_token: float | None = None
-        while self._step < total:
-            step_start = time.perf_counter()
-            microbatches = next(data_iter)
-            if flops_per_token is None and microbatches and isinstance(microbatches[0], dict):
-                ids = microbatches[0].get("input_ids")
-                if ids is not None:
-                    flops_per_token = model_flops_per_token(self._model, int(ids.shape[-1]))
-            lr = self._scheduler.get_last_lr()[0]  # the learning rate this step uses
-            loss, norm, weight, applied = self._train_step(microbatches)
-            self._step += 1
-            losses.append(loss)
-            tokens_since_log += weight
-            record = {
-                "step": self._step,
-                "loss": loss,
-                "grad_norm": norm,
-                "lr": lr,
-                "tokens": weight,
-                "step_time_s": time.perf_counter() - step_start,
-                "skipped": not applied,
-                "launch": launch,
-            }
-            if self._context.is_main_process:
-                _append_jsonl(metrics_path, record)
-                if progress is not None:
-                    progress.update(self._step, loss)
-                if self._step % cfg.logging.period_steps == 0 or self._step == total:
-                    now = time.perf_counter()
-                    tokens_per_s = tokens_since_log / max(now - last_log, 1e-9)
-                    _log.info(
-                        "step",
-                        step=self._step,
-                        loss=round(loss, 5),
-                        grad_norm=round(norm, 4),
-                        lr=record["lr"],
-                        tokens_per_s=round(tokens_per_s, 1),
-                        **mfu(tokens_per_s, flops_per_token, peak, self._context.world_size),
-                        **_memory(self._context.device),
-                    )
-                    last_log, tokens_since_log = now, 0.0
-            period = cfg.checkpointing.period_steps
-            if self._step == total or (period and self._step % period == 0):
-                self.save_checkpoint()
+        try:
+            while self._step < total:
+                step_start = time.perf_counter()
+                with self._watching(self._step + 1):
+                    microbatches = next(data_iter)
+                    self._faults.before_step(self._step + 1)
+                    if flops_per_token is None and microbatches and isinstance(microbatches[0], dict):
+                        ids = microbatches[0].get("input_ids")
+                        if ids is not None:
+                            flops_per_token = model_flops_per_token(self._model, int(ids.shape[-1]))
+                    lr = self._scheduler.get_last_lr()[0]  # the learning rate this step uses
+                    loss, norm, weight, applied = self._train_step(microbatches)
+                self._step += 1
+                losses.append(loss)
+                tokens_since_log += weight
+                record = {
+                    "step": self._step,
+                    "loss": loss,
+                    "grad_norm": norm,
+                    "lr": lr,
+                    "tokens": weight,
+                    "step_time_s": time.perf_counter() - step_start,
+                    "skipped": not applied,
+                    "launch": launch,
+                }
+                if self._context.is_main_process:
+                    _append_jsonl(metrics_path, record)
+                    if progress is not None:
+                        progress.update(self._step, loss)
+                    if self._step % cfg.logging.period_steps == 0 or self._step == total:
+                        now = time.perf_counter()
+                        tokens_per_s = tokens_since_log / max(now - last_log, 1e-9)
+                        _log.info(
+                            "step",
+                            step=self._step,
+                            loss=round(loss, 5),
+                            grad_norm=round(norm, 4),
+                            lr=record["lr"],
+                            tokens_per_s=round(tokens_per_s, 1),
+                            **mfu(tokens_per_s, flops_per_token, peak, self._context.world_size),
+                            **_memory(self._context.device),
+                        )
+                        last_log, tokens_since_log = now, 0.0
+                period = cfg.checkpointing.period_steps
+                if self._step == total or (period and self._step % period == 0):
+                    self.save_checkpoint()
+            self._checkpoints.wait()
+        except Exception as exc:
+            if self._watchdog is not None:
+                self._watchdog.hold_if_exiting()
+            stop = self._failures.stopping(exc, self._step + 1)
+            if stop is exc:
+                raise
+            raise stop from exc
         if progress is not None:
             progress.close()
-        self._checkpoints.wait()
         return TrainResult(start_step=start, final_step=self._step, losses=losses)
+
+    def _watching(self, step: int) -> contextlib.AbstractContextManager[None]:
+        return self._watchdog.step(step) if self._watchdog is not None else contextlib.nullcontext()
 
     def _train_step(self, microbatches: list[Any]) -> tuple[float, float, float, bool]:
         task, model, ctx = self._job.task, self._model, self._context
@@ -477,8 +507,11 @@ class Trainer:
     # ------------------------------------------------------------------ shutdown
 
     def close(self) -> None:
-        """Finish a pending checkpoint, then release the process group."""
+        """Finish a pending checkpoint, then release the process group and the run lock."""
         try:
+            watchdog = getattr(self, "_watchdog", None)
+            if watchdog is not None:
+                watchdog.close()
             checkpoints = getattr(self, "_checkpoints", None)
             if checkpoints is not None:
                 checkpoints.close()
@@ -486,7 +519,13 @@ class Trainer:
             if data is not None and hasattr(data, "close"):
                 data.close()
         finally:
-            self._context.close()
+            self._context.close()  # also breaks the collectives that other ranks wait in
+            failures = getattr(self, "_failures", None)
+            if failures is not None:
+                failures.linger()
+            lock = getattr(self, "_lock", None)
+            if lock is not None:
+                lock.release()
 
     def __enter__(self) -> "Trainer":
         return self

@@ -27,6 +27,7 @@ __all__ = [
     "step_dir_name",
     "temp_dir_name",
     "trash_dir_name",
+    "uncommitted_step_dirs",
 ]
 
 #: Name of the commit marker inside a checkpoint directory (JSON, see `CheckpointMeta`).
@@ -114,6 +115,25 @@ def list_checkpoints(run_dir: Path) -> list[CheckpointInfo]:
             continue
         found.append(CheckpointInfo(step=step, path=entry, meta=meta))
     return sorted(found, key=lambda info: info.step)
+
+
+def uncommitted_step_dirs(run_dir: Path) -> list[Path]:
+    """`save-<step>` directories without a valid commit record: damaged, or not written by d9d.
+
+    d9d never produces one (a save is renamed to `save-<step>` only after its commit record is
+    written), so such a directory is never loaded, never replaced and never deleted: it is reported.
+    """
+    if not run_dir.is_dir():
+        return []
+    damaged = []
+    for entry in run_dir.iterdir():
+        step = parse_step_dir(entry.name)
+        if step is None:
+            continue
+        meta = read_meta(entry) if entry.is_dir() and not entry.is_symlink() else None
+        if meta is None or meta.step != step:
+            damaged.append(entry)
+    return sorted(damaged, key=lambda path: parse_step_dir(path.name) or 0)
 
 
 def stale_dirs(run_dir: Path) -> list[Path]:

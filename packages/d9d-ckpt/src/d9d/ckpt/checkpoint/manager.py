@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -48,6 +49,7 @@ from d9d.ckpt.checkpoint.layout import (
     step_dir_name,
     temp_dir_name,
     trash_dir_name,
+    uncommitted_step_dirs,
 )
 from d9d.ckpt.checkpoint.validate import check_files, check_keys, read_dcp_metadata
 from d9d.mesh import DistributedContext, get_logger
@@ -58,9 +60,20 @@ __all__ = ["CheckpointManager", "LoadedCheckpoint"]
 EXTRA_FILE = "extra.msgpack"
 _MAX_LISTED_PROBLEMS = 20
 #: Test hook: seconds rank 0 sleeps between "every rank finished writing" and the commit, so that
-#: crash tests can kill a job in exactly that window.
+#: crash tests can kill a job in exactly that window. `SECONDS@STEP` pauses only the save of STEP.
 PAUSE_BEFORE_COMMIT_ENV = "D9D_CKPT_TEST_PAUSE_BEFORE_COMMIT"
+#: Test hook: seconds rank 0 sleeps while pruning, after an old checkpoint was renamed aside and before
+#: it is deleted (the crash window of retention). `SECONDS@STEP` pauses only the save of STEP.
+PAUSE_IN_PRUNE_ENV = "D9D_CKPT_TEST_PAUSE_IN_PRUNE"
 _log = get_logger("d9d.ckpt")
+
+
+def _uncommitted_message(run_dir: Path, damaged: list[Path]) -> str:
+    names = ", ".join(str(path) for path in damaged)
+    return (
+        f"{names}: no valid {COMMIT_FILE}, so a damaged checkpoint or one not written by d9d; it is neither "
+        f"loaded nor replaced. Move it out of {run_dir}, or use another trainer.run.name"
+    )
 
 
 def rank_file_name(rank: int) -> str:
@@ -150,6 +163,16 @@ class CheckpointManager:
         """Every committed checkpoint of the run, oldest step first."""
         return list_checkpoints(self._run_dir)
 
+    def check_uncommitted(self) -> None:
+        """Refuse a run directory holding `save-<step>` directories that are not committed checkpoints.
+
+        Raises:
+            CheckpointError: naming them: d9d neither resumes past them nor overwrites them.
+        """
+        damaged = uncommitted_step_dirs(self._run_dir)
+        if damaged:
+            raise CheckpointError(_uncommitted_message(self._run_dir, damaged))
+
     def latest(self) -> CheckpointInfo | None:
         """The committed checkpoint with the highest step, or None when the run has none."""
         found = self.checkpoints()
@@ -218,7 +241,7 @@ class CheckpointManager:
                         state, checkpoint_id=str(tmp), process_group=self._group.group, no_dist=self._local
                     )
                 write_error = None
-            except Exception as exc:
+            except (Exception, CheckpointException) as exc:  # DCP's own error is a BaseException
                 write_error = _describe(exc)
             return self._finish(step, tmp, meta, write_error)
 
@@ -244,17 +267,22 @@ class CheckpointManager:
         try:
             upload.result()
             write_error = None
-        except Exception as exc:
+        except (Exception, CheckpointException) as exc:
             write_error = _describe(exc)
         return self._finish(step, tmp, meta, write_error)
 
     def _finish(self, step: int, tmp: Path, meta: dict[str, Any], write_error: str | None) -> CheckpointInfo:
         """Commit once every rank wrote its part; runs on all ranks (in the background when async)."""
-        _raise_first_error(self._group.all_gather((step, write_error)), f"writing checkpoint step {step}")
+        votes = self._group.all_gather((step, write_error))
+        if self._group.rank == 0 and any(error is not None for _, error in votes):
+            # A failed write (e.g. a full disk) must not keep its partial files around.
+            with contextlib.suppress(OSError):
+                _remove(tmp)
+        _raise_first_error(votes, f"writing checkpoint step {step}")
         result: tuple[CheckpointInfo | None, str | None] = (None, None)
         if self._group.rank == 0:
             try:
-                time.sleep(float(os.environ.get(PAUSE_BEFORE_COMMIT_ENV, "0")))
+                _test_pause(PAUSE_BEFORE_COMMIT_ENV, step)
                 result = (self._commit(step, tmp, meta), None)
             except Exception as exc:  # every rank must hear of it, else they wait forever
                 result = (None, f"committing {tmp} as {step_dir_name(step)} failed: {_describe(exc)}")
@@ -283,6 +311,8 @@ class CheckpointManager:
         _fsync_dir(tmp)
         final = self._run_dir / step_dir_name(step)
         replaced = None
+        if final in uncommitted_step_dirs(self._run_dir):
+            raise CheckpointError(_uncommitted_message(self._run_dir, [final]))
         # Saving a step again replaces it (e.g. after resuming from an older checkpoint): the old one
         # moves aside first, since a rename cannot replace a non-empty directory.
         if final.exists() or final.is_symlink():
@@ -294,12 +324,12 @@ class CheckpointManager:
         try:
             if replaced is not None:
                 _remove(replaced)
-            self._prune(keep=final)
+            self._prune(keep=final, step=step)
         except OSError as exc:  # the new checkpoint is safe; leftovers are retried after the next save
             _log.warning("checkpoint cleanup failed", error=str(exc))
         return CheckpointInfo(step=step, path=final, meta=record)
 
-    def _prune(self, keep: Path) -> None:
+    def _prune(self, keep: Path, step: int) -> None:
         """Drop committed checkpoints beyond `num_to_keep` (never `keep`), then crash leftovers."""
         if self._num_to_keep is not None:
             committed = [info for info in self.checkpoints() if info.path != keep]
@@ -307,11 +337,25 @@ class CheckpointManager:
             for info in committed[: max(excess, 0)]:
                 trash = self._run_dir / trash_dir_name(info.step, uuid.uuid4().hex[:12])
                 os.rename(info.path, trash)  # atomic: it stops being a checkpoint at once
+                _test_pause(PAUSE_IN_PRUNE_ENV, step)
                 _remove(trash)
                 _log.info("checkpoint removed", step=info.step, kept=self._num_to_keep)
         for leftover in stale_dirs(self._run_dir):
             _remove(leftover)
             _log.info("removed leftover of an unfinished save", path=str(leftover))
+
+    def remove_leftovers(self) -> list[Path]:
+        """Delete what crashed saves and deletions left in the run directory; the paths removed.
+
+        Not collective: call it on one rank, and only while no other job writes the run (the trainer
+        holds the run lock). Saves do this themselves after each commit.
+        """
+        removed = []
+        for leftover in stale_dirs(self._run_dir):
+            _remove(leftover)
+            removed.append(leftover)
+            _log.info("removed leftover of an unfinished save", path=str(leftover))
+        return removed
 
     # ------------------------------------------------------------------ load
 
@@ -453,7 +497,23 @@ def _live_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> di
 
 
 def _describe(exc: BaseException) -> str:
-    return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+    """One line naming the error; DCP's multi-rank report is reduced to its first underlying error."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        rank, (cause, _) = min(exc.failures.items())
+        return f"{_describe(cause)} (on rank {rank})"
+    if isinstance(exc, CheckpointError):
+        return str(exc)
+    return " ".join(f"{type(exc).__name__}: {exc}".split())
+
+
+def _test_pause(env: str, step: int) -> None:
+    """Sleep as the test hook `env` (`SECONDS` or `SECONDS@STEP`) says; a no-op when it is unset."""
+    value = os.environ.get(env)
+    if not value:
+        return
+    seconds, _, only_step = value.partition("@")
+    if not only_step or int(only_step) == step:
+        time.sleep(float(seconds))
 
 
 def _raise_first_error(votes: list[tuple[int, str | None]], doing: str) -> None:

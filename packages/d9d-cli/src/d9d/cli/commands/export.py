@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # the trainer imports torch: only inside the command at run t
 
 __all__ = ["export", "find_config_dir", "relative_provider_files"]
 
+
 def relative_provider_files(raw: dict[str, Any]) -> list[str]:
     """The relative `file.py` parts of the `providers:` import paths of a raw config."""
     providers = raw.get("providers") or {}

@@ -1,0 +1,58 @@
+"""Fault injection for d9d's own fault tests (tests/faults). TEST-ONLY: never set these in a real job.
+
+D9D_TEST_HANG_AT_STEP=N   [D9D_TEST_HANG_RANK=R (default 0)] [D9D_TEST_HANG_S (default 3600)]
+    rank R sleeps at the start of step N (a hung rank).
+D9D_TEST_RAISE_AT_STEP=N  [D9D_TEST_RAISE_RANK=R (default 0)] [D9D_TEST_RAISE_ONCE=PATH]
+    rank R raises RuntimeError at the start of step N; with RAISE_ONCE, only while PATH does not
+    exist (it is created first), so a restarted job gets past the step.
+"""
+
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["FaultInjection"]
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    """The faults the environment asks this rank to inject (none in a real job)."""
+
+    rank: int
+    hang_step: int | None = None
+    hang_s: float = 3600.0
+    raise_step: int | None = None
+    raise_once: Path | None = None
+
+    @classmethod
+    def from_env(cls, rank: int, environ: Mapping[str, str] | None = None) -> "FaultInjection":
+        """Read the D9D_TEST_* variables for `rank`."""
+        env = os.environ if environ is None else environ
+
+        def step_for(prefix: str) -> int | None:
+            at = env.get(f"D9D_TEST_{prefix}_AT_STEP")
+            return int(at) if at and int(env.get(f"D9D_TEST_{prefix}_RANK", "0")) == rank else None
+
+        once = env.get("D9D_TEST_RAISE_ONCE")
+        return cls(
+            rank=rank,
+            hang_step=step_for("HANG"),
+            hang_s=float(env.get("D9D_TEST_HANG_S", "3600")),
+            raise_step=step_for("RAISE"),
+            raise_once=Path(once) if once else None,
+        )
+
+    def before_step(self, step: int) -> None:
+        """Inject this rank's fault for `step`, if any."""
+        if step == self.hang_step:
+            time.sleep(self.hang_s)
+        if step == self.raise_step:
+            if self.raise_once is not None:
+                if self.raise_once.exists():
+                    return
+                self.raise_once.touch()
+            raise RuntimeError(
+                f"injected failure on rank {self.rank} at step {step} (D9D_TEST_RAISE_AT_STEP)"
+            )
