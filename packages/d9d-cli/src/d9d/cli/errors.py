@@ -63,23 +63,14 @@ def reports_errors(func: Callable[_P, _R]) -> Callable[_P, _R]:
 
 
 def _met_by_every_rank(exc: BaseException) -> bool:
-    """Whether every rank raises this error alike, so that rank 0 reports it for all.
-
-    True for a mistake in the config, mesh or launch, and for a checkpoint that cannot be loaded or
-    saved (d9d-ckpt agrees on those across ranks before it raises).
-    """
-    if isinstance(exc, CliError | ValueError):  # ConfigError, MeshConfigError, batch sizes, ...
+    """Whether every rank raises this error alike, so that rank 0 reports it for all."""
+    if isinstance(exc, CliError):
         return True
-    if "d9d.mesh" in sys.modules:
-        from d9d.mesh import LaunchError
+    if "d9d.trainer" not in sys.modules:  # nothing that raises a job error was imported
+        return isinstance(exc, ValueError)
+    from d9d.trainer import is_shared_by_every_rank
 
-        if isinstance(exc, LaunchError):
-            return True
-    if "d9d.ckpt" in sys.modules:
-        from d9d.ckpt import CheckpointError
-
-        return isinstance(exc, CheckpointError)
-    return False
+    return is_shared_by_every_rank(exc)
 
 
 def _debug() -> bool:

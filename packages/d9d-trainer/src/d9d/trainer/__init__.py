@@ -56,6 +56,7 @@ from d9d.trainer.providers import (
     PrepareImportModelStageResult,
     Task,
 )
+from d9d.trainer.reporting import PEER_ERROR_GRACE_S, is_shared_by_every_rank, report_error
 from d9d.trainer.run_lock import LOCK_FILE, RunLock
 from d9d.trainer.trainer import METRICS_FILE, Trainer, TrainResult
 from d9d.trainer.watchdog import EXIT_STEP_TIMEOUT
@@ -65,6 +66,7 @@ __all__ = [
     "IGNORE_INDEX",
     "LOCK_FILE",
     "METRICS_FILE",
+    "PEER_ERROR_GRACE_S",
     "AutoDataProviderFactory",
     "BuildDataProviderContext",
     "BuildDatasetContext",
@@ -112,10 +114,12 @@ __all__ = [
     "TrainerConfig",
     "TrainingError",
     "apply_overrides",
+    "is_shared_by_every_rank",
     "load_job_config",
     "lr_multiplier",
     "main",
     "materialize_and_initialize",
+    "report_error",
     "resolve_job",
     "resolve_object",
     "run_job",

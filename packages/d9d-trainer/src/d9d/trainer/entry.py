@@ -1,11 +1,11 @@
 """`run_job` and `main`: the one code path behind `python train.py config.yaml` and `d9d train`."""
 
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from d9d.mesh import D9dError
+from d9d.trainer.reporting import report_error
 from d9d.trainer.trainer import Trainer, TrainResult
 
 __all__ = ["main", "run_job"]
@@ -30,7 +30,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     overrides = [a.removeprefix("--set=") for a in args[1:] if a != "--set"]
     try:
         run_job(args[0], overrides)
-    except D9dError as exc:
-        if os.environ.get("RANK", "0") == "0":  # every rank stops with the same message: say it once
-            print("error: " + " ".join(str(exc).split()), file=sys.stderr)
+    except (D9dError, OSError) as exc:
+        report_error(exc)
         sys.exit(2)

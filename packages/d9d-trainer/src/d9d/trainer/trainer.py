@@ -94,13 +94,11 @@ class Trainer:
             step_timeout=_seconds(tcfg.timeouts.step_s + _COLLECTIVE_BACKSTOP_S),
         )
         try:
-            configure_logging(
-                self._context,
-                format=tcfg.logging.format,
-                log_dir=tcfg.logging.log_dir,
-                level=tcfg.logging.level,
-            )
+            logging_options = {"format": tcfg.logging.format, "level": tcfg.logging.level}
+            configure_logging(self._context, **logging_options)
             self._build()
+            if tcfg.logging.log_dir is not None:  # only once the job is sound: a failed start writes nothing
+                configure_logging(self._context, log_dir=tcfg.logging.log_dir, **logging_options)
         except BaseException:
             self.close()
             raise
