@@ -1,8 +1,8 @@
 """How a job's error reaches the user: one `error: ...` line, printed once, and a non-zero exit.
 
 Used by `python train.py` (`d9d.trainer.main`) and `d9d train`. Errors that every rank raises alike
-(a bad config, a launch that does not fit the mesh, a checkpoint that cannot be loaded, a locked
-run) are printed by rank 0 only; the other ranks wait a moment before they exit, because under
+(a bad config, a launch that does not fit the mesh, a checkpoint that cannot be loaded, a training
+error the ranks agreed on) are printed by rank 0 only; the other ranks wait a moment before they exit, because under
 torchrun the first rank to exit gets the others killed, and rank 0 must get to print first.
 """
 
@@ -12,7 +12,7 @@ import time
 
 from d9d.ckpt import CheckpointError
 from d9d.mesh import LaunchError
-from d9d.trainer.errors import RunLockedError
+from d9d.trainer.errors import TrainingError
 
 __all__ = ["PEER_ERROR_GRACE_S", "is_shared_by_every_rank", "one_line", "report_error"]
 
@@ -21,8 +21,12 @@ PEER_ERROR_GRACE_S = 10.0
 
 
 def is_shared_by_every_rank(exc: BaseException) -> bool:
-    """Whether every rank raises this error alike, so that rank 0 reports it for all."""
-    return isinstance(exc, ValueError | LaunchError | CheckpointError | RunLockedError)
+    """Whether every rank raises this error alike, so that rank 0 reports it for all.
+
+    Training errors count: the trainer agrees on them across ranks (a global non-finite loss, a
+    locked run, or one rank's failure that rank 0 reports for the job).
+    """
+    return isinstance(exc, ValueError | LaunchError | CheckpointError | TrainingError)
 
 
 def one_line(exc: BaseException) -> str:
