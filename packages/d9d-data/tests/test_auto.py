@@ -1,5 +1,7 @@
 """AutoDataProvider in one process: ranks are simulated with `DataPlacement` (real ranks: test_distributed)."""
 
+import tracemalloc
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from d9d.data import (
     SizedDataProvider,
     epoch_order,
 )
+from d9d.mesh import DistributedContext, MeshConfig
 
 
 class IndexDataset:
@@ -62,7 +65,7 @@ def test_global_batches_do_not_depend_on_the_dp_degree(drop_last):
     reference, _ = _global_batches(config, 30, 1, 10)  # 10 steps cross two epoch boundaries
     for dp in (2, 4):
         assert _global_batches(config, 30, dp, 10)[0] == reference
-    orders = [epoch_order(30, seed=5, epoch=e).tolist() for e in range(4)]
+    orders = [epoch_order(30, seed=5, epoch=e)[:].tolist() for e in range(4)]
     if drop_last:  # 3 steps per epoch, the last 6 positions of each order skipped
         expected = [orders[s // 3][(s % 3) * 8 : (s % 3) * 8 + 8] for s in range(10)]
     else:  # 4 steps per epoch, the 4th filled with the start of the same order
@@ -107,6 +110,60 @@ def test_a_state_from_another_order_is_refused():
         AutoDataProvider(config, IndexDataset(21)).load_state_dict(state)
     with pytest.raises(DataStateError, match=r"lacks \['position'\]"):
         provider.load_state_dict({k: v for k, v in state.items() if k != "position"})
+
+
+def test_a_state_written_with_the_old_materialized_permutation_is_refused():
+    provider = AutoDataProvider(AutoDataConfig(global_batch_size=4), IndexDataset(20))
+    state = provider.state_dict()
+    assert state["version"] == 2
+    with pytest.raises(DataStateError) as info:
+        provider.load_state_dict({**state, "version": 1})
+    message = str(info.value)
+    assert "\n" not in message
+    assert "version 1, whose sample order was a full numpy permutation" in message
+    assert "start a new run" in message
+    with pytest.raises(DataStateError, match="has version 3, but this d9d-data reads version 2"):
+        provider.load_state_dict({**state, "version": 3})
+    with pytest.raises(DataStateError, match=r"lacks \['version'\]"):
+        provider.load_state_dict({k: v for k, v in state.items() if k != "version"})
+
+
+def test_two_billion_samples_resume_deep_into_an_epoch_without_a_permutation():
+    n = 2_000_000_000
+    config = AutoDataConfig(global_batch_size=64, microbatch_size=8, seed=3)
+    placements = [DataPlacement(dp_rank=r, dp_size=4) for r in range(4)]
+    state = {**AutoDataProvider(config, IndexDataset(n)).state_dict(), "position": 1_000_000_000}
+    tracemalloc.start()
+    try:
+        steps = []
+        for placement in placements:
+            provider = AutoDataProvider(config, IndexDataset(n), context=placement)
+            provider.load_state_dict(state)
+            steps.append(_flatten(next(provider)))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 2**20, f"{peak} bytes traced; a permutation would be {8 * n} bytes"
+    order = epoch_order(n, seed=3, epoch=0)
+    assert [i for step in steps for i in step] == order[1_000_000_000:1_000_000_064].tolist()
+
+
+def test_pinned_batches_by_default_only_for_a_cuda_device(monkeypatch):
+    config = AutoDataConfig(global_batch_size=4)
+    cpu = AutoDataProvider(config, IndexDataset(8), device="cpu")
+    assert (cpu.device, cpu.pin_memory) == (torch.device("cpu"), False)
+    assert AutoDataProvider(config, IndexDataset(8)).device is None
+    with DistributedContext.from_env(MeshConfig()) as ctx:  # local mode on this CPU machine
+        assert AutoDataProvider(config, IndexDataset(8), context=ctx).device == ctx.device
+    # With CUDA usable (pretended here: the DataLoader is not built), "auto" follows the device.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert AutoDataProvider(config, IndexDataset(8), device="cuda:0").pin_memory
+    assert not AutoDataProvider(config, IndexDataset(8), device="cpu").pin_memory
+    assert not AutoDataProvider(config, IndexDataset(8)).pin_memory
+    off = AutoDataConfig(global_batch_size=4, pin_memory=False)
+    assert not AutoDataProvider(off, IndexDataset(8), device="cuda:0").pin_memory
+    on = AutoDataConfig(global_batch_size=4, pin_memory=True)
+    assert AutoDataProvider(on, IndexDataset(8)).pin_memory
 
 
 def test_workers_give_the_same_stream_as_the_main_process():

@@ -1,6 +1,5 @@
 import itertools
 
-import numpy as np
 import pytest
 
 from d9d.data import (
@@ -79,15 +78,6 @@ def test_dataset_smaller_than_a_global_batch_is_a_clear_error():
         check_dataset_size(7, 8)
     with pytest.raises(DatasetError, match="at most 7"):
         steps_per_epoch(7, 8, drop_last=False)
-
-
-def test_epoch_order_is_a_seeded_permutation_per_epoch():
-    a0 = epoch_order(50, seed=3, epoch=0)
-    assert sorted(a0.tolist()) == list(range(50))
-    assert np.array_equal(a0, epoch_order(50, seed=3, epoch=0))
-    assert not np.array_equal(a0, epoch_order(50, seed=3, epoch=1))
-    assert not np.array_equal(a0, epoch_order(50, seed=4, epoch=0))
-    assert epoch_order(5, seed=3, epoch=7, shuffle=False).tolist() == [0, 1, 2, 3, 4]
 
 
 def _walk(n, gbs, drop_last, steps):

@@ -39,7 +39,7 @@ def _global_batches(results, steps):
 
 
 def _expected(steps, start=0):
-    orders = [epoch_order(NUM_SAMPLES, seed=CONFIG.seed, epoch=e).tolist() for e in range(4)]
+    orders = [epoch_order(NUM_SAMPLES, seed=CONFIG.seed, epoch=e)[:].tolist() for e in range(4)]
     return [orders[s // 2][(s % 2) * 8 : (s % 2) * 8 + 8] for s in range(start, start + steps)]
 
 

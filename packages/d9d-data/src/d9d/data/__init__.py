@@ -6,7 +6,8 @@
     provider = AutoDataProvider(AutoDataConfig(global_batch_size=32, microbatch_size=4), dataset)
     microbatches = next(provider)                                    # one step: 8 microbatches of 4
 
-The global sample order never depends on the data-parallel degree, and `state_dict()` /
+The global sample order never depends on the data-parallel degree (nor is it ever materialized: any
+rank computes the sample at any position in O(1) memory), and `state_dict()` /
 `load_state_dict()` resume with exactly the next global batch, also on another number of ranks.
 """
 
@@ -16,7 +17,6 @@ from d9d.data.batching import (
     batch_size_choices,
     check_batch_sizes,
     check_dataset_size,
-    epoch_order,
     is_step_start,
     microbatches_per_rank,
     rank_slice,
@@ -28,6 +28,7 @@ from d9d.data.datasets.packed import CausalLMSample, PackedTokens
 from d9d.data.datasets.text import TextDataset
 from d9d.data.datasets.token_file import TokenFileDataset, TokenFileInfo, write_token_file
 from d9d.data.datasets.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from d9d.data.device import pin_memory_enabled, to_device
 from d9d.data.errors import (
     BatchSizeError,
     DataConfigError,
@@ -36,6 +37,7 @@ from d9d.data.errors import (
     DataStateError,
     TokenizerError,
 )
+from d9d.data.order import EpochOrder, epoch_order
 from d9d.data.placement import DataPlacement
 from d9d.data.protocol import DataProvider, SizedDataProvider
 
@@ -51,6 +53,7 @@ __all__ = [
     "DataProvider",
     "DataStateError",
     "DatasetError",
+    "EpochOrder",
     "MapDataset",
     "PackedTokens",
     "PipelineStages",
@@ -68,8 +71,10 @@ __all__ = [
     "is_step_start",
     "load_tokenizer",
     "microbatches_per_rank",
+    "pin_memory_enabled",
     "rank_slice",
     "step_sample_indices",
     "steps_per_epoch",
+    "to_device",
     "write_token_file",
 ]

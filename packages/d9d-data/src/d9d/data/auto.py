@@ -1,7 +1,8 @@
 """`AutoDataProvider`: a fixed global batch per step, split over data-parallel ranks into microbatches.
 
 Order and epochs. Epoch `e` visits the dataset in a seeded permutation (or in index order when
-`shuffle` is off) that depends only on (seed, e) and the dataset length, never on the mesh. Each step
+`shuffle` is off) that depends only on (seed, e) and the dataset length, never on the mesh; it is
+computed per position (`d9d.data.order`), so no rank ever holds a permutation of the dataset. Each step
 consumes the next `global_batch_size` positions of that order; data-parallel rank `r` of `dp` loads
 the contiguous slice `[r·gbs/dp, (r+1)·gbs/dp)` of them and cuts it into microbatches. An epoch ends
 when the next step cannot start: with `drop_last` when fewer than a global batch of positions are
@@ -21,14 +22,15 @@ from d9d.data.batching import (
     advance_position,
     check_batch_sizes,
     check_dataset_size,
-    epoch_order,
     is_step_start,
     rank_slice,
     step_sample_indices,
     steps_per_epoch,
 )
 from d9d.data.config import AutoDataConfig
+from d9d.data.device import pin_memory_enabled
 from d9d.data.errors import DataConfigError, DataStateError
+from d9d.data.order import EpochOrder, epoch_order
 from d9d.data.placement import DataPlacement
 from d9d.mesh import DistributedContext
 
@@ -40,7 +42,8 @@ SampleT_co = TypeVar("SampleT_co", covariant=True)
 #: Which pipeline ranks load data: every one, the first, the last, first and last, or explicit ranks.
 PipelineStages = Literal["all", "first", "last", "first_and_last"] | Collection[int]
 
-_STATE_VERSION = 1
+# 2: the order is the Feistel bijection of d9d.data.order; 1 was a materialized numpy permutation.
+_STATE_VERSION = 2
 _ORDER_KEYS = ("num_samples", "seed", "shuffle")
 
 
@@ -73,10 +76,13 @@ class AutoDataProvider(Generic[BatchT]):
         dataset: any map-style dataset (`len` and integer indexing); read only by ranks that load.
         collate_fn: turns a list of samples into a batch (default: torch's `default_collate`).
         context: where this rank sits: a `DistributedContext`, a `DataPlacement`, or None for one
-            local process. The data-parallel degree is `dp_replicate × dp_shard`.
+            local process. The data-parallel degree is `dp_replicate × dp_shard`. A context whose
+            device is CUDA also turns on pinned batches under the default `pin_memory="auto"`.
         pipeline_stages: under pipeline parallelism, the pipeline ranks whose stages consume data
             ("first", "last", "first_and_last", "all" or a collection of pp coordinates). Other
             pipeline ranks load nothing and get an empty list per step, but keep the same state.
+        device: the device the batches are for, when `context` is not a `DistributedContext` (whose
+            device is used otherwise); it only decides `pin_memory="auto"`. Batches stay on the host.
 
     Raises:
         BatchSizeError: global_batch_size is not divisible by dp × microbatch_size.
@@ -91,9 +97,11 @@ class AutoDataProvider(Generic[BatchT]):
         *,
         context: DistributedContext | DataPlacement | None = None,
         pipeline_stages: PipelineStages = "all",
+        device: torch.device | str | None = None,
     ) -> None:
         if isinstance(context, DistributedContext):
             placement = DataPlacement.from_context(context)
+            device = context.device if device is None else device
         else:
             placement = context if context is not None else DataPlacement()
         check_batch_sizes(config.global_batch_size, config.microbatch_size, placement.dp_size)
@@ -105,6 +113,8 @@ class AutoDataProvider(Generic[BatchT]):
         check_dataset_size(self._num_samples, config.global_batch_size)
         self._loads_data = placement.pp_rank in _pipeline_ranks(pipeline_stages, placement.pp_size)
         self._microbatches = config.global_batch_size // (placement.dp_size * config.microbatch_size)
+        self._device = torch.device(device) if device is not None else None
+        self._pin_memory = pin_memory_enabled(config.pin_memory, self._device)
         self._epoch = 0
         self._position = 0
         self._batches: Iterator[BatchT] | None = None
@@ -132,6 +142,16 @@ class AutoDataProvider(Generic[BatchT]):
         return self._microbatches
 
     @property
+    def device(self) -> torch.device | None:
+        """The device the batches are for (the context's), or None when not known."""
+        return self._device
+
+    @property
+    def pin_memory(self) -> bool:
+        """Whether batches come in pinned host memory (resolved from `config.pin_memory`)."""
+        return self._pin_memory
+
+    @property
     def num_samples(self) -> int:
         """Length of the dataset."""
         return self._num_samples
@@ -154,11 +174,15 @@ class AutoDataProvider(Generic[BatchT]):
         """Position, in that epoch's sample order, where the next step starts."""
         return self._position
 
-    def sample_indices(self, epoch: int, position: int) -> np.ndarray:
-        """Dataset indices this rank loads for the step that starts at (epoch, position)."""
-        order = epoch_order(
+    def order(self, epoch: int) -> EpochOrder:
+        """The global sample order of epoch `epoch` (the same on every rank and every mesh)."""
+        return epoch_order(
             self._num_samples, seed=self._config.seed, epoch=epoch, shuffle=self._config.shuffle
         )
+
+    def sample_indices(self, epoch: int, position: int) -> np.ndarray:
+        """Dataset indices this rank loads for the step that starts at (epoch, position)."""
+        order = self.order(epoch)
         lo, hi = rank_slice(self._config.global_batch_size, self._placement.dp_size, self._placement.dp_rank)
         return step_sample_indices(order, position, lo, hi)
 
@@ -192,7 +216,7 @@ class AutoDataProvider(Generic[BatchT]):
             batch_sampler=sampler,
             collate_fn=self._collate_fn,
             num_workers=workers,
-            pin_memory=config.pin_memory and torch.cuda.is_available(),
+            pin_memory=self._pin_memory,
             prefetch_factor=config.prefetch if workers > 0 else None,
             worker_init_fn=_init_worker if workers > 0 else None,
         )
@@ -237,14 +261,16 @@ class AutoDataProvider(Generic[BatchT]):
         The global batch size may change: the next step then starts at the saved sample position.
 
         Raises:
-            DataStateError: keys are missing or the order would differ from the saved run's.
+            DataStateError: keys are missing, the state has another version (version 1: the old
+                materialized permutation), or the order would differ from the saved run's.
         """
-        missing = [k for k in ("epoch", "position", *_ORDER_KEYS) if k not in state]
+        missing = [k for k in ("version", "epoch", "position", *_ORDER_KEYS) if k not in state]
         if missing:
             raise DataStateError(
                 f"the data state lacks {missing} (it has {sorted(state)}); pass the dict that "
                 "AutoDataProvider.state_dict() returned"
             )
+        _check_version(state["version"])
         ours = self.state_dict()
         changed = [f"{k}: saved {state[k]!r}, now {ours[k]!r}" for k in _ORDER_KEYS if state[k] != ours[k]]
         if changed:
@@ -266,6 +292,22 @@ class AutoDataProvider(Generic[BatchT]):
         self._epoch, self._position = epoch, position
 
 
+def _check_version(version: object) -> None:
+    if version == _STATE_VERSION:
+        return
+    if version == 1:
+        raise DataStateError(
+            "the saved data state has version 1, whose sample order was a full numpy permutation per "
+            f"epoch; this d9d-data (data state version {_STATE_VERSION}) computes the order with a seeded "
+            "Feistel bijection, so resuming would not continue the same sequence of batches; start a new "
+            "run (another trainer.run.name or save_dir), or finish this one with the d9d-data that wrote it"
+        )
+    raise DataStateError(
+        f"the saved data state has version {version!r}, but this d9d-data reads version {_STATE_VERSION}; "
+        "resume with the d9d-data version that wrote the checkpoint"
+    )
+
+
 class _MicrobatchIndices:
     """The endless stream of one rank's microbatch index lists, from a given (epoch, position)."""
 
@@ -282,13 +324,12 @@ class _MicrobatchIndices:
     def __iter__(self) -> Iterator[Sequence[int]]:
         config = self._config
         epoch, position = self._epoch, self._position
-        order_epoch, order = -1, np.empty(0, dtype=np.int64)
+        order = epoch_order(self._num_samples, seed=config.seed, epoch=epoch, shuffle=config.shuffle)
         lo, hi = self._slice
         mbs = config.microbatch_size
         while True:
-            if order_epoch != epoch:
+            if order.epoch != epoch:
                 order = epoch_order(self._num_samples, seed=config.seed, epoch=epoch, shuffle=config.shuffle)
-                order_epoch = epoch
             indices = step_sample_indices(order, position, lo, hi).tolist()
             for start in range(0, hi - lo, mbs):
                 yield indices[start : start + mbs]

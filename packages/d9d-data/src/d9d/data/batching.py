@@ -1,10 +1,10 @@
-"""Pure batch arithmetic: microbatch counts, rank slices and the DP-independent global sample order.
+"""Pure batch arithmetic: microbatch counts, rank slices and which positions of the global order a step takes.
 
 The global order is defined without reference to the mesh. Epoch `e` visits the samples in
-`epoch_order(n, seed=seed, epoch=e)`; a step starting at position `p` of that order consumes the
-positions `[p, p + global_batch_size)`, and data-parallel rank `r` of `dp` takes the contiguous
-slice `rank_slice(global_batch_size, dp, r)` of them. So changing the DP degree changes who loads a
-sample, never which samples form a global batch.
+`epoch_order(n, seed=seed, epoch=e)` (`d9d.data.order`: computed per position, never stored); a step
+starting at position `p` of that order consumes the positions `[p, p + global_batch_size)`, and
+data-parallel rank `r` of `dp` takes the contiguous slice `rank_slice(global_batch_size, dp, r)` of
+them. So changing the DP degree changes who loads a sample, never which samples form a global batch.
 """
 
 import math
@@ -12,13 +12,13 @@ import math
 import numpy as np
 
 from d9d.data.errors import BatchSizeError, DataConfigError, DatasetError
+from d9d.data.order import EpochOrder
 
 __all__ = [
     "advance_position",
     "batch_size_choices",
     "check_batch_sizes",
     "check_dataset_size",
-    "epoch_order",
     "is_step_start",
     "microbatches_per_rank",
     "rank_slice",
@@ -107,14 +107,6 @@ def check_dataset_size(num_samples: int, global_batch_size: int) -> None:
         )
 
 
-def epoch_order(num_samples: int, *, seed: int, epoch: int, shuffle: bool = True) -> np.ndarray:
-    """The order in which epoch `epoch` visits dataset indices: a seeded permutation, or 0..n-1."""
-    if not shuffle:
-        return np.arange(num_samples, dtype=np.int64)
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch])))
-    return rng.permutation(num_samples).astype(np.int64, copy=False)
-
-
 def is_step_start(position: int, num_samples: int, global_batch_size: int, drop_last: bool) -> bool:
     """Whether a step may start at `position` of an epoch's order (else the epoch is over)."""
     if drop_last:
@@ -138,11 +130,14 @@ def advance_position(
     return epoch, position
 
 
-def step_sample_indices(order: np.ndarray, position: int, start: int, stop: int) -> np.ndarray:
+def step_sample_indices(order: EpochOrder | np.ndarray, position: int, start: int, stop: int) -> np.ndarray:
     """Dataset indices at positions [position + start, position + stop) of an epoch's order.
 
     Positions past the end wrap to the start of the same order: that is how a last, partial step of
-    an epoch is filled when drop_last is False.
+    an epoch is filled when drop_last is False. `order` is an `EpochOrder` (computed for these
+    positions only, in one vectorized call) or any array of indices.
     """
     positions = (position + np.arange(start, stop, dtype=np.int64)) % len(order)
-    return order[positions]
+    if isinstance(order, EpochOrder):
+        return order.indices(positions)
+    return np.asarray(order)[positions]
