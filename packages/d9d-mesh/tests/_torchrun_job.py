@@ -14,7 +14,7 @@ def main() -> int:
     log_dir = sys.argv[2] if len(sys.argv) > 2 else None
     fmt = sys.argv[3] if len(sys.argv) > 3 else "console"
     try:
-        ctx = DistributedContext.from_env(mesh, device_type="cpu")
+        ctx = DistributedContext.from_env(mesh, device="cpu")
     except D9dError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

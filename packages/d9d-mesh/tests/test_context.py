@@ -1,16 +1,17 @@
 import datetime
 import time
+import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from d9d.mesh import D9dError, DistributedContext, LaunchError, MeshConfig, axis_groups
+from d9d.mesh import DOMAINS, D9dError, DistributedContext, LaunchError, MeshConfig, axis_groups
 from d9d.mesh.testing import DistributedTestError, run_distributed
 
 
 def test_local_mode_has_no_process_group():
-    with DistributedContext.from_env(MeshConfig(), environ={}, device_type="cpu") as ctx:
+    with DistributedContext.from_env(MeshConfig(), environ={}, device="cpu") as ctx:
         assert ctx.is_local and ctx.mode == "local"
         assert not dist.is_initialized()
         assert (ctx.rank, ctx.world_size, ctx.local_rank, ctx.local_world_size) == (0, 1, 0, 1)
@@ -53,7 +54,7 @@ def test_local_mode_has_no_process_group():
 )
 def test_launch_mismatch_is_one_clear_error(config, environ, message):
     with pytest.raises(LaunchError, match=message):
-        DistributedContext.from_env(config, environ=environ, device_type="cpu")
+        DistributedContext.from_env(config, environ=environ, device="cpu")
     assert not dist.is_initialized()
 
 
@@ -93,27 +94,63 @@ def test_real_meshes_match_layout(config):
         assert tag.startswith(f"rank {rank}")
 
 
-def _timeout_rank(config):
-    with DistributedContext.from_env(config, step_timeout=datetime.timedelta(seconds=1)) as ctx:
+def _timeout_rank(config, axis):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ctx = DistributedContext.from_env(config, step_timeout=datetime.timedelta(seconds=1))
         ctx.use_step_timeout()
+    with ctx:
+        group = None if axis is None else ctx.mesh("dense").get_group(axis)
         if ctx.rank == 1:
             time.sleep(3)
-            return "slept"
+            return "slept", []
         start = time.monotonic()
         try:
-            dist.all_reduce(torch.ones(1))
+            dist.all_reduce(torch.ones(1), group=group)
         except Exception as exc:
-            return ("failed", time.monotonic() - start, type(exc).__name__)
-        return ("finished", time.monotonic() - start, "")
+            outcome = ("failed", time.monotonic() - start, type(exc).__name__)
+        else:
+            outcome = ("finished", time.monotonic() - start, "")
+        if ctx.rank != 0:
+            return "other", []
+        return outcome, [f"{w.category.__name__}: {w.message}" for w in caught]
 
 
-def test_step_timeout_fails_a_stuck_collective_quickly():
-    config = MeshConfig(data_parallel_shard=2)
-    rank0, rank1 = run_distributed(_timeout_rank, 2, config, timeout=30)
-    assert rank1 == "slept"
-    status, elapsed, _ = rank0
+@pytest.mark.parametrize(
+    ("config", "axis"),
+    [(MeshConfig(data_parallel_shard=2), None), (MeshConfig(data_parallel_shard=2, tensor_parallel=2), "tp")],
+    ids=["2ranks-default-group", "4ranks-tp-subgroup"],
+)
+def test_step_timeout_fails_a_stuck_collective_quickly_without_warnings(config, axis):
+    results = run_distributed(_timeout_rank, config.world_size, config, axis, timeout=30)
+    assert results[1] == ("slept", [])
+    (status, elapsed, _), caught = results[0]
     assert status == "failed"
     assert elapsed < 4, f"collective waited {elapsed:.1f} s with a 1 s step timeout"
+    assert caught == []  # the deprecated _set_pg_timeout warned twice per rank
+
+
+def _group_timeouts(config):
+    def timeouts(groups):
+        return {g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups}
+
+    init, step = datetime.timedelta(seconds=70), datetime.timedelta(seconds=7)
+    with DistributedContext.from_env(config, init_timeout=init, step_timeout=step) as ctx:
+        groups = [g for domain in DOMAINS for g in ctx.mesh(domain).get_all_groups()]
+        before = timeouts(groups)
+        # as d9d.parallel does while the job is built: a flattened mesh, with torch's default timeout
+        groups.append(ctx.mesh("dense")["dp_replicate", "dp_shard"]._flatten("dp_flat").get_group())
+        ctx.use_step_timeout()
+        after = timeouts(groups)
+        default = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        return before, after, default
+
+
+def test_step_timeout_reaches_every_group_of_the_meshes():
+    config = MeshConfig(pipeline_parallel=2, data_parallel_shard=2)
+    for before, after, default in run_distributed(_group_timeouts, 4, config):
+        assert before <= {70.0, 60.0}  # subgroups start with init_s (the harness's own group: 60 s)
+        assert after == {7.0} and default == 7.0  # flattened groups made after start-up too
 
 
 def test_planning_mode_builds_1024_rank_mesh_in_one_process():

@@ -53,7 +53,7 @@ def test_every_rank_tags_its_lines_and_writes_its_own_file(tmp_path):
 
 def test_local_mode_tag_and_json_format():
     stream = io.StringIO()
-    ctx = DistributedContext.from_env(MeshConfig(), environ={}, device_type="cpu")
+    ctx = DistributedContext.from_env(MeshConfig(), environ={}, device="cpu")
     configure_logging(ctx, stream=stream, format="json")
     get_logger("d9d.test").info("hello", value=2)
     record = json.loads(stream.getvalue().splitlines()[-1])

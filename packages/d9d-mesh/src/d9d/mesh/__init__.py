@@ -12,6 +12,7 @@ importing d9d.mesh never pulls in test machinery).
 
 from d9d.mesh.config import DEGREE_KEYS, MeshConfig
 from d9d.mesh.context import DistributedContext, Mode
+from d9d.mesh.device import DEVICE_CHOICES, DeviceChoice, cuda_problem, device_name, resolve_device
 from d9d.mesh.errors import D9dError, LaunchError, MeshConfigError
 from d9d.mesh.layout import (
     DOMAINS,
@@ -26,8 +27,10 @@ from d9d.mesh.log import LogFormat, configure_logging, get_logger, rank_log_path
 
 __all__ = [
     "DEGREE_KEYS",
+    "DEVICE_CHOICES",
     "DOMAINS",
     "D9dError",
+    "DeviceChoice",
     "DistributedContext",
     "DomainLayout",
     "LaunchError",
@@ -37,10 +40,13 @@ __all__ = [
     "Mode",
     "axis_groups",
     "configure_logging",
+    "cuda_problem",
+    "device_name",
     "domain_layout",
     "format_layout",
     "get_logger",
     "rank_coordinates",
     "rank_log_path",
     "rank_tag",
+    "resolve_device",
 ]

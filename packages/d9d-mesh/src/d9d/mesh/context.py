@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from d9d.mesh.config import MeshConfig
+from d9d.mesh.device import device_name, resolve_device
 from d9d.mesh.errors import D9dError, LaunchError
 from d9d.mesh.layout import DOMAINS, domain_layout, format_layout, rank_coordinates, rank_tag
 
@@ -61,6 +62,7 @@ class DistributedContext:
         self._owns_process_group = owns_process_group
         self._step_timeout = step_timeout
         self._coords = rank_coordinates(config, rank)
+        self._device_name = device_name(device)
 
     # ------------------------------------------------------------------ construction
 
@@ -69,6 +71,7 @@ class DistributedContext:
         cls,
         config: MeshConfig | None = None,
         *,
+        device: str = "auto",
         init_timeout: datetime.timedelta = _DEFAULT_INIT_TIMEOUT,
         step_timeout: datetime.timedelta = _DEFAULT_STEP_TIMEOUT,
         device_type: str | None = None,
@@ -77,32 +80,43 @@ class DistributedContext:
         """Build the context for this process from `config` and the torchrun environment.
 
         The launch is checked against the mesh before anything is initialized or written: the number
-        of processes must equal `config.world_size`. All degrees 1 (and one process) gives local
-        mode. If a process group already exists (e.g. created by `d9d.mesh.testing`), it is used.
+        of processes must equal `config.world_size`, and the device must be usable. All degrees 1
+        (and one process) gives local mode. If a process group already exists (e.g. created by
+        `d9d.mesh.testing`), it is used.
 
         Args:
+            device: "auto" (cuda when usable, else cpu), "cuda" (an error where no GPU is usable)
+                or "cpu". Rank `LOCAL_RANK` computes on `cuda:<LOCAL_RANK>`.
             init_timeout: process-group timeout while the job starts (rendezvous, loading).
             step_timeout: timeout that `use_step_timeout()` switches to once training runs.
-            device_type: "cuda" or "cpu"; by default cuda when available.
+            device_type: deprecated alias of `device`.
             environ: environment to read (default `os.environ`).
+
+        Raises:
+            LaunchError: the launch does not match the mesh, or the device cannot be used.
         """
         config = config if config is not None else MeshConfig()
         env = os.environ if environ is None else environ
+        if device_type is not None:
+            if device not in ("auto", device_type):
+                raise LaunchError(
+                    f"device={device!r} and device_type={device_type!r} disagree; pass device only"
+                )
+            device = device_type
         launched_world, launched_by = _launched_world_size(env)
         if launched_world != config.world_size:
             raise LaunchError(_mismatch_message(config, launched_world, launched_by, env))
-        device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+        torchrun = launched_by == "torchrun"
         if config.is_local:
-            device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
-            if device_type == "cuda":
-                torch.cuda.set_device(device)
+            chosen = resolve_device(device, local_rank=0, torchrun=torchrun, environ=env)
+            _select(chosen)
             return cls(
                 config,
                 mode="local",
                 rank=0,
                 local_rank=0,
                 local_world_size=1,
-                device=device,
+                device=chosen,
                 meshes=None,
                 owns_process_group=False,
                 step_timeout=step_timeout,
@@ -110,16 +124,19 @@ class DistributedContext:
 
         local_rank = int(env.get("LOCAL_RANK", "0"))
         local_world_size = int(env.get("LOCAL_WORLD_SIZE", str(launched_world)))
-        if device_type == "cuda":
-            device = torch.device("cuda", local_rank)
-            torch.cuda.set_device(device)
-        else:
-            device = torch.device("cpu")
         owns = not dist.is_initialized()
+        if device == "auto" and not owns and "nccl" not in str(dist.get_backend()):
+            device = "cpu"  # a group made for CPU tensors (e.g. the test harness's gloo): stay with it
+        chosen = resolve_device(device, local_rank=local_rank, torchrun=torchrun, environ=env)
+        _select(chosen)
         if owns:
-            backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+            cuda = chosen.type == "cuda"
             dist.init_process_group(
-                backend=backend, timeout=init_timeout, **_attempt_store(env, init_timeout)
+                backend="cpu:gloo,cuda:nccl" if cuda else "gloo",
+                timeout=init_timeout,
+                # bound to its GPU, NCCL initializes at once and the mesh splits its communicator
+                device_id=chosen if cuda else None,
+                **_attempt_store(env, init_timeout),
             )
         elif dist.get_world_size() != config.world_size:
             raise LaunchError(
@@ -127,14 +144,15 @@ class DistributedContext:
                 f"({config.describe_degrees()}) needs {config.world_size}"
             )
         rank = dist.get_rank()
-        meshes = _build_meshes(config, device_type)
+        meshes = _build_meshes(config, chosen.type)
+        _set_timeouts(meshes, init_timeout, include_default=False)
         return cls(
             config,
             mode="distributed",
             rank=rank,
             local_rank=local_rank,
             local_world_size=local_world_size,
-            device=device,
+            device=chosen,
             meshes=meshes,
             owns_process_group=owns,
             step_timeout=step_timeout,
@@ -223,6 +241,11 @@ class DistributedContext:
         return self._device
 
     @property
+    def device_name(self) -> str:
+        """The device for logs: the GPU model on CUDA (e.g. "NVIDIA H100 80GB HBM3"), else "cpu"."""
+        return self._device_name
+
+    @property
     def coordinates(self) -> dict[str, dict[str, int]]:
         """{domain: {axis: coordinate}} of this rank (all zeros in local mode)."""
         return {domain: dict(axes) for domain, axes in self._coords.items()}
@@ -281,12 +304,7 @@ class DistributedContext:
         """
         if self._mode != "distributed":
             return
-        from torch.distributed.distributed_c10d import _set_pg_timeout
-
-        groups = {id(g): g for m in (self._meshes or {}).values() for g in m.get_all_groups()}
-        _set_pg_timeout(self._step_timeout, None)
-        for group in groups.values():
-            _set_pg_timeout(self._step_timeout, group)
+        _set_timeouts(self._meshes or {}, self._step_timeout, include_default=True)
 
     # ------------------------------------------------------------------ shutdown
 
@@ -310,6 +328,42 @@ class DistributedContext:
 
     def __repr__(self) -> str:
         return f"DistributedContext(mode={self._mode}, {self.log_tag}, world_size={self.world_size})"
+
+
+def _select(device: torch.device) -> None:
+    """Make `device` this process's current CUDA device (nothing on CPU)."""
+    if device.type != "cuda":
+        return
+    try:
+        torch.cuda.set_device(device)
+    except RuntimeError as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise LaunchError(
+            f"cannot use {device}: {reason}; fix the GPU setup or set `trainer.device: cpu`"
+        ) from None
+
+
+def _set_timeouts(
+    meshes: Mapping[str, DeviceMesh], timeout: datetime.timedelta, *, include_default: bool
+) -> None:
+    """Give every process group of the meshes (flattened ones too) and optionally the default one `timeout`.
+
+    `dist.set_timeout` applies to every backend of a group (gloo and NCCL alike) for the collectives
+    issued from now on.
+    """
+    groups: dict[str, dist.ProcessGroup] = {}
+    if include_default:
+        default = dist.group.WORLD
+        if isinstance(default, dist.ProcessGroup):
+            groups[default.group_name] = default
+    for mesh in meshes.values():
+        # flattened meshes (`mesh[...]._flatten(name)`, as d9d.parallel makes) hang off the root mesh
+        flattened = list(getattr(mesh, "_flatten_mapping", {}).values())
+        for each in (mesh, *flattened):
+            for group in each.get_all_groups():
+                groups.setdefault(group.group_name, group)
+    for group in groups.values():
+        dist.set_timeout(timeout, group)
 
 
 def _attempt_store(env: Mapping[str, str], timeout: datetime.timedelta) -> dict[str, Any]:
