@@ -31,6 +31,7 @@ BENCHMARKS: list[tuple[str, list[str]]] = [
     ("async_ckpt", ["--steps", "12", "--every", "3", "--rounds", "2"]),
     ("hf_io", ["--layers", "8", "--shard-mb", "100", "--repeats", "2"]),
     ("data_loading", ["--samples", "10000"]),
+    ("data_order", ["--old-samples", "2e7"]),
     ("cli_startup", ["--repeats", "10"]),
 ]
 
