@@ -13,7 +13,7 @@ from torch import nn
 
 from d9d.ckpt import CheckpointManager
 from d9d.ckpt.checkpoint.layout import list_checkpoints, stale_dirs
-from d9d.ckpt.checkpoint.manager import PAUSE_BEFORE_COMMIT_ENV
+from d9d.ckpt.checkpoint.manager import PAUSE_BEFORE_COMMIT_ENV, PAUSE_IN_PRUNE_ENV
 
 _TEMP_DIR = re.compile(r"\.save-(\d+)\.tmp-[0-9a-f]+")
 _SIZE = 1536  # one 9 MB weight + AdamW state: each save writes ~28 MB, long enough to be caught mid-way
@@ -27,8 +27,12 @@ def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, opt
 
 
-def _save_forever(save_dir: Path, async_save: bool, pause_before_commit: bool) -> None:
+def _save_forever(
+    save_dir: Path, async_save: bool, pause_before_commit: bool, pause_in_prune: bool = False
+) -> None:
     torch.set_num_threads(1)
+    if pause_in_prune:  # the first prune (after step 3) holds with save-1 renamed aside
+        os.environ[PAUSE_IN_PRUNE_ENV] = "60"
     model, opt = _model()
     manager = CheckpointManager(save_dir, "run", num_to_keep=2, async_save=async_save)
     step = 0
@@ -102,5 +106,36 @@ def test_sigkill_mid_save_keeps_the_previous_checkpoint(tmp_path, async_save, ph
     # The restarted job saves again: its commit removes what the killed one left behind.
     model, opt = _model()
     manager.save(interrupted, model, opt, extra_state={"step": interrupted})
+    manager.wait()  # the cleanup after a commit runs in the background
     assert stale_dirs(manager.run_dir) == []
     assert [i.step for i in manager.checkpoints()][-1] == interrupted
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_sigkill_mid_prune_leaves_the_kept_checkpoints_loadable(tmp_path, async_save):
+    run_dir = tmp_path / "run"
+    proc = multiprocessing.get_context("fork").Process(
+        target=_save_forever, args=(tmp_path, async_save, False, True), daemon=True
+    )
+    proc.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not (run_dir.is_dir() and any(run_dir.glob(".trash-save-*"))):
+            assert time.monotonic() < deadline, "no prune was seen within 30 s"
+            time.sleep(0.0005)
+        os.kill(proc.pid, signal.SIGKILL)  # the prune thread holds save-1 renamed aside, not deleted
+    finally:
+        proc.kill()
+        proc.join(5)
+
+    manager = CheckpointManager(tmp_path, "run", num_to_keep=2)
+    assert [p.name[:14] for p in stale_dirs(run_dir)] == [".trash-save-1-"]
+    assert [i.step for i in manager.checkpoints()] == [2, 3]
+    for info in manager.checkpoints():
+        model, opt = _model()
+        assert manager.load(info, model, opt).extra_state == {"step": info.step}
+        assert torch.all(model.weight == info.step)
+    model, opt = _model()
+    manager.save(4, model, opt, extra_state={"step": 4})
+    manager.close()
+    assert stale_dirs(run_dir) == [] and [i.step for i in list_checkpoints(run_dir)] == [3, 4]

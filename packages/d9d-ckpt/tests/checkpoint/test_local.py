@@ -81,6 +81,7 @@ def test_unfinished_saves_are_never_loaded_and_are_removed_after_the_next_commit
     model, opt = _trained(1)
     manager = CheckpointManager(tmp_path, "run")
     manager.save(2, model, opt, extra_state={"step": 2})
+    manager.wait()  # its background cleanup is done before the "crashed" leftovers appear
     committed = manager.run_dir / "save-2"
     # A crash after writing everything, before the rename; and a renamed copy that lost its marker.
     stale = manager.run_dir / temp_dir_name(9, "0123abcd")
@@ -95,6 +96,7 @@ def test_unfinished_saves_are_never_loaded_and_are_removed_after_the_next_commit
     assert stale_dirs(manager.run_dir) == [stale]
 
     manager.save(3, model, opt, extra_state={"step": 3})
+    manager.wait()  # the cleanup after a commit runs in the background
     assert stale_dirs(manager.run_dir) == []
     assert not stale.exists()
     assert [i.step for i in manager.checkpoints()] == [2, 3]

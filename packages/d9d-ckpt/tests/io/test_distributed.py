@@ -1,13 +1,15 @@
-"""Export from and import into an FSDP2-sharded model on 2 real ranks (gloo), against one process."""
+"""Export from and import into FSDP2/HSDP/TP-sharded models on real gloo ranks, against one process."""
 
 import pytest
 import torch
 import torch._dynamo  # (mesh slicing imports it: once here, not in every forked rank)
 import torch.distributed.tensor
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from d9d.ckpt import (
     Chunk,
@@ -77,12 +79,14 @@ def _hf_mapper() -> Parallel:
     return Parallel([*layers, experts, tied])
 
 
-def _shard(model: nn.Module, tp: int) -> nn.Module:
-    """FSDP2 over dp_shard=2; with tp=2 each block is first tensor-parallel (qkv colwise, out rowwise)."""
+def _shard(model: nn.Module, tp: int, dp_shard: int = 2, dp_replicate: int = 1) -> nn.Module:
+    """FSDP2 over dp_shard (HSDP with dp_replicate); with tp=2 each block is first tensor-parallel."""
     ctx = DistributedContext.from_env(
-        MeshConfig(data_parallel_shard=2, tensor_parallel=tp), device_type="cpu"
+        MeshConfig(data_parallel_replicate=dp_replicate, data_parallel_shard=dp_shard, tensor_parallel=tp),
+        device_type="cpu",
     )
-    dp_mesh = ctx.mesh("dense")["dp_shard"]
+    dense = ctx.mesh("dense")
+    dp_mesh = dense["dp_replicate", "dp_shard"] if dp_replicate > 1 else dense["dp_shard"]
     for layer in model.layers:
         if tp > 1:
             plan = {"qkv": ColwiseParallel(), "out": RowwiseParallel()}
@@ -93,11 +97,11 @@ def _shard(model: nn.Module, tp: int) -> nn.Module:
 
 
 def _export_and_import(
-    export_dir: str, reference_dir: str, tp: int
+    export_dir: str, reference_dir: str, tp: int, dp_shard: int = 2, dp_replicate: int = 1
 ) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
-    model = _shard(_build(0), tp)
+    model = _shard(_build(0), tp, dp_shard, dp_replicate)
     save_safetensors(model, export_dir, mapper=_hf_mapper(), max_shard_size=SHARD_BYTES)
-    fresh = _shard(_build(1), tp)
+    fresh = _shard(_build(1), tp, dp_shard, dp_replicate)
     load_safetensors(fresh, reference_dir, mapper=_hf_mapper().inverse())
     state = fresh.state_dict()
     local = {
@@ -107,8 +111,14 @@ def _export_and_import(
     return full, local
 
 
-@pytest.mark.parametrize(("world_size", "tp"), [(2, 1), (4, 2)], ids=["fsdp-2ranks", "fsdp-x-tp-4ranks"])
-def test_export_and_import_on_sharded_ranks_match_one_process(tmp_path, world_size, tp):
+@pytest.mark.parametrize(
+    ("world_size", "tp", "dp_shard", "dp_replicate"),
+    [(2, 1, 2, 1), (4, 1, 4, 1), (4, 1, 2, 2), (4, 2, 2, 1)],
+    ids=["fsdp-2ranks", "fsdp-4ranks", "hsdp-2x2-4ranks", "fsdp-x-tp-4ranks"],
+)
+def test_export_and_import_on_sharded_ranks_match_one_process(
+    tmp_path, world_size, tp, dp_shard, dp_replicate
+):
     reference, exported = tmp_path / "reference", tmp_path / "sharded"
     model = _build(0)
     save_safetensors(model, reference, mapper=_hf_mapper(), max_shard_size=SHARD_BYTES)
@@ -116,19 +126,70 @@ def test_export_and_import_on_sharded_ranks_match_one_process(tmp_path, world_si
     assert len(names) > 3  # several shards and the index
 
     results = run_distributed(
-        _export_and_import, world_size, str(exported), str(reference), tp, env={"OMP_NUM_THREADS": "1"}
+        _export_and_import,
+        world_size,
+        str(exported),
+        str(reference),
+        tp,
+        dp_shard,
+        dp_replicate,
+        env={"OMP_NUM_THREADS": "1"},
     )
 
     assert sorted(p.name for p in exported.iterdir()) == names
     for name in names:
         assert (exported / name).read_bytes() == (reference / name).read_bytes(), name
     expected = model.state_dict()
+    rows = {2: [6, 5], 4: [3, 3, 3, 2]}[dp_shard]  # 11 rows, really sharded, unevenly
     for rank, (full, local) in enumerate(results):
-        dp_rank = rank // tp
-        assert local["embed.weight"][0] == (6 - dp_rank, 8)  # really sharded, unevenly
+        dp_rank = (rank // tp) % dp_shard
+        assert local["embed.weight"][0] == (rows[dp_rank], 8)
         if tp > 1:  # 24 rows over tp 2, then dp 2 strided: not one slice of the file
             assert local["layers.0.qkv.weight"] == ((6, 8), "(_StridedShard(dim=0, sf=2), Shard(dim=0))")
             assert local["layers.0.out.weight"] == ((4, 4), "(Shard(dim=0), Shard(dim=1))")
         assert set(full) == set(expected)
         for key, tensor in expected.items():
             assert full[key].dtype == tensor.dtype and torch.equal(full[key], tensor), (rank, key)
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the most elements of any floating-point tensor an operation produced (collectives too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for leaf in pytree.tree_leaves(out):
+            # Tensors that hold data: not DTensor wrappers (their numel is the global one), not the
+            # pickled bytes of objects, not the shape-only dry run on "meta".
+            if type(leaf) is torch.Tensor and leaf.is_floating_point() and leaf.device.type != "meta":
+                self.largest = max(self.largest, leaf.numel())
+        return out
+
+
+def _export_measuring(export_dir: str, dp_shard: int, dp_replicate: int) -> tuple[int, int, int]:
+    model = _shard(_build(0), 1, dp_shard, dp_replicate)
+    state = model.state_dict()
+    local = max(v.to_local().numel() for v in state.values())
+    full = max(v.numel() for v in state.values())
+    with _LargestTensor() as mode:
+        save_safetensors(model, export_dir, mapper=_hf_mapper(), max_shard_size=SHARD_BYTES)
+    return mode.largest, local, full
+
+
+@pytest.mark.parametrize(
+    ("dp_shard", "dp_replicate"),
+    [(2, 1), (4, 1), (2, 2)],
+    ids=["fsdp-2ranks", "fsdp-4ranks", "hsdp-2x2-4ranks"],
+)
+def test_only_the_writer_holds_full_tensors(tmp_path, dp_shard, dp_replicate):
+    results = run_distributed(
+        _export_measuring, dp_shard * dp_replicate, str(tmp_path), dp_shard, dp_replicate,
+        env={"OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    (writer_largest, _, full), *others = results
+    assert writer_largest >= full  # rank 0 assembles each full tensor
+    for rank, (largest, local, full) in enumerate(others, start=1):
+        assert largest <= local < full, (rank, largest, local, full)  # never more than its own shard

@@ -17,10 +17,12 @@ from d9d.ckpt.checkpoint.errors import CheckpointError
 
 __all__ = [
     "COMMIT_FILE",
+    "EXTRA_FILE",
     "CheckpointInfo",
     "CheckpointMeta",
     "list_checkpoints",
     "parse_step_dir",
+    "rank_file_name",
     "read_checkpoint_info",
     "read_meta",
     "stale_dirs",
@@ -32,6 +34,8 @@ __all__ = [
 
 #: Name of the commit marker inside a checkpoint directory (JSON, see `CheckpointMeta`).
 COMMIT_FILE = "commit.json"
+#: The caller's extra state inside a checkpoint directory (msgpack, written by rank 0).
+EXTRA_FILE = "extra.msgpack"
 #: Format version written into every commit marker.
 FORMAT_VERSION = 1
 
@@ -80,6 +84,11 @@ def parse_step_dir(name: str) -> int | None:
     """The step of a `save-<step>` directory name, or None for any other name."""
     match = _STEP_DIR.fullmatch(name)
     return int(match.group(1)) if match else None
+
+
+def rank_file_name(rank: int) -> str:
+    """File holding the per-rank state of `rank` inside a checkpoint."""
+    return f"rank-{rank:05d}.msgpack"
 
 
 def temp_dir_name(step: int, save_id: str) -> str:

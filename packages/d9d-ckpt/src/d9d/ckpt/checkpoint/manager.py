@@ -5,7 +5,9 @@ any number of ranks, or one plain process, can read them back). The caller's sma
 (step, data state, LR scheduler, RNG, config) goes into a msgpack file, plus one optional file per
 rank. A save is written into `.save-<step>.tmp-<id>/`; once every rank finished writing, rank 0 writes
 the commit marker, renames the directory to `save-<step>/` and fsyncs the run directory. Only then
-are older checkpoints beyond `num_to_keep` and leftovers of crashed saves removed.
+are older checkpoints beyond `num_to_keep` and leftovers of crashed saves removed, in the background
+(`retention.py`). An asynchronous save stages into reused host buffers (`staging.py`); a load is
+validated by one rank for all (`validate.py`).
 """
 
 import concurrent.futures
@@ -13,8 +15,6 @@ import contextlib
 import datetime
 import importlib.metadata
 import os
-import shutil
-import time
 import uuid
 import warnings
 from collections.abc import Iterator, Mapping
@@ -37,34 +37,41 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from d9d.ckpt.checkpoint._fs import fsync_dir, remove, write_durable
 from d9d.ckpt.checkpoint._group import CheckpointGroup
+from d9d.ckpt.checkpoint._testhooks import (  # re-exported: crash tests import the hooks from here
+    PAUSE_BEFORE_COMMIT_ENV,
+    PAUSE_IN_PRUNE_ENV,  # noqa: F401
+    pause_for_test,
+)
 from d9d.ckpt.checkpoint.errors import CheckpointError
 from d9d.ckpt.checkpoint.extra import decode_state, encode_state
 from d9d.ckpt.checkpoint.layout import (
     COMMIT_FILE,
+    EXTRA_FILE,
     CheckpointInfo,
     CheckpointMeta,
     list_checkpoints,
+    rank_file_name,
     stale_dirs,
     step_dir_name,
     temp_dir_name,
     trash_dir_name,
     uncommitted_step_dirs,
 )
-from d9d.ckpt.checkpoint.validate import check_files, check_keys, read_dcp_metadata
+from d9d.ckpt.checkpoint.retention import Retention
+from d9d.ckpt.checkpoint.staging import HostStaging
+from d9d.ckpt.checkpoint.validate import (
+    CheckpointReport,
+    KnownMetadataReader,
+    check_keys,
+    inspect_checkpoint,
+)
 from d9d.mesh import DistributedContext, get_logger
 
 __all__ = ["CheckpointManager", "LoadedCheckpoint"]
 
-#: The caller's extra state (written by rank 0).
-EXTRA_FILE = "extra.msgpack"
 _MAX_LISTED_PROBLEMS = 20
-#: Test hook: seconds rank 0 sleeps between "every rank finished writing" and the commit, so that
-#: crash tests can kill a job in exactly that window. `SECONDS@STEP` pauses only the save of STEP.
-PAUSE_BEFORE_COMMIT_ENV = "D9D_CKPT_TEST_PAUSE_BEFORE_COMMIT"
-#: Test hook: seconds rank 0 sleeps while pruning, after an old checkpoint was renamed aside and before
-#: it is deleted (the crash window of retention). `SECONDS@STEP` pauses only the save of STEP.
-PAUSE_IN_PRUNE_ENV = "D9D_CKPT_TEST_PAUSE_IN_PRUNE"
 _log = get_logger("d9d.ckpt")
 
 
@@ -74,11 +81,6 @@ def _uncommitted_message(run_dir: Path, damaged: list[Path]) -> str:
         f"{names}: no valid {COMMIT_FILE}, so a damaged checkpoint or one not written by d9d; it is neither "
         f"loaded nor replaced. Move it out of {run_dir}, or use another trainer.run.name"
     )
-
-
-def rank_file_name(rank: int) -> str:
-    """File holding the per-rank state of `rank` inside a checkpoint."""
-    return f"rank-{rank:05d}.msgpack"
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,9 @@ class CheckpointManager:
     read the directory. One manager (one job) writes a run directory at a time. With `async_save=True`,
     `save` returns once the state is copied to CPU memory and the write overlaps the next steps; the
     checkpoint is committed when the write finished on every rank. Call `wait()` (or `close()`)
-    before the job exits. A later `save` or `load` waits for the previous save first.
+    before the job exits. A later `save` or `load` waits for the previous save first. Checkpoints
+    beyond `num_to_keep` are deleted on a background thread after each commit; `wait()`, `close()`,
+    the next save and the listing methods wait for that too.
 
     Args:
         save_dir: the directory holding the runs (must be shared by all nodes).
@@ -118,6 +122,10 @@ class CheckpointManager:
         async_save: overlap writing with training.
         context: the job's distributed context; None uses the default process group if one exists,
             else one plain process.
+        reuse_staging: with `async_save`, keep the host copy of the state between saves (pinned
+            memory when the state is on CUDA), so that each save stalls training for one
+            device-to-host copy into the same buffers. It holds one copy of this rank's state in host
+            memory until `close()`; False allocates a fresh pageable copy per save.
     """
 
     def __init__(
@@ -128,6 +136,7 @@ class CheckpointManager:
         num_to_keep: int | None = None,
         async_save: bool = False,
         context: DistributedContext | None = None,
+        reuse_staging: bool = True,
     ) -> None:
         if not run_name or run_name in (".", "..") or "/" in run_name or os.sep in run_name:
             raise CheckpointError(f"run name {run_name!r} must be a non-empty name without path separators")
@@ -150,6 +159,8 @@ class CheckpointManager:
         self._seq = 0
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future[CheckpointInfo] | None = None
+        self._staging = HostStaging(reuse=reuse_staging)
+        self._retention = Retention(self._run_dir, num_to_keep)  # runs on rank 0 only
         self._closed = False
 
     # ------------------------------------------------------------------ discovery
@@ -160,7 +171,8 @@ class CheckpointManager:
         return self._run_dir
 
     def checkpoints(self) -> list[CheckpointInfo]:
-        """Every committed checkpoint of the run, oldest step first."""
+        """Every committed checkpoint of the run, oldest step first (after this manager's pruning)."""
+        self._retention.join()
         return list_checkpoints(self._run_dir)
 
     def check_uncommitted(self) -> None:
@@ -169,6 +181,7 @@ class CheckpointManager:
         Raises:
             CheckpointError: naming them: d9d neither resumes past them nor overwrites them.
         """
+        self._retention.join()
         damaged = uncommitted_step_dirs(self._run_dir)
         if damaged:
             raise CheckpointError(_uncommitted_message(self._run_dir, damaged))
@@ -182,6 +195,11 @@ class CheckpointManager:
     def pending(self) -> bool:
         """True while an asynchronous save has not been waited for."""
         return self._pending is not None
+
+    @property
+    def staging_pinned(self) -> bool:
+        """True when asynchronous saves stage into pinned host memory (a CUDA state, reused buffers)."""
+        return self._staging.pinned
 
     # ------------------------------------------------------------------ save
 
@@ -222,9 +240,9 @@ class CheckpointManager:
             own = encode_state(rank_state, "rank_state") if rank_state is not None else None
             tmp.mkdir(parents=True, exist_ok=True)
             if self._group.rank == 0:
-                _write_durable(tmp / EXTRA_FILE, extra)
+                write_durable(tmp / EXTRA_FILE, extra)
             if own is not None:
-                _write_durable(tmp / rank_file_name(self._group.rank), own)
+                write_durable(tmp / rank_file_name(self._group.rank), own)
         except Exception as exc:
             error = _describe(exc)
         # Agree before the collective write: a rank that failed alone would leave the others hanging.
@@ -247,7 +265,11 @@ class CheckpointManager:
 
         with _quiet_local_dcp():
             upload = dcp.async_save(
-                state, checkpoint_id=str(tmp), process_group=self._group.group, no_dist=self._local
+                state,
+                checkpoint_id=str(tmp),
+                process_group=self._group.group,
+                async_stager=self._staging.stager(state),
+                no_dist=self._local,
             )
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="d9d-ckpt-commit")
@@ -255,13 +277,19 @@ class CheckpointManager:
         return None
 
     def wait(self) -> CheckpointInfo | None:
-        """Block until the pending asynchronous save is committed; its checkpoint, or None if none.
+        """Block until the pending asynchronous save is committed and pruning is done.
+
+        Returns:
+            The pending save's checkpoint, or None if there was none.
 
         Raises:
             CheckpointError: when the pending save failed (nothing was committed).
         """
         pending, self._pending = self._pending, None
-        return pending.result() if pending is not None else None
+        try:
+            return pending.result() if pending is not None else None
+        finally:
+            self._retention.join()
 
     def _finish_async(self, step: int, tmp: Path, meta: dict[str, Any], upload: Any) -> CheckpointInfo:
         try:
@@ -277,12 +305,12 @@ class CheckpointManager:
         if self._group.rank == 0 and any(error is not None for _, error in votes):
             # A failed write (e.g. a full disk) must not keep its partial files around.
             with contextlib.suppress(OSError):
-                _remove(tmp)
+                remove(tmp)
         _raise_first_error(votes, f"writing checkpoint step {step}")
         result: tuple[CheckpointInfo | None, str | None] = (None, None)
         if self._group.rank == 0:
             try:
-                _test_pause(PAUSE_BEFORE_COMMIT_ENV, step)
+                pause_for_test(PAUSE_BEFORE_COMMIT_ENV, step)
                 result = (self._commit(step, tmp, meta), None)
             except Exception as exc:  # every rank must hear of it, else they wait forever
                 result = (None, f"committing {tmp} as {step_dir_name(step)} failed: {_describe(exc)}")
@@ -307,8 +335,8 @@ class CheckpointManager:
             has_optimizer=meta["has_optimizer"],
             files=files,
         )
-        _write_durable(tmp / COMMIT_FILE, msgspec.json.format(msgspec.json.encode(record)))
-        _fsync_dir(tmp)
+        write_durable(tmp / COMMIT_FILE, msgspec.json.format(msgspec.json.encode(record)))
+        fsync_dir(tmp)
         final = self._run_dir / step_dir_name(step)
         replaced = None
         if final in uncommitted_step_dirs(self._run_dir):
@@ -319,30 +347,11 @@ class CheckpointManager:
             replaced = self._run_dir / trash_dir_name(step, uuid.uuid4().hex[:12])
             os.rename(final, replaced)
         os.rename(tmp, final)
-        _fsync_dir(self._run_dir)
+        fsync_dir(self._run_dir)
         _log.info("checkpoint committed", step=step, path=str(final))
-        try:
-            if replaced is not None:
-                _remove(replaced)
-            self._prune(keep=final, step=step)
-        except OSError as exc:  # the new checkpoint is safe; leftovers are retried after the next save
-            _log.warning("checkpoint cleanup failed", error=str(exc))
+        # Only now that the new checkpoint is durable may older ones go, off the training path.
+        self._retention.after_commit(keep=final, step=step, replaced=replaced)
         return CheckpointInfo(step=step, path=final, meta=record)
-
-    def _prune(self, keep: Path, step: int) -> None:
-        """Drop committed checkpoints beyond `num_to_keep` (never `keep`), then crash leftovers."""
-        if self._num_to_keep is not None:
-            committed = [info for info in self.checkpoints() if info.path != keep]
-            excess = len(committed) + 1 - self._num_to_keep
-            for info in committed[: max(excess, 0)]:
-                trash = self._run_dir / trash_dir_name(info.step, uuid.uuid4().hex[:12])
-                os.rename(info.path, trash)  # atomic: it stops being a checkpoint at once
-                _test_pause(PAUSE_IN_PRUNE_ENV, step)
-                _remove(trash)
-                _log.info("checkpoint removed", step=info.step, kept=self._num_to_keep)
-        for leftover in stale_dirs(self._run_dir):
-            _remove(leftover)
-            _log.info("removed leftover of an unfinished save", path=str(leftover))
 
     def remove_leftovers(self) -> list[Path]:
         """Delete what crashed saves and deletions left in the run directory; the paths removed.
@@ -350,9 +359,10 @@ class CheckpointManager:
         Not collective: call it on one rank, and only while no other job writes the run (the trainer
         holds the run lock). Saves do this themselves after each commit.
         """
+        self._retention.join()
         removed = []
         for leftover in stale_dirs(self._run_dir):
-            _remove(leftover)
+            remove(leftover)
             removed.append(leftover)
             _log.info("removed leftover of an unfinished save", path=str(leftover))
         return removed
@@ -370,6 +380,8 @@ class CheckpointManager:
         The model and optimizer may be sharded differently, or run on a different number of ranks,
         than when the checkpoint was saved. Everything is checked first (files, keys, shapes, dtypes,
         extra state), so a checkpoint that does not fit leaves the model and optimizer untouched.
+        Rank 0 alone lists the run (when `info` is None), checks the files and reads the shared
+        metadata, and broadcasts what it found; each rank reads only its own rank file and shards.
 
         Raises:
             CheckpointError: on every rank, naming the checkpoint and the offending files or keys.
@@ -378,7 +390,8 @@ class CheckpointManager:
         self.wait()
         if optimizer is not None and model is None:
             raise CheckpointError("an optimizer can only be loaded together with its model")
-        info = info if info is not None else self.latest()
+        if info is None:
+            info = self._group.broadcast(self.latest() if self._group.rank == 0 else None)
         if info is None:
             raise CheckpointError(f"there is no committed checkpoint in {self._run_dir}")
         if optimizer is not None and not info.meta.has_optimizer:
@@ -387,25 +400,29 @@ class CheckpointManager:
                 "load it with optimizer=None"
             )
 
-        problems = check_files(info.path, info.meta)
-        extra: dict[str, Any] = {}
+        report: CheckpointReport = self._group.broadcast(
+            inspect_checkpoint(info.path, info.meta, with_metadata=model is not None)
+            if self._group.rank == 0
+            else None
+        )
+        problems = list(report.problems)
+        extra = report.extra_state
         own: dict[str, Any] | None = None
         if not problems:
-            try:
-                extra = decode_state((info.path / EXTRA_FILE).read_bytes(), f"file {EXTRA_FILE}")
-                own_name = rank_file_name(self._group.rank)
-                if info.meta.world_size == self._group.world_size and own_name in info.meta.files:
+            own_name = rank_file_name(self._group.rank)
+            if info.meta.world_size == self._group.world_size and own_name in info.meta.files:
+                try:
                     own = decode_state((info.path / own_name).read_bytes(), f"file {own_name}")
-            except (CheckpointError, OSError) as exc:
-                problems.append(str(exc))
+                except (CheckpointError, OSError) as exc:
+                    problems.append(str(exc))
 
         state: dict[str, Any] = {}
         stored_keys: list[str] = []
         live: dict[str, Any] = {}
+        metadata = report.metadata
         if model is not None and not problems:
-            metadata, md_error = read_dcp_metadata(info.path)
             if metadata is None:
-                problems.append(str(md_error))
+                problems.append(str(report.metadata_error))
             else:
                 try:
                     state = _live_state(model, optimizer)
@@ -431,12 +448,12 @@ class CheckpointManager:
         if merged:
             raise CheckpointError(_problem_report(info.path, merged))
 
-        if model is not None:
+        if model is not None and metadata is not None:
             try:
                 with _quiet_local_dcp():
                     dcp.load(
                         state,
-                        checkpoint_id=str(info.path),
+                        storage_reader=KnownMetadataReader(info.path, metadata),
                         process_group=self._group.group,
                         no_dist=self._local,
                     )
@@ -464,8 +481,10 @@ class CheckpointManager:
             self.wait()
         finally:
             self._closed = True
+            self._retention.join()
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
+            self._staging.close()
             self._group.destroy()
 
     def __enter__(self) -> "CheckpointManager":
@@ -506,16 +525,6 @@ def _describe(exc: BaseException) -> str:
     return " ".join(f"{type(exc).__name__}: {exc}".split())
 
 
-def _test_pause(env: str, step: int) -> None:
-    """Sleep as the test hook `env` (`SECONDS` or `SECONDS@STEP`) says; a no-op when it is unset."""
-    value = os.environ.get(env)
-    if not value:
-        return
-    seconds, _, only_step = value.partition("@")
-    if not only_step or int(only_step) == step:
-        time.sleep(float(seconds))
-
-
 def _raise_first_error(votes: list[tuple[int, str | None]], doing: str) -> None:
     for rank, (_, error) in enumerate(votes):
         if error is not None:
@@ -539,28 +548,6 @@ def _package_version() -> str:
         return importlib.metadata.version("d9d-ckpt")
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
-
-
-def _write_durable(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _remove(path: Path) -> None:
-    if path.is_symlink() or not path.is_dir():
-        path.unlink(missing_ok=True)
-    else:
-        shutil.rmtree(path)
 
 
 @contextlib.contextmanager

@@ -4,18 +4,100 @@ A checkpoint is refused when a file recorded at commit is missing or has another
 overwritten), when its torch.distributed.checkpoint metadata cannot be read, or when its keys, shapes
 and dtypes do not match the state the model and optimizer expect. Every check runs on the metadata
 and file sizes only, so a refused checkpoint leaves the model untouched.
+
+On a shared file system the checks must not multiply with the rank count: one rank runs
+`inspect_checkpoint` (stats every file, reads the extra state and the DCP metadata once) and
+broadcasts the `CheckpointReport`; every rank then checks its own live state against the metadata
+in memory, and `KnownMetadataReader` hands the same metadata to the load instead of every rank
+opening `.metadata` again. So the file-system metadata operations of a load stay O(files), not
+O(ranks x files).
 """
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 
-from d9d.ckpt.checkpoint.layout import CheckpointMeta
+from d9d.ckpt.checkpoint.errors import CheckpointError
+from d9d.ckpt.checkpoint.extra import decode_state
+from d9d.ckpt.checkpoint.layout import EXTRA_FILE, CheckpointMeta
 
-__all__ = ["check_files", "check_keys", "read_dcp_metadata"]
+__all__ = [
+    "CheckpointReport",
+    "KnownMetadataReader",
+    "check_files",
+    "check_keys",
+    "inspect_checkpoint",
+    "read_dcp_metadata",
+]
+
+
+@dataclass(frozen=True)
+class CheckpointReport:
+    """What one rank read about a checkpoint's files, for every rank (it pickles for a broadcast).
+
+    Attributes:
+        problems: damaged files and a corrupt extra state, as lines of the load error.
+        extra_state: the decoded extra state (empty when there are problems).
+        metadata: the torch.distributed.checkpoint metadata, when asked for and readable.
+        metadata_error: why the metadata could not be read, when asked for.
+    """
+
+    problems: list[str]
+    extra_state: dict[str, Any] = field(default_factory=dict)
+    metadata: Metadata | None = None
+    metadata_error: str | None = None
+
+
+def inspect_checkpoint(path: Path, meta: CheckpointMeta, *, with_metadata: bool) -> CheckpointReport:
+    """Check the files of a checkpoint, read its extra state and (`with_metadata`) its DCP metadata.
+
+    Never raises: whatever goes wrong becomes a problem of the report (the other ranks wait for it).
+    """
+    try:
+        problems = check_files(path, meta)
+        if problems:
+            return CheckpointReport(problems)
+        try:
+            extra = decode_state((path / EXTRA_FILE).read_bytes(), f"file {EXTRA_FILE}")
+        except (CheckpointError, OSError) as exc:
+            return CheckpointReport([str(exc)])
+        if not with_metadata:
+            return CheckpointReport([], extra)
+        metadata, error = read_dcp_metadata(path)
+        return CheckpointReport([], extra, metadata, error)
+    except Exception as exc:
+        return CheckpointReport([f"the checkpoint cannot be inspected ({type(exc).__name__}: {exc})"])
+
+
+class KnownMetadataReader(FileSystemReader):
+    """A `FileSystemReader` of one checkpoint that returns metadata read before (and broadcast).
+
+    `dcp.load` otherwise opens `.metadata` on every rank; with this reader only the shard files a
+    rank needs are opened.
+    """
+
+    def __init__(self, path: str | Path, metadata: Metadata) -> None:
+        super().__init__(str(path))
+        self._known = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The known metadata (a per-rank metadata file, `rank=`, is still read from disk)."""
+        if kwargs.get("rank") is not None:
+            return super().read_metadata(*args, **kwargs)
+        metadata = self._known
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id  # as FileSystemReader.read_metadata does
+        return metadata
 
 
 def check_files(path: Path, meta: CheckpointMeta) -> list[str]:

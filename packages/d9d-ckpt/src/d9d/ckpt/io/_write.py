@@ -8,8 +8,8 @@ from pathlib import Path
 import safetensors.torch
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from d9d.ckpt.io._gather import WriterGather
 from d9d.ckpt.io._layout import (
     INDEX_FILE,
     index_document,
@@ -38,8 +38,9 @@ def save_safetensors(
     """Write a model's state (through `mapper`, e.g. into HF names) as safetensors in the HF layout.
 
     Every rank calls it with its own shard of the model: one group of the mapper at a time, each
-    DTensor is gathered to full, the group is mapped and only rank 0 keeps the result; a file is
-    written as soon as its shard is complete, so memory stays near one shard. Output is
+    DTensor's shards are sent to rank 0 alone (the other ranks never hold a full tensor), rank 0
+    maps the group; a file is written as soon as its shard is complete, so memory stays near one
+    shard. Output is
     `model.safetensors` when everything fits in `max_shard_size`, else `model-0000i-of-0000N.safetensors`
     plus `model.safetensors.index.json`. Files of that layout already in `directory` are replaced.
 
@@ -68,6 +69,7 @@ def save_safetensors(
     }
 
     writer = is_writer()
+    gather = WriterGather(state, sorted({k for g in groups for k in g.inputs}))
     target = Path(directory)
     if writer:
         target.mkdir(parents=True, exist_ok=True)
@@ -79,7 +81,7 @@ def save_safetensors(
         tensors: dict[str, torch.Tensor] = {}
         for gi in shard:
             group = groups[gi]
-            inputs = {k: _gathered(state[k], writer) for k in sorted(group.inputs)}
+            inputs = {k: gather.full(k) for k in sorted(group.inputs)}
             if writer:
                 tensors.update(mapper.apply(inputs))
             del inputs
@@ -92,13 +94,6 @@ def save_safetensors(
         (target / INDEX_FILE).write_text(document)
     barrier()
     return weight_map
-
-
-def _gathered(tensor: torch.Tensor, keep: bool) -> torch.Tensor:
-    """The full tensor on CPU on the writer (a DTensor is gathered on every rank: a collective)."""
-    with torch.no_grad():
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
-    return full.cpu() if keep else full.new_empty(0)
 
 
 def _owning(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
