@@ -29,7 +29,7 @@ from reference_model import (
 )
 
 from d9d.data import TextDataset
-from d9d.parallel import parallelize_hsdp
+from d9d.parallel import apply_activation_checkpointing, compile_blocks, parallelize_hsdp
 from d9d.trainer import (
     BuildDatasetContext,
     BuildDatasetResult,
@@ -70,7 +70,10 @@ class HFModelProvider:
 
     def parallelize_model_stage(self, context: ParallelizeModelStageContext) -> None:
         model = context.model
-        parallelize_hsdp(model, context.context.mesh("dense"), blocks=list(model.model.layers.values()))
+        blocks = list(model.model.layers.values())
+        apply_activation_checkpointing(blocks, context.activation_checkpointing)
+        compile_blocks(blocks, context.compile)
+        parallelize_hsdp(model, context.mesh, blocks=blocks, precision=context.precision)
 
     def prepare_import_model_stage(
         self, context: PrepareImportModelStageContext

@@ -23,7 +23,7 @@ from reference_model import (
 )
 
 from d9d.data import TextDataset
-from d9d.parallel import parallelize_hsdp
+from d9d.parallel import apply_activation_checkpointing, compile_blocks, parallelize_hsdp
 from d9d.trainer import (
     BuildDatasetContext,
     BuildDatasetResult,
@@ -57,10 +57,17 @@ class QuickstartModelProvider:
         return self.config.num_layers
 
     def parallelize_model_stage(self, context: ParallelizeModelStageContext) -> None:
+        """Called on every mesh, one process too (there context.mesh is None and HSDP does nothing)."""
         model, ctx = context.model, context.context
+        blocks = list(model.model.layers.values())
         apply_tensor_parallel(model, ctx)
-        apply_expert_parallel(model, ctx)
-        parallelize_hsdp(model, ctx.mesh("dense"), blocks=list(model.model.layers.values()))
+        apply_expert_parallel(model, ctx, context.precision)
+        apply_activation_checkpointing(
+            blocks, context.activation_checkpointing
+        )  # trainer.activation_checkpointing
+        compile_blocks(blocks, context.compile)  # trainer.compile: per block, before FSDP
+        # trainer.precision: FSDP gathers parameters in the compute dtype (bf16 on GPUs by default)
+        parallelize_hsdp(model, context.mesh, blocks=blocks, precision=context.precision)
 
     def prepare_export_model_stage(
         self, context: PrepareExportModelStageContext

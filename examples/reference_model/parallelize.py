@@ -6,6 +6,7 @@ reads: tensor parallel → expert parallel → HSDP.
 
 from d9d.mesh import DistributedContext
 from d9d.parallel import (
+    MixedPrecision,
     ReplicateParallel,
     StageSpec,
     TensorParallelPlan,
@@ -59,10 +60,12 @@ def apply_tensor_parallel(model: ReferenceForCausalLM, context: DistributedConte
         parallelize_tensor_parallel(model, context.mesh("dense"), tensor_parallel_plan(model))
 
 
-def apply_expert_parallel(model: ReferenceForCausalLM, context: DistributedContext) -> None:
+def apply_expert_parallel(
+    model: ReferenceForCausalLM, context: DistributedContext, precision: MixedPrecision | None = None
+) -> None:
     """Shard the experts of every MoE layer over ep_shard (a no-op for a dense model or ep 1)."""
     if model.config.moe is not None and context.config.expert_parallel > 1:
-        parallelize_expert_parallel(model, context)
+        parallelize_expert_parallel(model, context, precision=precision)
 
 
 def trim_to_stage(model: ReferenceForCausalLM, stage: StageSpec) -> None:

@@ -56,7 +56,7 @@ class TinyModelProvider:
         return InitializeModelStageResult(model=TinyLM(self.config))
 
     def parallelize_model_stage(self, context: Any) -> None:
-        parallelize_hsdp(context.model, context.context.mesh("dense"), blocks=list(context.model.blocks))
+        parallelize_hsdp(context.model, context.mesh, blocks=list(context.model.blocks), precision=context.precision)
 
     def prepare_export_model_stage(self, context: Any) -> PrepareExportModelStageResult:
         return PrepareExportModelStageResult(mapper=None)

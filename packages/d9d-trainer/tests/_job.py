@@ -6,7 +6,7 @@ import msgspec
 import torch
 from torch import nn
 
-from d9d.parallel import parallelize_hsdp
+from d9d.parallel import apply_activation_checkpointing, compile_blocks, parallelize_hsdp
 from d9d.trainer import (
     BuildDatasetResult,
     InitializeModelStageResult,
@@ -59,8 +59,10 @@ class TinyModelProvider:
         return InitializeModelStageResult(model=TinyLM(self.config))
 
     def parallelize_model_stage(self, context: Any) -> None:
-        mesh = context.context.mesh("dense")
-        parallelize_hsdp(context.model, mesh, blocks=list(context.model.blocks))
+        blocks = list(context.model.blocks)
+        apply_activation_checkpointing(blocks, context.activation_checkpointing)
+        compile_blocks(blocks, context.compile)
+        parallelize_hsdp(context.model, context.mesh, blocks=blocks, precision=context.precision)
 
     def prepare_export_model_stage(self, context: Any) -> PrepareExportModelStageResult:
         return PrepareExportModelStageResult(mapper=None)

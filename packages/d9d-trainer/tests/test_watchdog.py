@@ -61,7 +61,10 @@ def _rank_main(rank: int, world: int, tmp: str, mode: str) -> None:
     os.dup2(out.fileno(), 2)
     sys.stdout = sys.stderr = out
     try:
+        from d9d.mesh import configure_logging
         from d9d.trainer.watchdog import StepWatchdog
+
+        configure_logging(stream=out)  # earlier tests in this process may have logged to another stream
 
         torch.set_num_threads(1)
         store = dist.FileStore(os.path.join(tmp, "store"), world)

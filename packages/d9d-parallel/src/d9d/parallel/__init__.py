@@ -3,15 +3,25 @@
     from d9d.parallel import parallelize_hsdp
     parallelize_hsdp(model, mesh, shard_axis="dp_shard")   # DDP, FSDP or HSDP, by the mesh
 
+Also the per-block training mechanisms any loop can use: mixed precision (`precision_autocast`,
+`precision=` of the parallelize functions), activation checkpointing and in-place `torch.compile`.
+
 See packages/d9d-parallel/README.md for the gradient-reduction contract.
 """
 
+from d9d.parallel.activation_checkpointing import (
+    ActivationCheckpointingConfig,
+    apply_activation_checkpointing,
+    checkpointed_blocks,
+)
+from d9d.parallel.activation_memory import saved_activation_bytes
+from d9d.parallel.compile import CompileConfig, compile_blocks
 from d9d.parallel.data_parallel import (
     GradientReduction,
-    apply_activation_checkpointing,
     parallelize_fsdp,
     parallelize_hsdp,
     parallelize_replicate,
+    set_gradient_accumulation,
     set_gradient_sync,
 )
 from d9d.parallel.errors import ParallelizeError, UnsupportedParallelismError
@@ -30,6 +40,14 @@ from d9d.parallel.expert import (
     parallelize_expert_parallel,
 )
 from d9d.parallel.grad_norm import clip_grad_norm_, grad_norm
+from d9d.parallel.precision import (
+    MixedPrecision,
+    PrecisionConfig,
+    autocast_forward,
+    enable_tf32,
+    precision_autocast,
+    resolve_precision,
+)
 from d9d.parallel.tensor_parallel import (
     ReplicateParallel,
     TensorParallelPlan,
@@ -44,14 +62,18 @@ from d9d.parallel.tensor_parallel import (
 )
 
 __all__ = [
+    "ActivationCheckpointingConfig",
     "AllToAllDispatcher",
+    "CompileConfig",
     "ExpertParallelError",
     "GradientReduction",
     "GroupedExperts",
     "LoadBalanceStats",
     "LocalDispatcher",
+    "MixedPrecision",
     "MoE",
     "ParallelizeError",
+    "PrecisionConfig",
     "ReplicateParallel",
     "RouterOutput",
     "TensorParallelPlan",
@@ -60,9 +82,13 @@ __all__ = [
     "UnsupportedParallelismError",
     "apply_activation_checkpointing",
     "attention_plan",
+    "autocast_forward",
+    "checkpointed_blocks",
     "clip_grad_norm_",
+    "compile_blocks",
     "cross_entropy",
     "embedding_plan",
+    "enable_tf32",
     "grad_norm",
     "lm_head_plan",
     "load_balance_stats",
@@ -75,6 +101,10 @@ __all__ = [
     "parallelize_hsdp",
     "parallelize_replicate",
     "parallelize_tensor_parallel",
+    "precision_autocast",
+    "resolve_precision",
+    "saved_activation_bytes",
+    "set_gradient_accumulation",
     "set_gradient_sync",
 ]
 

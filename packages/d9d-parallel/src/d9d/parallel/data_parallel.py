@@ -10,39 +10,42 @@ the batch is split over ranks and microbatches. Pass `gradient_reduction="mean"`
 averaging instead (then divide by the tokens of the rank's own batch).
 """
 
-import functools
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal
+from collections.abc import Iterable, Sequence
+from typing import Literal
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.utils.checkpoint import checkpoint
 
 from d9d.parallel._mesh_axes import axis_names, axis_size, check_no_context_parallel, data_axes, sub_mesh
 from d9d.parallel.errors import ParallelizeError
+from d9d.parallel.precision import MixedPrecision
 
 __all__ = [
     "GradientReduction",
-    "apply_activation_checkpointing",
     "parallelize_fsdp",
     "parallelize_hsdp",
     "parallelize_replicate",
+    "set_gradient_accumulation",
     "set_gradient_sync",
 ]
 
 GradientReduction = Literal["sum", "mean"]
 
+#: How `_apply` distributed an FSDP2 unit (stored on it): decides what gradient accumulation may skip.
+_KIND_ATTR = "_d9d_data_parallel"
+
 
 def parallelize_hsdp(
     module: nn.Module,
-    mesh: DeviceMesh,
+    mesh: DeviceMesh | None,
     *,
     shard_axis: str = "dp_shard",
     blocks: Sequence[nn.Module] = (),
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    precision: MixedPrecision | None = None,
     reshard_after_forward: bool | None = None,
     gradient_reduction: GradientReduction = "sum",
     ignored_params: Iterable[nn.Parameter] = (),
@@ -55,17 +58,22 @@ def parallelize_hsdp(
 
     Args:
         module: the model (or one pipeline stage), parallelized in place and returned.
-        mesh: a named device mesh; its data axes are all axes except pp, cp and tp.
+        mesh: a named device mesh; its data axes are all axes except pp, cp and tp. None (one
+            process, e.g. `ParallelizeModelStageContext.mesh` in local mode) leaves the module as is.
         shard_axis: the axis to shard parameters, gradients and optimizer state over.
         blocks: submodules (e.g. transformer blocks) sharded as their own groups before the root, so
             only one block's full parameters live at a time.
         param_dtype: dtype of the gathered parameters in forward/backward (mixed precision).
         reduce_dtype: dtype of gradient reduction.
+        precision: both dtypes at once (e.g. the job's `context.precision`); not with the two above.
         reshard_after_forward: free gathered parameters after forward (None: FSDP2's default, True
             for blocks and False for the root).
         gradient_reduction: "sum" (the d9d contract, see the module docstring) or "mean".
         ignored_params: parameters left alone (e.g. experts sharded by expert parallelism).
     """
+    mp = _policy(precision, param_dtype, reduce_dtype, "parallelize_hsdp")
+    if mesh is None:
+        return module
     check_no_context_parallel(mesh, "parallelize_hsdp")
     axes = _active(mesh, data_axes(mesh))
     if shard_axis not in axis_names(mesh):
@@ -80,7 +88,7 @@ def parallelize_hsdp(
         shard,
         replicate,
         blocks=blocks,
-        mp=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        mp=mp,
         reshard_after_forward=reshard_after_forward,
         gradient_reduction=gradient_reduction,
         ignored_params=set(ignored_params),
@@ -89,12 +97,13 @@ def parallelize_hsdp(
 
 def parallelize_fsdp(
     module: nn.Module,
-    mesh: DeviceMesh,
+    mesh: DeviceMesh | None,
     *,
     axes: Sequence[str] | None = None,
     blocks: Sequence[nn.Module] = (),
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    precision: MixedPrecision | None = None,
     reshard_after_forward: bool | None = None,
     gradient_reduction: GradientReduction = "sum",
     ignored_params: Iterable[nn.Parameter] = (),
@@ -103,6 +112,9 @@ def parallelize_fsdp(
 
     Arguments as in `parallelize_hsdp`; `axes` defaults to every axis except pp, cp and tp.
     """
+    mp = _policy(precision, param_dtype, reduce_dtype, "parallelize_fsdp")
+    if mesh is None:
+        return module
     check_no_context_parallel(mesh, "parallelize_fsdp")
     shard = _active(mesh, _checked_axes(mesh, axes, "parallelize_fsdp"))
     return _apply(
@@ -111,7 +123,7 @@ def parallelize_fsdp(
         shard,
         [],
         blocks=blocks,
-        mp=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        mp=mp,
         reshard_after_forward=reshard_after_forward,
         gradient_reduction=gradient_reduction,
         ignored_params=set(ignored_params),
@@ -120,12 +132,13 @@ def parallelize_fsdp(
 
 def parallelize_replicate(
     module: nn.Module,
-    mesh: DeviceMesh,
+    mesh: DeviceMesh | None,
     *,
     axes: Sequence[str] | None = None,
     blocks: Sequence[nn.Module] = (),
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    precision: MixedPrecision | None = None,
     gradient_reduction: GradientReduction = "sum",
     ignored_params: Iterable[nn.Parameter] = (),
 ) -> nn.Module:
@@ -134,6 +147,9 @@ def parallelize_replicate(
     Parameters become DTensors with `Replicate()` placements; gradients are all-reduced in backward,
     one bucket per entry of `blocks` and one for the rest. Arguments as in `parallelize_hsdp`.
     """
+    mp = _policy(precision, param_dtype, reduce_dtype, "parallelize_replicate")
+    if mesh is None:
+        return module
     check_no_context_parallel(mesh, "parallelize_replicate")
     replicate = _active(mesh, _checked_axes(mesh, axes, "parallelize_replicate"))
     return _apply(
@@ -142,7 +158,7 @@ def parallelize_replicate(
         [],
         replicate,
         blocks=blocks,
-        mp=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        mp=mp,
         reshard_after_forward=None,
         gradient_reduction=gradient_reduction,
         ignored_params=set(ignored_params),
@@ -152,32 +168,52 @@ def parallelize_replicate(
 def set_gradient_sync(module: nn.Module, enabled: bool) -> None:
     """Turn gradient reduction of a parallelized module on or off (off: accumulate locally).
 
-    Useful for gradient accumulation without communication on all but the last microbatch. A no-op
-    for a module that `parallelize_*` left unchanged.
+    Off keeps *unsharded* gradients on a sharded (FSDP/HSDP) module: for gradient accumulation use
+    `set_gradient_accumulation`, which skips communication only where that costs no memory. A
+    no-op for a module that `parallelize_*` left unchanged.
     """
     if isinstance(module, FSDPModule):
         module.set_requires_gradient_sync(enabled)
 
 
-def apply_activation_checkpointing(modules: Iterable[nn.Module]) -> None:
-    """Recompute each module's activations in backward instead of storing them.
+def set_gradient_accumulation(module: nn.Module, *, final: bool) -> None:
+    """Set up gradient reduction for the next microbatch's backward; `final` for the step's last one.
 
-    Wraps `forward` in place (non-reentrant `torch.utils.checkpoint`), so parameter names and
-    state-dict keys stay the same. Call it before or after `parallelize_*`, usually on the blocks.
+    On the final microbatch every FSDP2 unit reduces fully. Before it, a unit that only replicates
+    (DDP) skips its all-reduce (its gradient is full-size either way), a sharded unit (FSDP)
+    reduce-scatters every microbatch into its sharded gradient (so no unsharded gradient outlives
+    its block), and a hybrid unit (HSDP) reduce-scatters but defers the all-reduce over replicas.
+    Units not made by d9d (e.g. expert banks) reduce every microbatch.
     """
-    for module in modules:
-        if getattr(module, "_d9d_activation_checkpointed", False):
+    for sub in module.modules():
+        if not isinstance(sub, FSDPModule):
             continue
-        module.forward = _checkpointed(module.forward)  # type: ignore[method-assign]
-        module._d9d_activation_checkpointed = True  # type: ignore[assignment]
+        kind = getattr(sub, _KIND_ATTR, "shard")
+        if final:
+            sub.set_requires_gradient_sync(True, recurse=False)
+            if kind == "hybrid":
+                sub.set_requires_all_reduce(True, recurse=False)
+        elif kind == "replicate":
+            sub.set_requires_gradient_sync(False, recurse=False)
+        else:
+            sub.set_requires_gradient_sync(True, recurse=False)
+            if kind == "hybrid":
+                sub.set_requires_all_reduce(False, recurse=False)
 
 
-def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(forward)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    return run
+def _policy(
+    precision: MixedPrecision | None,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+    what: str,
+) -> MixedPrecisionPolicy:
+    if precision is not None:
+        if param_dtype is not None or reduce_dtype is not None:
+            raise ParallelizeError(f"{what}: pass either precision= or param_dtype=/reduce_dtype=, not both")
+        if not precision.enabled and precision.reduce_dtype == torch.float32:
+            return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype)
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
 
 
 def _checked_axes(mesh: DeviceMesh, axes: Sequence[str] | None, what: str) -> tuple[str, ...]:
@@ -221,6 +257,7 @@ def _apply(
             dp_mesh = mesh[(*replicate, *shard)] if axis_names(mesh) != (*replicate, *shard) else mesh
         else:
             dp_mesh = sub_mesh(mesh, shard)
+        kind = "hybrid" if replicate else "shard"
         for block in blocks:
             fully_shard(
                 block,
@@ -237,12 +274,15 @@ def _apply(
             ignored_params=ignored,
         )
     else:
+        kind = "replicate"
         from torch.distributed._composable.replicate_with_fsdp import replicate as fsdp_replicate
 
         dp_mesh = sub_mesh(mesh, replicate)
         for block in blocks:  # one all-reduce per block, overlapping the rest of backward
             fsdp_replicate(block, mesh=dp_mesh, mp_policy=mp, ignored_params=ignored)
         fsdp_replicate(module, mesh=dp_mesh, mp_policy=mp, ignored_params=ignored)
+    for unit in (*blocks, module):
+        setattr(unit, _KIND_ATTR, kind)
     _set_reduction(module, gradient_reduction)
     return module
 

@@ -15,9 +15,12 @@ from d9d.trainer.builtins import (
     BuiltinOptimizerProvider,
     CausalLMTask,
     lr_multiplier,
+    optimizer_kernels,
 )
 from d9d.trainer.config import (
+    ActivationCheckpointingConfig,
     CheckpointingConfig,
+    CompileConfig,
     DeterminismConfig,
     ExportConfig,
     GradientClippingConfig,
@@ -26,6 +29,7 @@ from d9d.trainer.config import (
     LRSchedulerConfig,
     OptimizerConfig,
     PipeliningConfig,
+    PrecisionConfig,
     ProvidersConfig,
     RunConfig,
     ScheduleConfig,
@@ -36,6 +40,7 @@ from d9d.trainer.entry import main, run_job
 from d9d.trainer.errors import PeerFailedError, RunLockedError, TrainingError
 from d9d.trainer.job import ResolvedJob, resolve_job
 from d9d.trainer.loading import ConfigError, LoadedJob, apply_overrides, load_job_config, resolve_object
+from d9d.trainer.metrics import device_peak_flops, model_flops_per_token
 from d9d.trainer.providers import (
     BuildDataProviderContext,
     BuildDatasetContext,
@@ -56,9 +61,11 @@ from d9d.trainer.providers import (
     PrepareImportModelStageResult,
     Task,
 )
+from d9d.trainer.records import METRICS_FILE, StepRecords, read_metrics, truncate_metrics
 from d9d.trainer.reporting import PEER_ERROR_GRACE_S, is_shared_by_every_rank, report_error
 from d9d.trainer.run_lock import LOCK_FILE, RunLock
-from d9d.trainer.trainer import METRICS_FILE, Trainer, TrainResult
+from d9d.trainer.step import MicrobatchStep, PipelineStep, StepOutput, StepSettings, TrainStep
+from d9d.trainer.trainer import Trainer, TrainResult
 from d9d.trainer.watchdog import EXIT_STEP_TIMEOUT
 
 __all__ = [
@@ -67,6 +74,7 @@ __all__ = [
     "LOCK_FILE",
     "METRICS_FILE",
     "PEER_ERROR_GRACE_S",
+    "ActivationCheckpointingConfig",
     "AutoDataProviderFactory",
     "BuildDataProviderContext",
     "BuildDatasetContext",
@@ -75,6 +83,7 @@ __all__ = [
     "BuiltinOptimizerProvider",
     "CausalLMTask",
     "CheckpointingConfig",
+    "CompileConfig",
     "ConfigError",
     "DataProviderFactory",
     "DatasetProvider",
@@ -90,13 +99,16 @@ __all__ = [
     "LoggingConfig",
     "LossContext",
     "LossResult",
+    "MicrobatchStep",
     "ModelInitError",
     "ModelProvider",
     "OptimizerConfig",
     "OptimizerProvider",
     "ParallelizeModelStageContext",
     "PeerFailedError",
+    "PipelineStep",
     "PipeliningConfig",
+    "PrecisionConfig",
     "PrepareExportModelStageContext",
     "PrepareExportModelStageResult",
     "PrepareImportModelStageContext",
@@ -107,20 +119,29 @@ __all__ = [
     "RunLock",
     "RunLockedError",
     "ScheduleConfig",
+    "StepOutput",
+    "StepRecords",
+    "StepSettings",
     "Task",
     "TimeoutsConfig",
     "TrainResult",
+    "TrainStep",
     "Trainer",
     "TrainerConfig",
     "TrainingError",
     "apply_overrides",
+    "device_peak_flops",
     "is_shared_by_every_rank",
     "load_job_config",
     "lr_multiplier",
     "main",
     "materialize_and_initialize",
+    "model_flops_per_token",
+    "optimizer_kernels",
+    "read_metrics",
     "report_error",
     "resolve_job",
     "resolve_object",
     "run_job",
+    "truncate_metrics",
 ]

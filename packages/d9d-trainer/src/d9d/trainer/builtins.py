@@ -19,6 +19,7 @@ __all__ = [
     "BuiltinOptimizerProvider",
     "CausalLMTask",
     "lr_multiplier",
+    "optimizer_kernels",
 ]
 
 #: Label value that contributes neither loss nor weight.
@@ -37,9 +38,9 @@ class CausalLMTask:
     def __init__(self, config: Any = None) -> None:
         del config
 
-    def batch_weight(self, batch: Any) -> float:
-        """Tokens that carry a label in this microbatch."""
-        return float((batch["labels"] != IGNORE_INDEX).sum())
+    def batch_weight(self, batch: Any) -> torch.Tensor:
+        """Tokens that carry a label in this microbatch (a tensor: reading it would sync the host)."""
+        return (batch["labels"] != IGNORE_INDEX).sum()
 
     def compute_loss(self, context: LossContext) -> LossResult:
         """Forward `input_ids` and sum the cross-entropy over every labelled token."""
@@ -60,7 +61,7 @@ class CausalLMTask:
             ignore_index=IGNORE_INDEX,
             reduction="sum",
         )
-        return LossResult(loss_sum=loss, weight=float((labels != IGNORE_INDEX).sum()))
+        return LossResult(loss_sum=loss, weight=(labels != IGNORE_INDEX).sum())
 
 
 class BuiltinOptimizerProvider:
@@ -82,13 +83,43 @@ class BuiltinOptimizerProvider:
             {"params": no_decay, "weight_decay": 0.0},
         ]
         groups = [g for g in groups if g["params"]]
-        # foreach kernels refuse a mix of DTensors and plain tensors
-        kinds = {type(p.data).__name__ == "DTensor" for g in groups for p in g["params"]}
-        foreach = None if len(kinds) <= 1 else False
+        params = [p for g in groups for p in g["params"]]
         c = self._config
+        kernels = optimizer_kernels(c.implementation, params)
         if c.name == "adamw":
-            return torch.optim.AdamW(groups, lr=c.lr, betas=c.betas, eps=c.eps, foreach=foreach)
-        return torch.optim.SGD(groups, lr=c.lr, momentum=c.momentum, foreach=foreach)
+            return torch.optim.AdamW(groups, lr=c.lr, betas=c.betas, eps=c.eps, **kernels)
+        return torch.optim.SGD(groups, lr=c.lr, momentum=c.momentum, **kernels)
+
+
+def optimizer_kernels(implementation: str, params: list[torch.Tensor]) -> dict[str, bool]:
+    """torch.optim keyword arguments (`fused` / `foreach`) for `optimizer.implementation`.
+
+    `auto` takes fused kernels when every parameter is on CUDA, else foreach; foreach and fused
+    kernels refuse a mix of DTensors and plain tensors, where `auto` falls back to the for-loop.
+
+    Raises:
+        ConfigError: `fused` or `foreach` was asked for parameters that cannot use it.
+    """
+    from d9d.trainer.loading import ConfigError
+
+    kinds = {type(p.data).__name__ == "DTensor" for p in params}
+    mixed = len(kinds) > 1
+    on_cuda = bool(params) and all(p.device.type == "cuda" for p in params)
+    if implementation == "auto":
+        if mixed:
+            return {"foreach": False}
+        return {"fused": True} if on_cuda else {"foreach": True}
+    if implementation in ("fused", "foreach") and mixed:
+        raise ConfigError(
+            f"optimizer.implementation: {implementation} needs every parameter to be a DTensor or every "
+            "one a plain tensor, but this model mixes both (a parallelism applied to part of it); "
+            "use optimizer.implementation: auto or for_loop"
+        )
+    if implementation == "fused":
+        return {"fused": True}
+    if implementation == "foreach":
+        return {"foreach": True}
+    return {"foreach": False}
 
 
 def lr_multiplier(step: int, *, name: str, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:

@@ -11,9 +11,12 @@ from typing import Any, Literal
 import msgspec
 
 from d9d.mesh import MeshConfig
+from d9d.parallel import ActivationCheckpointingConfig, CompileConfig, PrecisionConfig
 
 __all__ = [
+    "ActivationCheckpointingConfig",
     "CheckpointingConfig",
+    "CompileConfig",
     "DeterminismConfig",
     "ExportConfig",
     "GradientClippingConfig",
@@ -22,6 +25,7 @@ __all__ = [
     "LoggingConfig",
     "OptimizerConfig",
     "PipeliningConfig",
+    "PrecisionConfig",
     "ProvidersConfig",
     "RunConfig",
     "ScheduleConfig",
@@ -131,7 +135,12 @@ class TimeoutsConfig(_Section):
 
 
 class TrainerConfig(_Section):
-    """The `trainer:` section."""
+    """The `trainer:` section.
+
+    `device`: `auto` (CUDA when usable, else CPU), `cuda` or `cpu`. `precision`,
+    `activation_checkpointing` and `compile` are the d9d.parallel mechanisms' own configs; the trainer
+    passes them to the model provider (see `ParallelizeModelStageContext`).
+    """
 
     run: RunConfig
     schedule: ScheduleConfig
@@ -141,10 +150,18 @@ class TrainerConfig(_Section):
     determinism: DeterminismConfig = DeterminismConfig()
     timeouts: TimeoutsConfig = TimeoutsConfig()
     on_nonfinite: Literal["stop", "skip"] = "stop"
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    precision: PrecisionConfig = PrecisionConfig()
+    activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
+    compile: CompileConfig = CompileConfig()
 
 
 class OptimizerConfig(_Section):
-    """The built-in optimizers: AdamW and SGD."""
+    """The built-in optimizers: AdamW and SGD.
+
+    `implementation`: `auto` (fused kernels on CUDA, foreach on CPU), `fused`, `foreach` (one
+    multi-tensor kernel per group) or `for_loop` (one parameter at a time).
+    """
 
     name: Literal["adamw", "sgd"] = "adamw"
     lr: float = 3e-4
@@ -152,6 +169,7 @@ class OptimizerConfig(_Section):
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     momentum: float = 0.0
+    implementation: Literal["auto", "fused", "foreach", "for_loop"] = "auto"
 
     def __post_init__(self) -> None:
         if self.lr <= 0:

@@ -51,8 +51,8 @@ class ProgressLine:
         self._total, self._start = total, start
         self._t0 = time.perf_counter()
 
-    def update(self, step: int, loss: float) -> None:
-        """Show `step/total`, the loss and the time left."""
+    def update(self, step: int, loss: float | None) -> None:
+        """Show `step/total`, the last logged loss (None: none yet) and the time left."""
         if not self._enabled:
             return
         done = step - self._start
@@ -61,7 +61,8 @@ class ProgressLine:
         width = 30
         filled = int(width * step / self._total)
         bar = "#" * filled + "." * (width - filled)
-        self._stream.write(f"\r[{bar}] {step}/{self._total} loss {loss:.4f} eta {left:5.0f}s ")
+        shown = f"{loss:.4f}" if loss is not None else "-"
+        self._stream.write(f"\r[{bar}] {step}/{self._total} loss {shown} eta {left:5.0f}s ")
         self._stream.flush()
 
     def close(self) -> None:

@@ -13,9 +13,11 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from d9d.data import DataProvider
 from d9d.mesh import DistributedContext
+from d9d.parallel import ActivationCheckpointingConfig, CompileConfig, MixedPrecision
 
 __all__ = [
     "BuildDataProviderContext",
@@ -54,6 +56,8 @@ class InitializeModelStageContext:
             holds (keep their whole-model names) and whether it is the first / last stage (embedding,
             final norm and head); None builds the whole model.
         base_dir: the config file's directory.
+        precision: the job's resolved `trainer.precision` (compute and reduction dtypes). Build the
+            model in float32 anyway: master weights stay float32 and the trainer casts the compute.
     """
 
     context: DistributedContext
@@ -61,6 +65,7 @@ class InitializeModelStageContext:
     num_stages: int = 1
     stage: Any = None
     base_dir: Path = Path()
+    precision: MixedPrecision = field(default_factory=MixedPrecision)
 
 
 @dataclass(frozen=True)
@@ -76,7 +81,22 @@ class InitializeModelStageResult:
 
 @dataclass(frozen=True)
 class ParallelizeModelStageContext:
-    """What `parallelize_model_stage` receives: the meta-device model to distribute in place."""
+    """What `parallelize_model_stage` receives: the meta-device model to shape for training in place.
+
+    It is called on every mesh, one process included (then `mesh` is None and the `parallelize_*`
+    functions of d9d.parallel leave the module as it is). The usual order, as torchtitan's:
+    tensor parallel → expert parallel → `apply_activation_checkpointing(blocks,
+    activation_checkpointing)` → `compile_blocks(blocks, compile)` → `parallelize_hsdp(model, mesh,
+    blocks=blocks, precision=precision)`.
+
+    Attributes:
+        precision: the job's `trainer.precision`: pass it to `parallelize_*` (`precision=`) so FSDP2
+            gathers parameters in the compute dtype. The trainer runs every forward under
+            `d9d.parallel.precision_autocast` itself, so the dtypes are right on any mesh either way.
+        activation_checkpointing: `trainer.activation_checkpointing`, for
+            `d9d.parallel.apply_activation_checkpointing`.
+        compile: `trainer.compile`, for `d9d.parallel.compile_blocks` (before `parallelize_*`).
+    """
 
     context: DistributedContext
     model: nn.Module
@@ -84,6 +104,16 @@ class ParallelizeModelStageContext:
     num_stages: int = 1
     stage: Any = None
     base_dir: Path = Path()
+    precision: MixedPrecision = field(default_factory=MixedPrecision)
+    activation_checkpointing: ActivationCheckpointingConfig = field(
+        default_factory=ActivationCheckpointingConfig
+    )
+    compile: CompileConfig = field(default_factory=CompileConfig)
+
+    @property
+    def mesh(self) -> DeviceMesh | None:
+        """The job's `dense` device mesh; None for one process (local mode)."""
+        return None if self.context.is_local else self.context.mesh("dense")
 
 
 @dataclass(frozen=True)
@@ -140,7 +170,7 @@ class ModelProvider(Protocol):
         ...
 
     def parallelize_model_stage(self, context: ParallelizeModelStageContext) -> None:
-        """Apply the parallelisms the mesh asks for (called only on distributed runs)."""
+        """Apply the parallelisms the mesh asks for, checkpointing and compile (called on every mesh)."""
         ...
 
     def prepare_export_model_stage(
@@ -231,8 +261,12 @@ class LossResult:
 class Task(Protocol):
     """Turns a batch into a loss."""
 
-    def batch_weight(self, batch: Any) -> float:
-        """The weight a microbatch contributes to its step (known before the forward pass)."""
+    def batch_weight(self, batch: Any) -> float | torch.Tensor:
+        """The weight a microbatch contributes to its step (known before the forward pass).
+
+        Return a tensor rather than a Python number where computing it would read a tensor: the
+        trainer sums the weights on the device and never waits for them.
+        """
         ...
 
     def compute_loss(self, context: LossContext) -> LossResult:

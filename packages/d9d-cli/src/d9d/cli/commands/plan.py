@@ -1,7 +1,9 @@
 """`d9d plan`: validate a job for a launch size without GPUs and print what it would run.
 
 The memory figure is a deliberately simple estimate of the persistent training state per rank (no
-activations, no temporary buffers, no allocator slack), see `estimate_memory`.
+temporary buffers, no allocator slack), see `estimate_memory`, plus the activations one microbatch
+keeps for backward, counted from a forward on the meta device (`estimate_activations`) in the job's
+compute dtype, with and without activation checkpointing.
 """
 
 import shlex
@@ -18,7 +20,14 @@ from d9d.cli.errors import CliError, reports_errors
 if TYPE_CHECKING:  # the trainer imports torch: only inside the command at run time
     from d9d.trainer import OptimizerConfig, ResolvedJob
 
-__all__ = ["MemoryEstimate", "estimate_memory", "launch_command", "plan"]
+__all__ = [
+    "ActivationEstimate",
+    "MemoryEstimate",
+    "estimate_activations",
+    "estimate_memory",
+    "launch_command",
+    "plan",
+]
 
 #: Import path of the built-in data provider whose batching `plan` can report.
 _AUTO_DATA = "d9d.trainer:AutoDataProviderFactory"
@@ -75,6 +84,89 @@ def estimate_memory(
     )
 
 
+@dataclass(frozen=True)
+class ActivationEstimate:
+    """Bytes one microbatch saves for backward on one rank, without and with the job's checkpointing.
+
+    Attributes:
+        plain: no activation checkpointing.
+        checkpointed: with `trainer.activation_checkpointing` as configured (`plain` for `none`).
+        full: with every block checkpointed.
+        tokens: microbatch size × sequence length the forward ran on.
+    """
+
+    plain: int
+    checkpointed: int
+    full: int
+    tokens: str
+
+
+def estimate_activations(
+    job: "ResolvedJob", *, seq_len: int, microbatch_size: int, param_dtype: str, tensor_parallel: int
+) -> ActivationEstimate:
+    """Run the task's loss on the meta device (no memory) and count what autograd saves for backward.
+
+    The model is cast to `param_dtype` (as FSDP2 computes); blocks are the entries of the model's
+    largest ModuleList/ModuleDict. Tensor parallelism divides activations by tp (sequence-parallel
+    norms, split heads); a pipeline stage holds 1/pp of the layers but, with 1F1B, up to pp
+    microbatches in flight, so pp leaves the figure as it is.
+
+    Raises:
+        Exception: whatever the model's forward raised on the meta device (e.g. data-dependent MoE
+            routing), for the caller to report.
+    """
+    import copy
+
+    import torch
+
+    from d9d.mesh import DistributedContext
+    from d9d.parallel import (
+        ActivationCheckpointingConfig,
+        apply_activation_checkpointing,
+        saved_activation_bytes,
+    )
+    from d9d.trainer import InitializeModelStageContext, LossContext
+
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[param_dtype]
+    config = job.config.trainer.activation_checkpointing
+    with DistributedContext.for_planning(job.config.mesh) as ctx, torch.device("meta"):
+        base = job.model_provider.initialize_model_stage(InitializeModelStageContext(context=ctx)).model
+    base = base.to(dtype)
+    ids = torch.zeros((microbatch_size, seq_len), dtype=torch.long, device="meta")
+    batch = {"input_ids": ids, "labels": ids}
+
+    def measure(mode: str) -> int:
+        model = copy.deepcopy(base)
+        if mode != "none":
+            blocks = _blocks(model)
+            apply_activation_checkpointing(
+                blocks, ActivationCheckpointingConfig(mode=mode, every=config.every)
+            )  # type: ignore[arg-type]
+
+        def loss() -> object:
+            return job.task.compute_loss(LossContext(model=model, batch=batch, device=torch.device("meta")))
+
+        return -(-saved_activation_bytes(loss, exclude=model.parameters()) // tensor_parallel)
+
+    plain = measure("none")
+    full = measure("full")
+    checkpointed = {"none": plain, "full": full}.get(config.mode) or measure(config.mode)
+    return ActivationEstimate(
+        plain=plain, checkpointed=checkpointed, full=full, tokens=f"{microbatch_size} × {seq_len}"
+    )
+
+
+def _blocks(model: "object") -> list["object"]:
+    """The transformer blocks: the entries of the largest ModuleList/ModuleDict (by parameters)."""
+    from torch import nn
+
+    containers = [m for m in model.modules() if isinstance(m, (nn.ModuleList, nn.ModuleDict))]  # type: ignore[attr-defined]
+    if not containers:
+        return []
+    best = max(containers, key=lambda c: sum(p.numel() for p in c.parameters()))
+    return list(best.values()) if isinstance(best, nn.ModuleDict) else list(best)
+
+
 def launch_command(config: str, overrides: Sequence[str], *, nnodes: int, nproc_per_node: int) -> str:
     """The shell command that launches `d9d train` for this many nodes and processes per node.
 
@@ -124,6 +216,11 @@ def _mismatch(degrees: str, need: int, dp_shard: int, world: int, given: str) ->
 @click.option("--world-size", type=click.IntRange(min=1), help="Processes in total (one node).")
 @click.option("--nnodes", type=click.IntRange(min=1), help="Nodes (with --nproc-per-node).")
 @click.option("--nproc-per-node", type=click.IntRange(min=1), help="Processes per node.")
+@click.option(
+    "--seq-len",
+    type=click.IntRange(min=1),
+    help="Tokens per sample, for the activation estimate (default: dataset.seq_len of the config).",
+)
 @overrides_option
 @reports_errors
 def plan(
@@ -131,14 +228,16 @@ def plan(
     world_size: int | None,
     nnodes: int | None,
     nproc_per_node: int | None,
+    seq_len: int | None,
     overrides: Sequence[str],
 ) -> None:
     """Check CONFIG for a launch size without GPUs and print its plan.
 
     Loads and validates the config, builds the mesh in one process (a fake process group of any
     size), and prints: which global ranks share each mesh axis, the microbatches each data-parallel
-    rank runs per step, a per-rank estimate of parameter + gradient + optimizer memory (from the
-    model built on the meta device; activations not included), and the torchrun command.
+    rank runs per step, the precision and activation checkpointing, a per-rank estimate of parameter
+    + gradient + optimizer memory and of one microbatch's activations (from the model built on the
+    meta device), and the torchrun command.
     Without a size, plans for the size the mesh needs.
 
     \b
@@ -185,15 +284,35 @@ def plan(
         optimizer_states=states,
     )
     split = f"pp {mesh.pipeline_parallel} × dp_shard {mesh.data_parallel_shard} × tp {mesh.tensor_parallel}"
+    tcfg = job.trainer
+    prec = tcfg.precision
+    compute = "bfloat16" if prec.param_dtype == "auto" else prec.param_dtype
+    auto = " (auto: bfloat16 on CUDA, float32 on CPU)" if prec.param_dtype == "auto" else ""
+    ac = tcfg.activation_checkpointing
+    ac_text = ac.mode + (f" (every {ac.every} blocks)" if ac.mode == "selective" else "")
     lines += [
+        f"precision: compute {compute}{auto}, reduce {prec.reduce_dtype}, master weights and optimizer "
+        f"float32; tf32 {'on' if prec.tf32 else 'off'}",
+        f"activation checkpointing: {ac_text}; compile: {'on' if tcfg.compile.enabled else 'off'}",
         f"model: {n_params:,} parameters, {format_size(param_bytes)} "
         f"({format_size(trainable_bytes)} trainable)",
-        f"memory per rank (estimate; 1/{est.shard_factor} of the model: {split}; no activations):",
+    ]
+    acts, acts_note = _activations(resolved, seq_len, compute)
+    total = est.total + (acts.checkpointed if acts is not None else 0)
+    lines += [
+        f"memory per rank (estimate; 1/{est.shard_factor} of the model: {split}):",
         f"  parameters  {format_size(est.params):>10}",
         f"  gradients   {format_size(est.grads):>10}",
         f"  optimizer   {format_size(est.optimizer):>10}  ({what})",
-        f"  total       {format_size(est.total):>10}",
     ]
+    if acts is not None:
+        lines.append(
+            f"  activations {format_size(acts.checkpointed):>10}  (one microbatch of {acts.tokens} tokens in "
+            f"{compute}, checkpointing {ac.mode}; none: {format_size(acts.plain)}, full: {format_size(acts.full)})"
+        )
+    else:
+        lines.append(f"  activations {'?':>10}  ({acts_note})")
+    lines.append(f"  total       {format_size(total):>10}")
     where = "on every node: " if nodes > 1 else ""
     lines += [
         f"launch ({nodes} node{'s' if nodes > 1 else ''} × {per_node} process"
@@ -201,6 +320,37 @@ def plan(
         f"  {where}{launch_command(config, overrides, nnodes=nodes, nproc_per_node=per_node)}",
     ]
     click.echo("\n".join(lines))
+
+
+def _activations(
+    job: "ResolvedJob", seq_len: int | None, compute: str
+) -> tuple[ActivationEstimate | None, str]:
+    """The activation estimate, or None and why there is none."""
+    config = job.config
+    if seq_len is None:
+        value = config.dataset.get("seq_len") if isinstance(config.dataset, dict) else None
+        seq_len = value if isinstance(value, int) and value > 0 else None
+    if seq_len is None:
+        return None, "not estimated: pass --seq-len (the config has no dataset.seq_len)"
+    if config.providers.data != _AUTO_DATA:
+        return None, "not estimated: the microbatch size is decided by a custom data provider"
+    import msgspec
+
+    from d9d.data import AutoDataConfig
+
+    microbatch = msgspec.convert(config.data, AutoDataConfig).microbatch_size
+    try:
+        estimate = estimate_activations(
+            job,
+            seq_len=seq_len,
+            microbatch_size=microbatch,
+            param_dtype=compute,
+            tensor_parallel=config.mesh.tensor_parallel * config.mesh.context_parallel,
+        )
+    except Exception as exc:  # a forward that cannot run on meta (e.g. MoE routing) is not an error
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return None, f"not estimated: the forward does not run on the meta device ({first[:120]})"
+    return estimate, ""
 
 
 def _data_line(provider: str, data: dict[str, object], dp: int) -> str:

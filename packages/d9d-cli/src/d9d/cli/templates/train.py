@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from d9d.data import TextDataset
-from d9d.parallel import parallelize_hsdp
+from d9d.parallel import apply_activation_checkpointing, compile_blocks, parallelize_hsdp
 from d9d.trainer import (
     BuildDatasetContext,
     BuildDatasetResult,
@@ -99,8 +99,18 @@ class QuickstartModelProvider:
         return InitializeModelStageResult(model=QuickstartLM(self.config))
 
     def parallelize_model_stage(self, context: ParallelizeModelStageContext) -> None:
+        """Called on every mesh (one process too: then context.mesh is None and HSDP is a no-op).
+
+        The order matters: activation checkpointing, then compile, then data parallelism.
+        """
         model = context.model
-        parallelize_hsdp(model, context.context.mesh("dense"), blocks=list(model.blocks))
+        blocks = list(model.blocks)
+        apply_activation_checkpointing(
+            blocks, context.activation_checkpointing
+        )  # trainer.activation_checkpointing
+        compile_blocks(blocks, context.compile)  # trainer.compile
+        # trainer.precision: FSDP gathers parameters in the compute dtype (bf16 on GPUs by default)
+        parallelize_hsdp(model, context.mesh, blocks=blocks, precision=context.precision)
 
     def prepare_export_model_stage(
         self, context: PrepareExportModelStageContext

@@ -15,6 +15,7 @@ so that a later `fully_shard` of the whole model (data parallelism over the dens
 alone instead of reducing them a second time over ranks that hold different experts.
 """
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -27,6 +28,7 @@ from d9d.parallel.expert.dispatch import AllToAllDispatcher
 from d9d.parallel.expert.errors import ExpertParallelError
 from d9d.parallel.expert.experts import GroupedExperts
 from d9d.parallel.expert.moe import MoE
+from d9d.parallel.precision import MixedPrecision
 
 __all__ = ["parallelize_expert_parallel"]
 
@@ -40,6 +42,7 @@ def parallelize_expert_parallel(
     shard_expert_replicas: bool = True,
     reshard_after_forward: bool = True,
     mp_policy: MixedPrecisionPolicy | None = None,
+    precision: MixedPrecision | None = None,
 ) -> nn.Module:
     """Shard the experts of every `MoE` in `module` over ep and dispatch tokens with all-to-all.
 
@@ -55,6 +58,7 @@ def parallelize_expert_parallel(
             (see the module docstring). Turn it off only to reduce expert gradients yourself.
         reshard_after_forward: FSDP2 option for the expert banks.
         mp_policy: FSDP2 mixed-precision policy for the expert banks.
+        precision: the job's mixed precision (e.g. `context.precision`), instead of `mp_policy`.
 
     Returns:
         `module`.
@@ -63,6 +67,13 @@ def parallelize_expert_parallel(
         ExpertParallelError: no `MoE` in `module`, experts not divisible by ep, or already parallelized.
         UnsupportedParallelismError: a context with tensor or context parallelism (not supported yet).
     """
+    if precision is not None:
+        if mp_policy is not None:
+            raise ExpertParallelError("pass either precision= or mp_policy=, not both")
+        if precision.enabled or precision.reduce_dtype != torch.float32:
+            mp_policy = MixedPrecisionPolicy(
+                param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype
+            )
     moes = [m for m in module.modules() if isinstance(m, MoE)]
     if not moes:
         raise ExpertParallelError(

@@ -1,0 +1,77 @@
+"""Activation checkpointing: recompute a block's activations in backward instead of keeping them.
+
+Non-reentrant `torch.utils.checkpoint`, applied by wrapping each chosen block's `forward` in place,
+so parameter names and state-dict keys never change. Works with FSDP2, tensor, pipeline and expert
+parallelism; apply it before `torch.compile` and before `parallelize_*` (as torchtitan does).
+"""
+
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Literal
+
+import msgspec
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from d9d.parallel.errors import ParallelizeError
+
+__all__ = ["ActivationCheckpointingConfig", "apply_activation_checkpointing", "checkpointed_blocks"]
+
+
+class ActivationCheckpointingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`trainer.activation_checkpointing`: which transformer blocks recompute their activations.
+
+    Attributes:
+        mode: `none` keeps every activation; `full` checkpoints every block; `selective` every
+            `every`-th block (blocks 0, every, 2·every, ...).
+        every: the period of `selective`.
+    """
+
+    mode: Literal["none", "full", "selective"] = "none"
+    every: int = 2
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError(f"trainer.activation_checkpointing.every must be >= 1, got {self.every}")
+
+
+def checkpointed_blocks(num_blocks: int, config: ActivationCheckpointingConfig) -> list[int]:
+    """Indices of the blocks `config` checkpoints, out of `num_blocks`."""
+    if config.mode == "none":
+        return []
+    step = 1 if config.mode == "full" else config.every
+    return list(range(0, num_blocks, step))
+
+
+def apply_activation_checkpointing(
+    modules: Iterable[nn.Module], config: ActivationCheckpointingConfig | None = None
+) -> list[nn.Module]:
+    """Checkpoint the blocks `config` selects (all of `modules` when `config` is None); idempotent.
+
+    Returns the modules that are checkpointed now.
+    """
+    blocks: Sequence[nn.Module] = list(modules)
+    if config is None:
+        chosen = list(range(len(blocks)))
+    elif isinstance(config, ActivationCheckpointingConfig):
+        chosen = checkpointed_blocks(len(blocks), config)
+    else:
+        raise ParallelizeError(
+            f"apply_activation_checkpointing: config must be an ActivationCheckpointingConfig, got {config!r}"
+        )
+    done = []
+    for index in chosen:
+        module = blocks[index]
+        if not getattr(module, "_d9d_activation_checkpointed", False):
+            module.forward = _checkpointed(module.forward)  # type: ignore[method-assign]
+            module._d9d_activation_checkpointed = True  # type: ignore[assignment]
+        done.append(module)
+    return done
+
+
+def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run

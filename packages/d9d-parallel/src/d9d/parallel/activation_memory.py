@@ -1,0 +1,49 @@
+"""How many bytes of activations a forward keeps for backward, counted exactly from autograd's saved tensors.
+
+Works on real devices and on the meta device (a model built with `torch.device("meta")` and meta
+inputs: no memory is allocated), so the same count serves a test and a launch plan.
+"""
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+__all__ = ["saved_activation_bytes"]
+
+
+def saved_activation_bytes(fn: Callable[[], Any], *, exclude: Iterable[torch.Tensor] = ()) -> int:
+    """Run `fn()` (a forward, e.g. `lambda: loss_fn(model(x))`) and return the bytes it saves for backward.
+
+    Each storage counts once; tensors in `exclude` (pass the model's parameters: they are not
+    activations) and their views do not count. On the meta device storages cannot be told apart, so
+    distinct saved tensors count separately (views of one activation may count twice).
+    """
+    excluded = {_storage_key(t) for t in exclude}
+    seen: dict[Any, int] = {}
+    keep: list[torch.Tensor] = []  # hold them so ids are not reused while counting
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(tensor)
+        if key not in excluded and key not in seen:
+            seen[key] = _nbytes(tensor)
+            keep.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        fn()
+    return sum(seen.values())
+
+
+def _storage_key(tensor: torch.Tensor) -> Any:
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    if local.device.type == "meta":
+        return ("id", id(tensor))
+    return ("ptr", local.untyped_storage().data_ptr())
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    if local.device.type == "meta":
+        return local.numel() * local.element_size()
+    return local.untyped_storage().nbytes()

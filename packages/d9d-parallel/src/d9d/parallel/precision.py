@@ -1,0 +1,122 @@
+"""Mixed precision for any mesh: bf16 compute, fp32 master weights, optimizer state and reductions.
+
+Two mechanisms, one numerics contract ("matmuls in `param_dtype`, master weights fp32"):
+
+- FSDP2 units (`parallelize_hsdp/fsdp/replicate(..., precision=...)`) gather their parameters in
+  `param_dtype` and reduce gradients in `reduce_dtype`: half the all-gather traffic and memory.
+- Everything else (one process, tensor- or pipeline-only meshes, expert weights that FSDP ignores)
+  runs under `torch.autocast(param_dtype)` (`precision_autocast`), which casts the compute copy of each
+  matmul's inputs and leaves the fp32 parameter (and so its gradient and optimizer state) alone.
+
+A training loop wraps its forward in `precision_autocast` on every mesh; inside FSDP2 units the
+parameters already are `param_dtype`, so autocast changes nothing there.
+"""
+
+import contextlib
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import msgspec
+import torch
+from torch import nn
+
+__all__ = [
+    "MixedPrecision",
+    "PrecisionConfig",
+    "autocast_forward",
+    "enable_tf32",
+    "precision_autocast",
+    "resolve_precision",
+]
+
+_DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class PrecisionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`trainer.precision`: the dtypes of compute and gradient reduction, and TF32.
+
+    Attributes:
+        param_dtype: dtype of parameters in forward/backward; `auto` is bfloat16 on CUDA and float32
+            on CPU. Master weights and optimizer state always stay float32.
+        reduce_dtype: dtype of data-parallel gradient reduction.
+        tf32: TF32 tensor cores for the matmuls and convolutions that still run in float32 on CUDA.
+    """
+
+    param_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    tf32: bool = True
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Resolved dtypes: what a model provider passes to `parallelize_*` (`precision=`)."""
+
+    param_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype = torch.float32
+
+    @property
+    def enabled(self) -> bool:
+        """True when compute runs in a lower precision than the float32 master weights."""
+        return self.param_dtype != torch.float32
+
+    def describe(self) -> str:
+        """E.g. "param bfloat16, reduce float32"."""
+        return f"param {_name(self.param_dtype)}, reduce {_name(self.reduce_dtype)}"
+
+
+def resolve_precision(config: PrecisionConfig, device: torch.device | str) -> MixedPrecision:
+    """The dtypes `config` means on `device` (`auto`: bfloat16 on CUDA, float32 elsewhere)."""
+    device_type = torch.device(device).type
+    if config.param_dtype == "auto":
+        param = torch.bfloat16 if device_type == "cuda" else torch.float32
+    else:
+        param = _DTYPES[config.param_dtype]
+    return MixedPrecision(param_dtype=param, reduce_dtype=_DTYPES[config.reduce_dtype])
+
+
+def precision_autocast(
+    precision: MixedPrecision | None, device: torch.device | str
+) -> contextlib.AbstractContextManager[object]:
+    """`torch.autocast` to `precision.param_dtype` on `device`'s type; a no-op for float32 compute.
+
+    Wrap the forward (and loss) of every microbatch in it; backward runs outside it.
+    """
+    if precision is None or not precision.enabled:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=precision.param_dtype)
+
+
+def autocast_forward(module: nn.Module, precision: MixedPrecision | None, device: torch.device | str) -> None:
+    """Run `module`'s forward under `precision_autocast`, in place (state-dict keys unchanged); idempotent.
+
+    For loops that do not call the forward themselves, e.g. a pipeline schedule (whose backward must
+    not run under autocast).
+    """
+    if precision is None or not precision.enabled or getattr(module, "_d9d_autocast", False):
+        return
+    module.forward = _autocast(module.forward, precision, device)  # type: ignore[method-assign]
+    module._d9d_autocast = True  # type: ignore[assignment]
+
+
+def _autocast(
+    forward: Callable[..., Any], precision: MixedPrecision, device: torch.device | str
+) -> Callable[..., Any]:
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with precision_autocast(precision, device):
+            return forward(*args, **kwargs)
+
+    return run
+
+
+def enable_tf32(enabled: bool = True) -> None:
+    """Let float32 matmuls and convolutions on CUDA use TF32 tensor cores (or forbid it)."""
+    mode = "tf32" if enabled else "ieee"
+    torch.backends.cuda.matmul.fp32_precision = mode
+    torch.backends.cudnn.conv.fp32_precision = mode
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

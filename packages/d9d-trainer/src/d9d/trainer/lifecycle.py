@@ -1,0 +1,141 @@
+"""A run's lifecycle around the loop: resume from its latest checkpoint (or import starting weights),
+save checkpoints, export. The checkpoint mechanics themselves are d9d.ckpt's."""
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+from torch import nn
+
+from d9d.ckpt import (
+    CheckpointManager,
+    capture_rng_state,
+    load_safetensors,
+    restore_rng_state,
+    save_safetensors,
+)
+from d9d.mesh import DistributedContext, get_logger
+from d9d.trainer.errors import TrainingError
+from d9d.trainer.job import ResolvedJob
+from d9d.trainer.providers import PrepareExportModelStageContext, PrepareImportModelStageContext
+
+__all__ = ["RunLifecycle"]
+
+_log = get_logger("d9d.trainer")
+
+
+@dataclass
+class RunLifecycle:
+    """Resume, save and export for one run; the trainer owns the step count and passes it in."""
+
+    job: ResolvedJob
+    context: DistributedContext
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    data: Any
+    checkpoints: CheckpointManager
+    pipelined: bool = False
+
+    @property
+    def run_dir(self) -> Path:
+        """`save_dir/run.name`."""
+        return self.checkpoints.run_dir
+
+    def resume(self, step: int | None = None) -> int | None:
+        """Load the latest (or the given step's) committed checkpoint; the step it holds, or None.
+
+        A run without a checkpoint starts from the model provider's import folder when it names one.
+
+        Raises:
+            TrainingError: `step` is given but the run has no committed checkpoint of that step.
+        """
+        self.checkpoints.check_uncommitted()
+        found = self.checkpoints.checkpoints()
+        if step is not None:
+            matching = [c for c in found if c.step == step]
+            if not matching:
+                steps = [c.step for c in found]
+                raise TrainingError(
+                    f"run {self.run_dir} has no committed checkpoint of step {step}; it has {steps}"
+                )
+            found = matching
+        latest = found[-1] if found else None
+        if latest is None:
+            self._import_source_weights()
+            return None
+        loaded = self.checkpoints.load(latest, self.model, self.optimizer)
+        extra = loaded.extra_state
+        self.data.load_state_dict(extra["data"])
+        self.scheduler.load_state_dict(extra["lr_scheduler"])
+        if loaded.rank_state is not None:
+            restore_rng_state(loaded.rank_state)
+        resumed = int(extra["step"])
+        _log.info("resumed", step=resumed, checkpoint=str(latest.path))
+        return resumed
+
+    def _import_source_weights(self) -> None:
+        prepare = getattr(self.job.model_provider, "prepare_import_model_stage", None)
+        if prepare is None:
+            return
+        result = prepare(
+            PrepareImportModelStageContext(
+                context=self.context, model=self.model, base_dir=self.job.loaded.base_dir
+            )
+        )
+        if result.folder is None:
+            return
+        load_safetensors(self.model, result.folder, mapper=result.mapper)
+        _log.info("loaded starting weights", folder=str(result.folder))
+
+    def save(self, step: int) -> None:
+        """Save model, optimizer, data position, LR schedule, RNG and config as `save-<step>`."""
+        extra = {
+            "step": step,
+            "data": self.data.state_dict(),
+            "lr_scheduler": _plain(self.scheduler.state_dict()),
+            "config": self.job.loaded.raw,
+            "config_dir": str(self.job.loaded.base_dir.resolve()),
+        }
+        self.checkpoints.save(
+            step, self.model, self.optimizer, extra_state=extra, rank_state=capture_rng_state()
+        )
+        _log.info("checkpoint saved", step=step, run_dir=str(self.run_dir))
+
+    def export(self, out_dir: str | Path | None = None) -> Path:
+        """Write the model as safetensors through the model provider's export mapper."""
+        target = out_dir if out_dir is not None else self.job.config.export.dir
+        if self.pipelined:
+            raise TrainingError(
+                "export from a pipeline-parallel run is not supported yet: export the run's checkpoint "
+                "from a mesh without pipeline_parallel (e.g. `d9d export` in one process)"
+            )
+        if target is None:
+            raise TrainingError("no export directory: pass one or set export.dir in the config")
+        result = self.job.model_provider.prepare_export_model_stage(
+            PrepareExportModelStageContext(
+                context=self.context, model=self.model, base_dir=self.job.loaded.base_dir
+            )
+        )
+        save_safetensors(
+            self.model,
+            target,
+            mapper=result.mapper,
+            max_shard_size=self.job.config.export.shard_size_mb * 2**20,
+        )
+        if self.context.is_main_process:
+            for name, text in result.extra_files.items():
+                path = Path(target) / name
+                tmp = path.with_name(path.name + ".tmp")
+                tmp.write_text(text, encoding="utf-8")
+                tmp.replace(path)
+        self.context.barrier()
+        _log.info("exported", dir=str(target), files=sorted(result.extra_files))
+        return Path(target)
+
+
+def _plain(state: Any) -> Any:
+    """Round-trip through msgspec so only plain data (no tensors or callables) is checkpointed."""
+    return msgspec.json.decode(msgspec.json.encode(state, enc_hook=lambda o: None))

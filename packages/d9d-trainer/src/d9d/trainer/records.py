@@ -1,0 +1,192 @@
+"""What a run records about its steps: `metrics.jsonl`, the step log line, the progress line.
+
+Step results arrive as device tensors. They are read (one host sync for all of them) only when the
+records are flushed: at logging steps, before a checkpoint and at the end. So a crash loses at most
+the records since the last log line, never those of a committed checkpoint, and an ordinary step
+never waits for the device to report its loss. Rank 0 writes; every rank flushes at the same steps.
+"""
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from d9d.mesh import get_logger
+from d9d.trainer.metrics import ProgressLine, mfu
+from d9d.trainer.step import StepOutput
+
+__all__ = ["METRICS_FILE", "StepRecords", "read_metrics", "truncate_metrics"]
+
+#: Per-step metrics of a run, one JSON object per line, in `save_dir/run.name/`.
+METRICS_FILE = "metrics.jsonl"
+
+_log = get_logger("d9d.trainer")
+
+
+@dataclass
+class _Pending:
+    step: int
+    output: StepOutput
+    lr: float
+    step_time_s: float
+
+
+class StepRecords:
+    """Buffers step results and writes them in batches (see the module docstring).
+
+    Args:
+        path: the run's metrics file.
+        writer: this rank writes the file and the log lines (rank 0).
+        total: the run's total steps (the last one is always logged).
+        period: log every `period` steps.
+        launch: an id of this launch, stored in every record.
+        peak_flops: the device's dense bf16 peak, for MFU (None: no MFU).
+        world_size: ranks sharing the throughput.
+        device: the device whose peak memory is reported.
+        progress: a progress line to update each step (None: none).
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        writer: bool,
+        total: int,
+        period: int,
+        launch: str,
+        peak_flops: float | None,
+        world_size: int,
+        device: torch.device,
+        progress: ProgressLine | None = None,
+    ) -> None:
+        self._path = path
+        self._writer = writer
+        self._total = total
+        self._period = period
+        self._launch = launch
+        self._peak = peak_flops
+        self._world_size = world_size
+        self._device = device
+        self._progress = progress
+        self._pending: list[_Pending] = []
+        self._last_log = time.perf_counter()
+        self._last_loss: float | None = None
+        self.flops_per_token: float | None = None
+        self.losses: list[float] = []
+
+    def add(self, step: int, output: StepOutput, *, lr: float, step_time_s: float) -> None:
+        """Record step `step`; flushes (and logs) when it is a logging step or the last one."""
+        self._pending.append(_Pending(step, output, lr, step_time_s))
+        if self._progress is not None:
+            self._progress.update(step, self._last_loss)
+        if step % self._period == 0 or step == self._total:
+            self.flush(log=True)
+
+    def flush(self, *, log: bool = False) -> None:
+        """Read the pending results from the device (one sync) and append them to the metrics file."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        values = torch.stack(
+            [torch.stack([p.output.loss.double(), p.output.grad_norm.double(), p.output.weight.double()])
+             for p in pending]
+        ).tolist()  # fmt: skip
+        records = []
+        for p, (loss, norm, weight) in zip(pending, values, strict=True):
+            records.append(
+                {
+                    "step": p.step,
+                    "loss": loss,
+                    "grad_norm": norm,
+                    "lr": p.lr,
+                    "tokens": weight,
+                    "step_time_s": p.step_time_s,
+                    "skipped": not p.output.applied,
+                    "launch": self._launch,
+                }
+            )
+        self.losses += [r["loss"] for r in records]
+        self._last_loss = records[-1]["loss"]
+        if not self._writer:
+            return
+        self._path.parent.mkdir(parents=True, exist_ok=True)
+        with self._path.open("a", encoding="utf-8") as fh:
+            fh.write("".join(json.dumps(r) + "\n" for r in records))
+        if log:
+            self._log_line(records)
+
+    def close(self) -> None:
+        """Flush what is left and end the progress line."""
+        self.flush()
+        if self._progress is not None:
+            self._progress.close()
+
+    def _log_line(self, records: list[dict[str, Any]]) -> None:
+        now = time.perf_counter()
+        tokens = sum(r["tokens"] for r in records)
+        tokens_per_s = tokens / max(now - self._last_log, 1e-9)
+        self._last_log = now
+        last = records[-1]
+        _log.info(
+            "step",
+            step=last["step"],
+            loss=round(last["loss"], 5),
+            grad_norm=round(last["grad_norm"], 4),
+            lr=last["lr"],
+            tokens_per_s=round(tokens_per_s, 1),
+            **mfu(tokens_per_s, self.flops_per_token, self._peak, self._world_size),
+            **_memory(self._device),
+        )
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics file; a damaged line (a cut write, garbage) and all after it are left out."""
+    return [record for _, record in _read_lines(path)]
+
+
+def _read_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    if not path.exists():
+        return []
+    records = []
+    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError("not a step record")
+        except ValueError:
+            _log.warning("metrics file has a damaged line; it and the lines after it are dropped",
+                         file=str(path), line=number)  # fmt: skip
+            break
+        records.append((line, record))
+    return records
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Keep the records of steps up to `step` (later ones were lost with the crash and are redone).
+
+    A damaged tail (a cut write on a full disk) is dropped with a warning, never a reason to fail.
+    """
+    if not path.exists():
+        return
+    kept = [line for line, record in _read_lines(path) if record["step"] <= step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    tmp.replace(path)
+
+
+def _memory(device: torch.device) -> dict[str, float]:
+    if device.type == "cuda":
+        return {"peak_mem_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2)}
+    try:
+        import resource
+
+        scale = 1 if sys.platform == "darwin" else 1024
+        return {"peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**30, 2)}
+    except ImportError:  # pragma: no cover - not on POSIX
+        return {}

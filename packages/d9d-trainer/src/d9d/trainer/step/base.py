@@ -1,0 +1,117 @@
+"""What every step strategy shares: the global token weight, clipping, the non-finite rule, the update."""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from d9d.mesh import get_logger
+from d9d.parallel import MixedPrecision, clip_grad_norm_, grad_norm
+from d9d.trainer.errors import TrainingError
+from d9d.trainer.providers import Task
+
+__all__ = ["StepOutput", "StepSettings", "TrainStep"]
+
+_log = get_logger("d9d.trainer")
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """One optimizer step's results, as device tensors (reading them syncs the host).
+
+    Attributes:
+        loss: the global batch's mean loss (float64), the same on every rank.
+        grad_norm: the global gradient norm before clipping, the same on every rank.
+        weight: the global batch's weight (e.g. labelled tokens), float64.
+        applied: False when the step was skipped (non-finite loss or norm, `on_nonfinite: skip`).
+    """
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    weight: torch.Tensor
+    applied: bool
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """What a step needs besides the model: where it runs and the job's step options."""
+
+    device: torch.device
+    precision: MixedPrecision
+    max_norm: float | None
+    on_nonfinite: Literal["stop", "skip"]
+    dp_group: dist.ProcessGroup | None = None
+    pp_group: Any = None
+
+
+class TrainStep(Protocol):
+    """A strategy that turns one step's microbatches into one optimizer step."""
+
+    def run(self, microbatches: Sequence[Any], step: int) -> StepOutput:
+        """Forward, backward, clip and update for step number `step` (1-based)."""
+        ...
+
+
+class StepBase:
+    """Shared mechanics of the strategies (the global weight, the update), on top of their forward/backward."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        task: Task,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        settings: StepSettings,
+    ) -> None:
+        self.model = model
+        self.task = task
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.settings = settings
+
+    def global_weight(self, microbatches: Sequence[Any]) -> torch.Tensor:
+        """The summed `task.batch_weight` of the global batch, on the device, without reading it."""
+        weights = [torch.as_tensor(self.task.batch_weight(mb), dtype=torch.float64) for mb in microbatches]
+        local = torch.stack([w.to(self.settings.device) for w in weights]).sum()
+        return self.dp_sum(local)
+
+    def dp_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` summed over the data-parallel ranks (an all-reduce on the device, no host sync)."""
+        group = self.settings.dp_group
+        if group is None or dist.get_world_size(group) == 1:
+            return value
+        value = value.to(torch.float64)
+        dist.all_reduce(value, group=group)
+        return value
+
+    def finish(self, loss: torch.Tensor, weight: torch.Tensor, step: int) -> StepOutput:
+        """Clip (or measure) the global grad norm, then update, unless the loss or norm is not finite.
+
+        The finiteness check is the step's one host sync; a global batch without weight shows here
+        too (its loss is 0/0).
+        """
+        settings = self.settings
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if settings.max_norm is not None:
+            norm = clip_grad_norm_(params, settings.max_norm, pp_group=settings.pp_group)
+        else:
+            norm = grad_norm(params, pp_group=settings.pp_group)
+        if bool(torch.isfinite(loss) & torch.isfinite(norm)):
+            self.optimizer.step()
+            self.scheduler.step()
+            return StepOutput(loss=loss, grad_norm=norm, weight=weight, applied=True)
+        if float(weight) <= 0:
+            raise TrainingError(f"step {step} has no labelled tokens in the whole global batch")
+        if settings.on_nonfinite == "stop":
+            raise TrainingError(
+                f"step {step}: loss {float(loss)} / grad norm {float(norm)} is not finite; stopping. "
+                "The last committed checkpoint stays the latest; lower the learning rate or set "
+                "trainer.on_nonfinite: skip"
+            )
+        _log.warning("skipping step with a non-finite loss or grad norm", step=step, loss=float(loss))
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return StepOutput(loss=loss, grad_norm=norm, weight=weight, applied=False)

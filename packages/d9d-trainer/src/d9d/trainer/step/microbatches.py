@@ -1,0 +1,41 @@
+"""The plain step: the microbatches one after another, gradients accumulated, one update."""
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from d9d.parallel import precision_autocast, set_gradient_accumulation
+from d9d.trainer.providers import LossContext
+from d9d.trainer.step.base import StepBase, StepOutput
+
+__all__ = ["MicrobatchStep"]
+
+
+class MicrobatchStep(StepBase):
+    """Loss-weighted gradient accumulation over the step's microbatches.
+
+    Each microbatch's summed loss is divided by the global batch's weight, so the accumulated (and
+    data-parallel summed) gradient is exactly the single-device gradient of the global mean loss.
+    Sharded FSDP2 units reduce-scatter every microbatch (no unsharded gradient outlives its block);
+    only replicated units defer their all-reduce to the last microbatch.
+    """
+
+    def run(self, microbatches: Sequence[Any], step: int) -> StepOutput:
+        """One optimizer step over `microbatches` (this rank's share of the global batch)."""
+        model, settings = self.model, self.settings
+        weight = self.global_weight(microbatches)
+        scale = weight.to(torch.float32)
+        model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=settings.device)
+        last = len(microbatches) - 1
+        for i, batch in enumerate(microbatches):
+            set_gradient_accumulation(model, final=i == last)
+            with precision_autocast(settings.precision, settings.device):
+                result = self.task.compute_loss(LossContext(model=model, batch=batch, device=settings.device))
+            (result.loss_sum / scale).backward()
+            loss_sum += result.loss_sum.detach().to(torch.float64)
+        set_gradient_accumulation(model, final=True)
+        loss = self.dp_sum(loss_sum) / weight
+        return self.finish(loss, weight, step)

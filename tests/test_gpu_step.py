@@ -1,0 +1,254 @@
+"""The GPU-grade step, proven on CPU: bf16 compute with fp32 master weights and reductions on every
+mesh, activation checkpointing that changes memory but not numbers, and in-place compile."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _dispatch import OpRecorder
+from _quickstart import CONFIG, MOE, overrides, run_local
+
+from d9d.mesh.testing import run_distributed
+from d9d.trainer import Trainer
+
+BF16 = ["trainer.precision.param_dtype=bfloat16", "trainer.checkpointing.period_steps=0"]
+
+
+def _one_step(args: list[str]) -> dict:
+    """One training step under the recorder; what the precision contract is about."""
+    with Trainer.from_config(CONFIG, args) as trainer:
+        recorder = OpRecorder()
+        with recorder:
+            trainer.train()
+        opt = trainer.optimizer
+        params = [p for group in opt.param_groups for p in group["params"]]
+        state = [
+            t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.ndim > 0
+        ]
+        return {
+            "matmuls": [(name, [str(d) for d in dtypes]) for name, dtypes in recorder.matmuls],
+            "grad_reductions": [
+                (name, [str(d) for d in dtypes]) for name, dtypes, bwd in recorder.reductions if bwd
+            ],
+            "param_dtypes": sorted({str(p.dtype) for p in params}),
+            "state_dtypes": sorted({str(t.dtype) for t in state}),
+        }
+
+
+MESHES = {
+    "local": [],
+    "ddp2": ["mesh.data_parallel_replicate=2"],
+    "fsdp2": ["mesh.data_parallel_shard=2"],
+    "tp2": ["mesh.tensor_parallel=2"],
+    "pp2": ["mesh.pipeline_parallel=2"],
+    "ep2": ["mesh.data_parallel_shard=2", "mesh.expert_parallel=2", *MOE],
+}
+
+
+@pytest.mark.parametrize("mesh", list(MESHES), ids=list(MESHES))
+def test_bf16_matmuls_fp32_master_weights_and_reductions(tmp_path, mesh):
+    args = overrides(tmp_path, "bf16", 1, *BF16, *MESHES[mesh])
+    results = [_one_step(args)] if mesh == "local" else run_distributed(_one_step, 2, args, timeout=180)
+    for rank, seen in enumerate(results):
+        assert seen["matmuls"], f"rank {rank} ran no matmul"
+        for name, dtypes in seen["matmuls"]:
+            # sdpa's backward also takes its fp32 softmax statistics: the tensors it multiplies come first
+            checked = dtypes[:3] if "scaled_dot_product" in name else dtypes
+            assert set(checked) == {"torch.bfloat16"}, (rank, name, dtypes)
+        for name, dtypes in seen["grad_reductions"]:
+            assert set(dtypes) == {"torch.float32"}, (rank, name, dtypes)
+        if mesh in ("ddp2", "fsdp2", "ep2"):
+            assert seen["grad_reductions"], f"rank {rank}: no gradient reduction seen"
+        assert seen["param_dtypes"] == ["torch.float32"]
+        assert seen["state_dtypes"] == ["torch.float32"]
+
+
+def _train_records(tmp_path: Path, name: str, steps: int, *extra: str, nproc: int = 1) -> list[dict]:
+    args = overrides(tmp_path, name, steps, "trainer.checkpointing.period_steps=0", *extra)
+    if nproc == 1:
+        result = run_local(args)
+        assert result.returncode == 0, result.stderr[-3000:]
+    else:
+        run_distributed(_train, nproc, args, timeout=300)
+    return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def _train(args: list[str]) -> None:
+    with Trainer.from_config(CONFIG, args) as trainer:
+        trainer.train()
+
+
+def test_bf16_quickstart_tracks_fp32_on_one_process_and_fsdp2(tmp_path):
+    fp32 = _train_records(tmp_path, "fp32", 50)
+    bf16 = _train_records(tmp_path, "bf16", 50, "trainer.precision.param_dtype=bfloat16")
+    bf16_fsdp = _train_records(
+        tmp_path,
+        "bf16_fsdp",
+        50,
+        "trainer.precision.param_dtype=bfloat16",
+        "mesh.data_parallel_shard=2",
+        nproc=2,
+    )
+
+    def final(records: list[dict]) -> float:  # mean of the last 5 steps: one step's loss is noisy
+        return sum(r["loss"] for r in records[-5:]) / 5
+
+    assert final(fp32) < 0.8 * fp32[0]["loss"]  # it learned something worth comparing
+    assert final(bf16) == pytest.approx(final(fp32), rel=0.02)
+    assert final(bf16_fsdp) == pytest.approx(final(fp32), rel=0.02)
+    # the two bf16 runs: the same numerics up to bf16 rounding, step by step
+    for a, b in zip(bf16, bf16_fsdp, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-2), a["step"]
+
+
+def test_activation_checkpointing_changes_no_number(tmp_path):
+    eager = _train_records(
+        tmp_path, "plain", 4, "trainer.checkpointing.period_steps=0", "export.dir=" + str(tmp_path / "e0")
+    )
+    full = _train_records(
+        tmp_path,
+        "full",
+        4,
+        "trainer.activation_checkpointing.mode=full",
+        "export.dir=" + str(tmp_path / "e1"),
+    )
+    selective = _train_records(
+        tmp_path,
+        "sel",
+        4,
+        "trainer.activation_checkpointing.mode=selective",
+        "trainer.activation_checkpointing.every=2",
+    )
+    for other in (full, selective):
+        for a, b in zip(eager, other, strict=True):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=1e-7)
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6, abs=1e-7)
+    _assert_same_weights(tmp_path / "e0", tmp_path / "e1", atol=1e-6)
+
+
+def test_activation_checkpointing_on_fsdp2_changes_no_number(tmp_path):
+    plain = _train_records(tmp_path, "plain", 3, "mesh.data_parallel_shard=2", nproc=2)
+    full = _train_records(
+        tmp_path,
+        "full",
+        3,
+        "mesh.data_parallel_shard=2",
+        "trainer.activation_checkpointing.mode=full",
+        nproc=2,
+    )
+    for a, b in zip(plain, full, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=1e-7)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6, abs=1e-7)
+
+
+def _assert_same_weights(a: Path, b: Path, *, atol: float = 0.0) -> None:
+    from safetensors.torch import load_file
+
+    files = sorted(p.name for p in a.glob("*.safetensors"))
+    assert files and files == sorted(p.name for p in b.glob("*.safetensors"))
+    for name in files:
+        wa, wb = load_file(a / name), load_file(b / name)
+        assert wa.keys() == wb.keys()
+        for key in wa:
+            torch.testing.assert_close(wb[key], wa[key], rtol=0, atol=atol, msg=key)
+
+
+def test_full_activation_checkpointing_halves_saved_bytes_of_the_quickstart_model():
+    import copy
+
+    import torch.nn.functional as F
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from reference_model import ReferenceForCausalLM, ReferenceModelConfig
+
+    from d9d.parallel import (
+        ActivationCheckpointingConfig,
+        apply_activation_checkpointing,
+        saved_activation_bytes,
+    )
+
+    config = ReferenceModelConfig(  # examples/quickstart/config.yaml's model, its seq_len and microbatch
+        vocab_size=257,
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(0)
+    model = ReferenceForCausalLM(config)
+    ids = torch.randint(0, 257, (2, 128))
+    measured = {}
+    for mode in ("none", "selective", "full"):
+        copy_ = copy.deepcopy(model)
+        apply_activation_checkpointing(
+            list(copy_.model.layers.values()), ActivationCheckpointingConfig(mode=mode)
+        )
+        measured[mode] = saved_activation_bytes(
+            lambda m=copy_: F.cross_entropy(m(ids).flatten(0, 1), ids.flatten()), exclude=copy_.parameters()
+        )
+    assert measured["full"] <= 0.5 * measured["none"], measured
+    assert measured["full"] < measured["selective"] < measured["none"], measured
+
+
+COMPILE = "trainer.compile.enabled=true"
+
+
+def _run_local_ok(tmp_path: Path, name: str, steps: int, *extra: str) -> list[dict]:
+    result = run_local(overrides(tmp_path, name, steps, "trainer.checkpointing.period_steps=3", *extra))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def _assert_steps_match(records: list[dict], reference: list[dict], tol: float = 1e-5) -> None:
+    by_step = {r["step"]: r for r in reference}
+    assert records
+    for r in records:
+        ref = by_step[r["step"]]
+        assert r["loss"] == pytest.approx(ref["loss"], rel=tol, abs=tol), r["step"]
+        assert r["grad_norm"] == pytest.approx(ref["grad_norm"], rel=tol, abs=tol), r["step"]
+
+
+def test_compiled_run_equals_eager_and_resumes_across_compile(tmp_path):
+    """Compile changes no number and no key: compiled and eager runs continue each other's checkpoints."""
+    eager = _run_local_ok(tmp_path, "eager", 5, "export.dir=" + str(tmp_path / "export_eager"))
+    # steps 1-3 compiled, then 4-5 eager from the compiled run's checkpoint
+    compiled_first = _run_local_ok(tmp_path, "c_then_e", 3, COMPILE)
+    eager_after = _run_local_ok(tmp_path, "c_then_e", 5)
+    # steps 1-3 eager, then 4-5 compiled from the eager run's checkpoint
+    _run_local_ok(tmp_path, "e_then_c", 3)
+    compiled_after = _run_local_ok(tmp_path, "e_then_c", 5, COMPILE)
+    _assert_steps_match(compiled_first, eager)
+    _assert_steps_match(eager_after[3:], eager)
+    _assert_steps_match(compiled_after[3:], eager)
+    assert [r["step"] for r in compiled_after] == [1, 2, 3, 4, 5]
+    # a compiled model exports the eager run's final checkpoint to the very same bytes
+    _run_local_ok(tmp_path, "eager", 5, COMPILE, "export.dir=" + str(tmp_path / "export_compiled"))
+    files = sorted(p.name for p in (tmp_path / "export_eager").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "export_compiled").iterdir())
+    for name in files:
+        assert (tmp_path / "export_eager" / name).read_bytes() == (
+            tmp_path / "export_compiled" / name
+        ).read_bytes()
+
+
+def _train_compiled(args: list[str]) -> None:
+    import torch._inductor.config as inductor_config
+
+    inductor_config.compile_threads = 1  # no compile worker pool inside a forked test rank
+    _train(args)
+
+
+def test_compiled_fsdp2_equals_eager(tmp_path):
+    args = ["trainer.checkpointing.period_steps=0", "mesh.data_parallel_shard=2"]
+    run_distributed(_train, 2, overrides(tmp_path, "eager", 5, *args), timeout=300)
+    run_distributed(_train_compiled, 2, overrides(tmp_path, "compiled", 5, *args, COMPILE), timeout=600)
+    _assert_steps_match(losses_records(tmp_path, "compiled"), losses_records(tmp_path, "eager"))
+
+
+def losses_records(tmp_path: Path, name: str) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
