@@ -175,3 +175,27 @@ def test_plan_in_a_subprocess(config, tmp_path):
     assert bad.returncode == 2
     assert bad.stderr.startswith("error: --world-size gives 3 processes")
     assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_plan_shows_precision_checkpointing_and_activations_with_and_without_it(runner, config):
+    base = ["plan", str(config), "--seq-len", "64"]
+    result = runner.invoke(cli, [*base, "--set", "trainer.activation_checkpointing.mode=full"])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    (precision,) = _lines(out, "precision:")
+    assert "compute bfloat16 (auto: bfloat16 on CUDA, float32 on CPU), reduce float32" in precision
+    (ac,) = _lines(out, "activation checkpointing:")
+    assert ac.startswith("activation checkpointing: full")
+    (acts,) = _lines(out, "activations")
+    assert "one microbatch of 2 × 64 tokens in bfloat16, checkpointing full" in acts
+    fp32 = runner.invoke(cli, [*base, "--set", "trainer.precision.param_dtype=float32"])
+    assert "in float32, checkpointing none" in _lines(fp32.output, "activations")[0]
+    (total,) = _lines(out, "total")
+    assert total.split()[1:] != _lines(fp32.output, "total")[0].split()[1:]  # activations count in the total
+
+
+def test_plan_without_a_sequence_length_says_how_to_get_the_activation_estimate(runner, config):
+    result = runner.invoke(cli, ["plan", str(config)])
+    assert result.exit_code == 0, result.output
+    (acts,) = _lines(result.output, "activations")
+    assert "pass --seq-len" in acts
