@@ -33,6 +33,7 @@ BENCHMARKS: list[tuple[str, list[str]]] = [
     ("data_loading", ["--samples", "10000"]),
     ("data_order", ["--old-samples", "2e7"]),
     ("cli_startup", ["--repeats", "10"]),
+    ("init_time", ["--hidden", "1024", "--layers", "8"]),
 ]
 
 

@@ -1,12 +1,18 @@
 """Materialize a meta-device model (possibly already sharded) and initialize it identically on any mesh.
 
-Every module that owns parameters or buffers is initialized on a temporary, unsharded CPU copy seeded
-by (seed, module path) — by the root model's `initialize_module(path, module)` when it defines one,
-else by the module's own `reset_parameters()` — and each rank then keeps its shard of the result. So the initial weights do not depend on the mesh (the same job starts from the same model on
-one device and on a cluster), and no rank holds more than one module's full parameters at a time.
+Every module that owns parameters or buffers is initialized on a temporary, unsharded copy on the job's
+device (a GPU initializes in milliseconds what one CPU thread needs minutes for), seeded by (seed,
+module path) — by the root model's `initialize_module(path, module)` when it defines one, else by the
+module's own `reset_parameters()` — and each rank then keeps its shard of the result. So the initial
+weights do not depend on the mesh (the same job starts from the same model on one device and on a
+cluster of the same device type), and no rank holds more than one module's full parameters at a
+time. CPU and CUDA random streams differ: `init_device="cpu"` initializes on the CPU anywhere, for
+runs that must start bit-identical across device types.
 """
 
+import contextlib
 import zlib
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -21,11 +27,17 @@ class ModelInitError(D9dError, TypeError):
     """A module cannot be initialized (it owns parameters but has no `reset_parameters`)."""
 
 
-def materialize_and_initialize(model: nn.Module, device: torch.device, seed: int) -> None:
+def materialize_and_initialize(
+    model: nn.Module, device: torch.device, seed: int, *, init_device: torch.device | str | None = None
+) -> None:
     """Allocate `model`'s (local) parameters on `device` and initialize them deterministically.
 
     Parameters shared by several modules (tied embeddings) stay shared.
+
+    Args:
+        init_device: where the unsharded copies are initialized; default `device`.
     """
+    init_on = torch.device(init_device) if init_device is not None else torch.device(device)
     ties = _shared_parameters(model)
     model.to_empty(device=device)
     for (module, name), (owner, owner_name) in ties.items():  # to_empty gives each user its own copy
@@ -42,9 +54,8 @@ def materialize_and_initialize(model: nn.Module, device: torch.device, seed: int
                     "reset_parameters(); define it (or initialize_module(path, module) on the root model) "
                     "so d9d can initialize the module on any mesh"
                 )
-            twin = _unsharded_twin(module)
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(_module_seed(seed, path))
+            twin = _unsharded_twin(module, init_on)
+            with _seeded(init_on, _module_seed(seed, path)):
                 if hook is not None:
                     hook(path, twin)
                 else:
@@ -73,8 +84,19 @@ def _module_seed(seed: int, path: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(path.encode())) % (2**63)
 
 
-def _unsharded_twin(module: nn.Module) -> nn.Module:
-    """A shallow copy of `module` without children whose own tensors are full-size plain CPU tensors."""
+@contextlib.contextmanager
+def _seeded(device: torch.device, seed: int) -> Iterator[None]:
+    """The global RNG of the CPU (and of `device`, a GPU) seeded with `seed`, restored afterwards."""
+    devices = []
+    if device.type == "cuda":
+        devices = [device.index if device.index is not None else torch.cuda.current_device()]
+    with torch.random.fork_rng(devices=devices, device_type="cuda"):
+        torch.manual_seed(seed)  # seeds the CPU and every GPU generator
+        yield
+
+
+def _unsharded_twin(module: nn.Module, device: torch.device) -> nn.Module:
+    """A shallow copy of `module` without children whose own tensors are full-size plain tensors on `device`."""
     # object.__new__ + a dict copy, not copy.copy: FSDP2's module classes rebuild through __init__
     twin = object.__new__(type(module))
     twin.__dict__.update(module.__dict__)
@@ -82,11 +104,11 @@ def _unsharded_twin(module: nn.Module) -> nn.Module:
     twin._parameters = {
         name: None
         if p is None
-        else nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
+        else nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
         for name, p in module._parameters.items()
     }
     twin._buffers = {
-        name: None if b is None else torch.empty(b.shape, dtype=b.dtype)
+        name: None if b is None else torch.empty(b.shape, dtype=b.dtype, device=device)
         for name, b in module._buffers.items()
     }
     return twin

@@ -69,5 +69,6 @@ def build_model(
             "torch.compile(module) wraps the module; compile in place with module.compile() or "
             "d9d.parallel.compile_blocks so checkpoint and export keys stay the same"
         )
-    materialize_and_initialize(model, context.device, tcfg.determinism.seed)
+    init_device = "cpu" if tcfg.determinism.init_device == "cpu" else context.device
+    materialize_and_initialize(model, context.device, tcfg.determinism.seed, init_device=init_device)
     return model

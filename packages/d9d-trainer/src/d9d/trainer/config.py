@@ -112,9 +112,15 @@ class GradientClippingConfig(_Section):
 
 
 class DeterminismConfig(_Section):
-    """Seed of model initialization (the same on every rank, so every mesh starts from one model)."""
+    """Seed of model initialization (the same on every rank, so every mesh starts from one model).
+
+    `init_device`: where weights are initialized, `auto` (the job's device: fast on GPUs) or `cpu`
+    (slower on GPUs, but bit-identical initial weights across device types; CPU and CUDA random
+    streams differ).
+    """
 
     seed: int = 0
+    init_device: Literal["auto", "cpu"] = "auto"
 
 
 class TimeoutsConfig(_Section):
