@@ -130,16 +130,15 @@ def test_activation_checkpointing_changes_no_number(tmp_path):
     _assert_same_weights(tmp_path / "e0", tmp_path / "e1", atol=1e-6)
 
 
-def test_activation_checkpointing_on_fsdp2_changes_no_number(tmp_path):
-    plain = _train_records(tmp_path, "plain", 3, "mesh.data_parallel_shard=2", nproc=2)
-    full = _train_records(
-        tmp_path,
-        "full",
-        3,
-        "mesh.data_parallel_shard=2",
-        "trainer.activation_checkpointing.mode=full",
-        nproc=2,
-    )
+@pytest.mark.parametrize(
+    "mesh",
+    [["mesh.data_parallel_shard=2"], ["mesh.tensor_parallel=2"], ["mesh.pipeline_parallel=2"],
+     ["mesh.data_parallel_shard=2", "mesh.expert_parallel=2", *MOE]],
+    ids=["fsdp2", "tp2", "pp2", "ep2"],
+)  # fmt: skip
+def test_activation_checkpointing_on_two_ranks_changes_no_number(tmp_path, mesh):
+    plain = _train_records(tmp_path, "plain", 3, *mesh, nproc=2)
+    full = _train_records(tmp_path, "full", 3, *mesh, "trainer.activation_checkpointing.mode=full", nproc=2)
     for a, b in zip(plain, full, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=1e-7)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6, abs=1e-7)
@@ -252,3 +251,21 @@ def test_compiled_fsdp2_equals_eager(tmp_path):
 
 def losses_records(tmp_path: Path, name: str) -> list[dict]:
     return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_device_cuda_without_a_usable_gpu_is_one_clear_error_and_writes_nothing(tmp_path):
+    import os
+    import subprocess
+
+    from _quickstart import TRAIN
+
+    args = overrides(tmp_path, "cuda", 2, "trainer.device=cuda")
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(
+        [sys.executable, TRAIN, CONFIG, *args], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "trainer.device: cpu" in errors[0] and "CUDA_VISIBLE_DEVICES" in errors[0], errors[0]
+    assert not os.path.exists(tmp_path / "cuda")
