@@ -242,8 +242,11 @@ def _train_compiled(args: list[str]) -> None:
     _train(args)
 
 
-def test_compiled_fsdp2_equals_eager(tmp_path):
-    args = ["trainer.checkpointing.period_steps=0", "mesh.data_parallel_shard=2"]
+@pytest.mark.parametrize(
+    "mesh", ["mesh.data_parallel_shard=2", "mesh.pipeline_parallel=2"], ids=["fsdp2", "pp2"]
+)
+def test_compiled_two_ranks_equal_eager(tmp_path, mesh):
+    args = ["trainer.checkpointing.period_steps=0", mesh]
     run_distributed(_train, 2, overrides(tmp_path, "eager", 5, *args), timeout=300)
     run_distributed(_train_compiled, 2, overrides(tmp_path, "compiled", 5, *args, COMPILE), timeout=600)
     _assert_steps_match(losses_records(tmp_path, "compiled"), losses_records(tmp_path, "eager"))

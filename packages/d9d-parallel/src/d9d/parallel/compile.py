@@ -10,6 +10,9 @@ from collections.abc import Iterable
 
 import msgspec
 from torch import nn
+from torch.distributed.tensor import DTensor
+
+from d9d.parallel.errors import UnsupportedParallelismError
 
 __all__ = ["CompileConfig", "compile_blocks"]
 
@@ -32,9 +35,21 @@ def compile_blocks(modules: Iterable[nn.Module], config: CompileConfig | None = 
     """Compile each module in place when `config.enabled` (always when `config` is None); idempotent.
 
     Returns the modules that are compiled now.
+
+    Raises:
+        UnsupportedParallelismError: a block is tensor parallel (its backward fails compiled in torch 2.15).
     """
     if config is not None and not config.enabled:
         return []
+    modules = list(modules)
+    for module in modules:
+        for name, param in module.named_parameters():
+            names = param.device_mesh.mesh_dim_names or () if isinstance(param, DTensor) else ()
+            if "tp" in names and param.device_mesh.size(names.index("tp")) > 1:
+                raise UnsupportedParallelismError(
+                    f"compile_blocks: {name} is tensor parallel; compiling tensor-parallel blocks is not "
+                    "supported yet (torch 2.15 fails in their backward): compile without tensor parallelism"
+                )
     fullgraph = config.fullgraph if config is not None else False
     dynamic = config.dynamic if config is not None else False
     done = []

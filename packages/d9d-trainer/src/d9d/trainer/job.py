@@ -54,6 +54,7 @@ def resolve_job(loaded: LoadedJob) -> ResolvedJob:
     config = loaded.config
     where = str(loaded.path) if loaded.path is not None else "config"
     _check_directories(config, where)
+    _check_combinations(config, where)
     providers = config.providers
     sections: dict[str, Any] = {
         "model": (
@@ -125,6 +126,16 @@ def _as_builtins(struct: Any) -> Any:
     import msgspec
 
     return msgspec.to_builtins(struct)
+
+
+def _check_combinations(config: JobConfig, where: str) -> None:
+    """Settings that each are valid but do not work together (yet)."""
+    if config.trainer.compile.enabled and config.mesh.tensor_parallel > 1:
+        raise ConfigError(
+            f"{where}: trainer.compile.enabled with mesh.tensor_parallel={config.mesh.tensor_parallel} is not "
+            "supported yet (torch 2.15 fails in the backward of compiled tensor-parallel blocks); set "
+            "trainer.compile.enabled: false or mesh.tensor_parallel: 1"
+        )
 
 
 def _check_batch(config: JobConfig, where: str) -> None:
