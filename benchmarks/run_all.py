@@ -34,6 +34,7 @@ BENCHMARKS: list[tuple[str, list[str]]] = [
     ("data_order", ["--old-samples", "2e7"]),
     ("cli_startup", ["--repeats", "10"]),
     ("init_time", ["--hidden", "1024", "--layers", "8"]),
+    ("host_syncs", []),
 ]
 
 
