@@ -1,0 +1,118 @@
+"""In-place `torch.compile` per block: same keys, idempotent, off when disabled, eager's numbers.
+
+torch.compile never runs in the pytest process (an inductor worker pool in the parent breaks the
+tests that fork ranks later): every check runs in one subprocess, which reports what it saw as JSON.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+_SCRIPT = textwrap.dedent(
+    """
+    import copy, json, sys
+    import torch
+    import torch._inductor.config
+
+    torch._inductor.config.compile_threads = 1  # no worker pool
+    sys.path.insert(0, sys.argv[1])
+    import torch.nn.functional as F
+    from _tiny_transformer import TinyConfig, make_batches, make_model
+    from d9d.parallel import CompileConfig, compile_blocks
+
+    seen = {}
+    cfg = TinyConfig(n_layers=2)
+    model = make_model(cfg=cfg)
+    eager = copy.deepcopy(model)
+    keys = list(model.state_dict())
+    names = [n for n, _ in model.named_parameters()]
+
+    seen["disabled_returns"] = len(compile_blocks(model.blocks, CompileConfig(enabled=False)))
+    seen["disabled_untouched"] = all(
+        b._compiled_call_impl is None and not getattr(b, "_d9d_compiled", False) for b in model.blocks
+    )
+    seen["default_is_off"] = CompileConfig().enabled is False
+
+    done = compile_blocks(model.blocks, CompileConfig(enabled=True))
+    seen["returns_the_blocks"] = [id(b) for b in done] == [id(b) for b in model.blocks]
+    seen["in_place"] = all(b._compiled_call_impl is not None for b in model.blocks)
+    seen["root_not_compiled"] = model._compiled_call_impl is None
+    impls = [b._compiled_call_impl for b in model.blocks]
+    again = compile_blocks(model.blocks, CompileConfig(enabled=True))
+    seen["idempotent"] = [id(b) for b in again] == [id(b) for b in model.blocks] and all(
+        b._compiled_call_impl is impl for b, impl in zip(model.blocks, impls)
+    )
+    seen["keys_unchanged"] = list(model.state_dict()) == keys
+    seen["names_unchanged"] = [n for n, _ in model.named_parameters()] == names
+    seen["orig_mod_keys"] = [k for k in model.state_dict() if "_orig_mod" in k]
+    seen["loads_eager_state_strict"] = str(model.load_state_dict(eager.state_dict(), strict=True))
+
+    tokens = make_batches(1, 2, 8)[0]
+    outs, grads = [], []
+    for m in (eager, model):
+        logits = m(tokens[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        outs.append(logits.detach())
+        grads.append({n: p.grad for n, p in m.named_parameters()})
+    seen["max_output_diff"] = float((outs[0] - outs[1]).abs().max())
+    seen["max_grad_diff"] = max(float((grads[0][n] - grads[1][n]).abs().max()) for n in names)
+    seen["compiled_frames"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+    none_config = torch.nn.Linear(4, 4)
+    seen["none_config_compiles"] = (
+        len(compile_blocks([none_config])) == 1 and none_config._compiled_call_impl is not None
+    )
+    print("RESULT " + json.dumps(seen))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def seen(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    script = tmp_path_factory.mktemp("compile") / "check_compile.py"
+    script.write_text(_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, str(script), str(Path(__file__).parent)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
+
+
+def test_disabled_config_does_nothing(seen):
+    assert seen["default_is_off"]
+    assert seen["disabled_returns"] == 0
+    assert seen["disabled_untouched"]
+
+
+def test_compile_is_in_place_and_keeps_keys(seen):
+    assert seen["returns_the_blocks"] and seen["in_place"]
+    assert seen["root_not_compiled"]
+    assert seen["keys_unchanged"] and seen["names_unchanged"]
+    assert seen["orig_mod_keys"] == []
+    assert seen["loads_eager_state_strict"] == "<All keys matched successfully>"
+
+
+def test_compile_is_idempotent(seen):
+    assert seen["idempotent"]
+
+
+def test_compiled_blocks_match_eager(seen):
+    assert seen["compiled_frames"] >= 1  # it really compiled
+    assert seen["max_output_diff"] <= 1e-5
+    assert seen["max_grad_diff"] <= 1e-5
+
+
+def test_no_config_means_compile(seen):
+    assert seen["none_config_compiles"]
