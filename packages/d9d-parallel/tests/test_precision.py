@@ -282,11 +282,6 @@ def test_fsdp2_bf16_matches_one_process_autocast_within_bf16_tolerance():
         assert error < 5e-2, (name, float(error))  # bf16 rounding: measured <= 2e-2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: autocast_forward stores a closure over the original bound forward, so a deepcopy of "
-    "the wrapped module runs the ORIGINAL's forward and weights",
-)
 def test_a_deepcopy_of_an_autocast_module_uses_its_own_weights():
     layer = _linear()
     autocast_forward(layer, BF16, "cpu")

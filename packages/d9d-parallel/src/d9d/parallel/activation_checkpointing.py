@@ -5,14 +5,14 @@ so parameter names and state-dict keys never change. Works with FSDP2, tensor, p
 parallelism; apply it before `torch.compile` and before `parallelize_*` (as torchtitan does).
 """
 
-import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 import msgspec
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from d9d.parallel._wrap import wrap_forward
 from d9d.parallel.errors import ParallelizeError
 
 __all__ = ["ActivationCheckpointingConfig", "apply_activation_checkpointing", "checkpointed_blocks"]
@@ -63,15 +63,11 @@ def apply_activation_checkpointing(
     for index in chosen:
         module = blocks[index]
         if not getattr(module, "_d9d_activation_checkpointed", False):
-            module.forward = _checkpointed(module.forward)  # type: ignore[method-assign]
+            wrap_forward(module, _checkpointed)
             module._d9d_activation_checkpointed = True  # type: ignore[assignment]
         done.append(module)
     return done
 
 
-def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(forward)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    return run
+def _checkpointed(inner: Any, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(inner, module, *args, use_reentrant=False, **kwargs)

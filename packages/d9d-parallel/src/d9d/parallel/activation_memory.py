@@ -15,12 +15,11 @@ __all__ = ["saved_activation_bytes"]
 def saved_activation_bytes(fn: Callable[[], Any], *, exclude: Iterable[torch.Tensor] = ()) -> int:
     """Run `fn()` (a forward, e.g. `lambda: loss_fn(model(x))`) and return the bytes it saves for backward.
 
-    Each storage counts once; tensors in `exclude` (pass the model's parameters: they are not
-    activations) and their views do not count. On the meta device storages cannot be told apart, so
-    distinct saved tensors count separately (views of one activation may count twice).
+    Each storage counts once (views of one activation count once); tensors in `exclude` (pass the
+    model's parameters: they are not activations) and their views do not count.
     """
     excluded = {_storage_key(t) for t in exclude}
-    seen: dict[Any, int] = {}
+    seen: dict[int, int] = {}
     keep: list[torch.Tensor] = []  # hold them so ids are not reused while counting
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -35,15 +34,12 @@ def saved_activation_bytes(fn: Callable[[], Any], *, exclude: Iterable[torch.Ten
     return sum(seen.values())
 
 
-def _storage_key(tensor: torch.Tensor) -> Any:
+def _storage_key(tensor: torch.Tensor) -> int:
+    """The identity of the tensor's storage (the StorageImpl: shared by views, also on the meta device)."""
     local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    if local.device.type == "meta":
-        return ("id", id(tensor))
-    return ("ptr", local.untyped_storage().data_ptr())
+    return local.untyped_storage()._cdata
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
     local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    if local.device.type == "meta":
-        return local.numel() * local.element_size()
     return local.untyped_storage().nbytes()

@@ -13,7 +13,6 @@ parameters already are `param_dtype`, so autocast changes nothing there.
 """
 
 import contextlib
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -21,6 +20,8 @@ from typing import Any, Literal
 import msgspec
 import torch
 from torch import nn
+
+from d9d.parallel._wrap import wrap_forward
 
 __all__ = [
     "MixedPrecision",
@@ -96,19 +97,13 @@ def autocast_forward(module: nn.Module, precision: MixedPrecision | None, device
     """
     if precision is None or not precision.enabled or getattr(module, "_d9d_autocast", False):
         return
-    module.forward = _autocast(module.forward, precision, device)  # type: ignore[method-assign]
-    module._d9d_autocast = True  # type: ignore[assignment]
 
-
-def _autocast(
-    forward: Callable[..., Any], precision: MixedPrecision, device: torch.device | str
-) -> Callable[..., Any]:
-    @functools.wraps(forward)
-    def run(*args: Any, **kwargs: Any) -> Any:
+    def run(inner: Callable[..., Any], self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         with precision_autocast(precision, device):
-            return forward(*args, **kwargs)
+            return inner(self, *args, **kwargs)
 
-    return run
+    wrap_forward(module, run)
+    module._d9d_autocast = True  # type: ignore[assignment]
 
 
 def enable_tf32(enabled: bool = True) -> None:
