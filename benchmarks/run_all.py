@@ -35,6 +35,7 @@ BENCHMARKS: list[tuple[str, list[str]]] = [
     ("cli_startup", ["--repeats", "10"]),
     ("init_time", ["--hidden", "1024", "--layers", "8"]),
     ("host_syncs", []),
+    ("grad_accumulation", []),
 ]
 
 
