@@ -73,12 +73,19 @@ class ScheduleConfig(_Section):
 
 
 class CheckpointingConfig(_Section):
-    """Where and how often to save. `period_steps: 0` saves only at the end."""
+    """Where and how often to save. `period_steps: 0` saves only at the end.
+
+    `save_on_signal`: on SIGTERM (pre-emption) or Ctrl-C, every rank finishes its step, the job
+    saves a checkpoint and exits with `EXIT_PREEMPTED`; false exits without saving. `verify_on_load`:
+    check every file's checksum before loading a checkpoint.
+    """
 
     save_dir: str = "runs"
     period_steps: int = 0
     num_to_keep: int = 3
     async_save: bool = False
+    save_on_signal: bool = True
+    verify_on_load: bool = False
 
     def __post_init__(self) -> None:
         if self.period_steps < 0:
