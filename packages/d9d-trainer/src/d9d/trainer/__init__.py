@@ -64,13 +64,17 @@ from d9d.trainer.providers import (
 from d9d.trainer.records import METRICS_FILE, StepRecords, read_metrics, truncate_metrics
 from d9d.trainer.reporting import PEER_ERROR_GRACE_S, is_shared_by_every_rank, report_error
 from d9d.trainer.run_lock import LOCK_FILE, RunLock
+from d9d.trainer.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED, INTERRUPTED_MESSAGE, StopRequests
 from d9d.trainer.step import MicrobatchStep, PipelineStep, StepOutput, StepSettings, TrainStep
 from d9d.trainer.trainer import Trainer, TrainResult
 from d9d.trainer.watchdog import EXIT_STEP_TIMEOUT
 
 __all__ = [
+    "EXIT_INTERRUPTED",
+    "EXIT_PREEMPTED",
     "EXIT_STEP_TIMEOUT",
     "IGNORE_INDEX",
+    "INTERRUPTED_MESSAGE",
     "LOCK_FILE",
     "METRICS_FILE",
     "PEER_ERROR_GRACE_S",
@@ -122,6 +126,7 @@ __all__ = [
     "StepOutput",
     "StepRecords",
     "StepSettings",
+    "StopRequests",
     "Task",
     "TimeoutsConfig",
     "TrainResult",

@@ -5,9 +5,12 @@ D9D_TEST_HANG_AT_STEP=N   [D9D_TEST_HANG_RANK=R (default 0)] [D9D_TEST_HANG_S (d
 D9D_TEST_RAISE_AT_STEP=N  [D9D_TEST_RAISE_RANK=R (default 0)] [D9D_TEST_RAISE_ONCE=PATH]
     rank R raises RuntimeError at the start of step N; with RAISE_ONCE, only while PATH does not
     exist (it is created first), so a restarted job gets past the step.
+D9D_TEST_SIGNAL_AT_STEP=N [D9D_TEST_SIGNAL_RANK=R (default 0)] [D9D_TEST_SIGNAL=TERM|INT (default TERM)]
+    rank R sends itself the signal at the start of step N (a pre-emption in the middle of a step).
 """
 
 import os
+import signal
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,6 +28,8 @@ class FaultInjection:
     hang_s: float = 3600.0
     raise_step: int | None = None
     raise_once: Path | None = None
+    signal_step: int | None = None
+    signal_name: str = "TERM"
 
     @classmethod
     def from_env(cls, rank: int, environ: Mapping[str, str] | None = None) -> "FaultInjection":
@@ -42,10 +47,14 @@ class FaultInjection:
             hang_s=float(env.get("D9D_TEST_HANG_S", "3600")),
             raise_step=step_for("RAISE"),
             raise_once=Path(once) if once else None,
+            signal_step=step_for("SIGNAL"),
+            signal_name=env.get("D9D_TEST_SIGNAL", "TERM"),
         )
 
     def before_step(self, step: int) -> None:
         """Inject this rank's fault for `step`, if any."""
+        if step == self.signal_step:
+            os.kill(os.getpid(), getattr(signal, f"SIG{self.signal_name}"))
         if step == self.hang_step:
             time.sleep(self.hang_s)
         if step == self.raise_step:

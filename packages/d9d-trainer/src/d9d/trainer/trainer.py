@@ -30,6 +30,7 @@ from d9d.trainer.metrics import ProgressLine, device_peak_flops, model_flops_per
 from d9d.trainer.providers import BuildDataProviderContext, BuildDatasetContext
 from d9d.trainer.records import METRICS_FILE, StepRecords, truncate_metrics
 from d9d.trainer.run_lock import RunLock
+from d9d.trainer.signals import StopRequests
 from d9d.trainer.step import MicrobatchStep, PipelineStep, StepSettings, TrainStep, plan_pipeline_stage
 from d9d.trainer.watchdog import REPORT_GRACE_S, StepWatchdog
 
@@ -48,6 +49,8 @@ class TrainResult:
     start_step: int
     final_step: int
     losses: list[float]
+    stopped_by: str | None = None
+    """The signal that stopped the run early (e.g. "SIGTERM"), after saving; None when it finished."""
 
 
 class Trainer:
@@ -131,7 +134,9 @@ class Trainer:
             on_nonfinite=tcfg.on_nonfinite,
             dp_group=None if ctx.is_local else ctx.mesh("batch").get_group("dp"),
             pp_group=ctx.mesh("dense")["pp"] if pipelined else None,
+            stop_requested=lambda: self._stops.requested,
         )
+        self._stops = StopRequests()
         self._train_step: TrainStep
         if layout is not None:
             self._train_step = PipelineStep(
@@ -269,7 +274,9 @@ class Trainer:
         )
         data_iter = iter(self._data)
         period = cfg.checkpointing.period_steps
+        stopped_by = None
         try:
+            self._stops.__enter__()
             while self._step < total:
                 step_start = time.perf_counter()
                 with self._watching(self._step + 1):
@@ -281,9 +288,15 @@ class Trainer:
                     output = self._train_step.run(microbatches, self._step + 1)
                 self._step += 1
                 records.add(self._step, output, lr=lr, step_time_s=time.perf_counter() - step_start)
-                if self._step == total or (period and self._step % period == 0):
+                saving = self._step == total or (period and self._step % period == 0)
+                if output.stop and not saving and cfg.checkpointing.save_on_signal:
+                    saving = True
+                if saving:
                     records.flush()  # a committed checkpoint never has fewer records than steps
                     self.save_checkpoint()
+                if output.stop and self._step < total:
+                    stopped_by = self._stops.signal_name or "a signal on another rank"
+                    break
             self._lifecycle.checkpoints.wait()
         except Exception as exc:
             if self._watchdog is not None:
@@ -294,8 +307,18 @@ class Trainer:
             if stop is exc:
                 raise
             raise stop from exc
+        finally:
+            self._stops.__exit__(None, None, None)
         records.close()
-        return TrainResult(start_step=start, final_step=self._step, losses=records.losses)
+        if stopped_by is not None:
+            saved = "saved" if cfg.checkpointing.save_on_signal else "not saved (save_on_signal: false)"
+            _log.warning(
+                f"stopped by {stopped_by} at step {self._step}; checkpoint {saved}; resume with the same command",
+                step=self._step,
+            )
+        return TrainResult(
+            start_step=start, final_step=self._step, losses=records.losses, stopped_by=stopped_by
+        )
 
     def _watching(self, step: int) -> contextlib.AbstractContextManager[None]:
         return self._watchdog.step(step) if self._watchdog is not None else contextlib.nullcontext()

@@ -1,6 +1,6 @@
 """What every step strategy shares: the global token weight, clipping, the non-finite rule, the update."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -27,12 +27,14 @@ class StepOutput:
         grad_norm: the global gradient norm before clipping, the same on every rank.
         weight: the global batch's weight (e.g. labelled tokens), float64.
         applied: False when the step was skipped (non-finite loss or norm, `on_nonfinite: skip`).
+        stop: some rank was asked to stop (a signal): every rank stops after this step.
     """
 
     loss: torch.Tensor
     grad_norm: torch.Tensor
     weight: torch.Tensor
     applied: bool
+    stop: bool = False
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class StepSettings:
     on_nonfinite: Literal["stop", "skip"]
     dp_group: dist.ProcessGroup | None = None
     pp_group: Any = None
+    stop_requested: Callable[[], bool] | None = None
 
 
 class TrainStep(Protocol):
@@ -99,10 +102,11 @@ class StepBase:
             norm = clip_grad_norm_(params, settings.max_norm, pp_group=settings.pp_group)
         else:
             norm = grad_norm(params, pp_group=settings.pp_group)
-        if bool(torch.isfinite(loss) & torch.isfinite(norm)):
+        finite, stop = self._read_flags(torch.isfinite(loss) & torch.isfinite(norm))
+        if finite:
             self.optimizer.step()
             self.scheduler.step()
-            return StepOutput(loss=loss, grad_norm=norm, weight=weight, applied=True)
+            return StepOutput(loss=loss, grad_norm=norm, weight=weight, applied=True, stop=stop)
         if float(weight) <= 0:
             raise TrainingError(f"step {step} has no labelled tokens in the whole global batch")
         if settings.on_nonfinite == "stop":
@@ -114,4 +118,15 @@ class StepBase:
         _log.warning("skipping step with a non-finite loss or grad norm", step=step, loss=float(loss))
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return StepOutput(loss=loss, grad_norm=norm, weight=weight, applied=False)
+        return StepOutput(loss=loss, grad_norm=norm, weight=weight, applied=False, stop=stop)
+
+    def _read_flags(self, finite: torch.Tensor) -> tuple[bool, bool]:
+        """(finite, stop) in one host sync; with several ranks the stop is agreed (MAX over all ranks)."""
+        source = self.settings.stop_requested
+        if source is None:
+            return bool(finite), False
+        stop = torch.tensor([1.0 if source() else 0.0], device=self.settings.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+        finite_value, stop_value = torch.cat([finite.reshape(1).to(stop.dtype), stop]).tolist()
+        return bool(finite_value), bool(stop_value)
