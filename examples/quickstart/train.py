@@ -19,10 +19,12 @@ from reference_model import (
     ReferenceModelConfig,
     apply_expert_parallel,
     apply_tensor_parallel,
+    check_mesh,
     trim_to_stage,
 )
 
 from d9d.data import TextDataset
+from d9d.mesh import MeshConfig
 from d9d.parallel import apply_activation_checkpointing, compile_blocks, parallelize_hsdp
 from d9d.trainer import (
     BuildDatasetContext,
@@ -55,6 +57,10 @@ class QuickstartModelProvider:
 
     def pipeline_num_layers(self) -> int:
         return self.config.num_layers
+
+    def check_mesh(self, mesh: MeshConfig) -> None:
+        """Refuse degrees the model cannot be split by (heads by tp, experts by ep, layers by pp)."""
+        check_mesh(self.config, mesh)
 
     def parallelize_model_stage(self, context: ParallelizeModelStageContext) -> None:
         """Called on every mesh, one process too (there context.mesh is None and HSDP does nothing)."""

@@ -34,7 +34,13 @@ from .model import (
     apply_rotary,
     build_moe,
 )
-from .parallelize import apply_expert_parallel, apply_tensor_parallel, tensor_parallel_plan, trim_to_stage
+from .parallelize import (
+    apply_expert_parallel,
+    apply_tensor_parallel,
+    check_mesh,
+    tensor_parallel_plan,
+    trim_to_stage,
+)
 
 __all__ = [
     "MLP",
@@ -52,6 +58,7 @@ __all__ = [
     "apply_rotary",
     "apply_tensor_parallel",
     "build_moe",
+    "check_mesh",
     "from_hf_config",
     "hf_checkpoint_keys",
     "hf_export_mapper",

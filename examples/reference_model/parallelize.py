@@ -4,7 +4,7 @@ Data parallelism (`d9d.parallel.parallelize_hsdp`) is applied by the caller afte
 reads: tensor parallel → expert parallel → HSDP.
 """
 
-from d9d.mesh import DistributedContext
+from d9d.mesh import DistributedContext, MeshConfig
 from d9d.parallel import (
     MixedPrecision,
     ReplicateParallel,
@@ -20,9 +20,57 @@ from d9d.parallel import (
     parallelize_tensor_parallel,
 )
 
+from .config import ReferenceModelConfig
 from .model import ReferenceForCausalLM
 
-__all__ = ["apply_expert_parallel", "apply_tensor_parallel", "tensor_parallel_plan", "trim_to_stage"]
+__all__ = [
+    "apply_expert_parallel",
+    "apply_tensor_parallel",
+    "check_mesh",
+    "tensor_parallel_plan",
+    "trim_to_stage",
+]
+
+
+def check_mesh(config: ReferenceModelConfig, mesh: MeshConfig) -> None:
+    """Refuse mesh degrees this model's shape cannot be split by, before anything is built or written.
+
+    Raises:
+        ValueError: a degree does not divide the dimension it splits (the message names both keys).
+    """
+    tp, ep, pp = mesh.tensor_parallel, mesh.expert_parallel, mesh.pipeline_parallel
+    if tp > 1:
+        for key, value in (
+            ("num_attention_heads", config.num_attention_heads),
+            ("num_key_value_heads", config.kv_heads),
+        ):
+            if value % tp:
+                raise ValueError(
+                    f"model.{key}={value} is not divisible by mesh.tensor_parallel={tp}: tensor parallelism "
+                    f"splits the heads; choose a tensor_parallel that divides {value}"
+                )
+        if config.tie_word_embeddings:
+            raise ValueError(
+                "mesh.tensor_parallel > 1 with model.tie_word_embeddings: true is not supported (the "
+                "vocab-parallel embedding and the column-parallel head split the shared table differently); "
+                "set model.tie_word_embeddings: false or mesh.tensor_parallel: 1"
+            )
+    if ep > 1:
+        if config.moe is None:
+            raise ValueError(
+                f"mesh.expert_parallel={ep} but the model has no experts (model.moe is null); set "
+                "mesh.expert_parallel: 1 or configure model.moe"
+            )
+        if config.moe.num_experts % ep:
+            raise ValueError(
+                f"model.moe.num_experts={config.moe.num_experts} is not divisible by mesh.expert_parallel={ep}; "
+                f"choose an expert_parallel that divides {config.moe.num_experts}"
+            )
+    if pp > config.num_layers:
+        raise ValueError(
+            f"mesh.pipeline_parallel={pp} is more than model.num_layers={config.num_layers}: every stage needs "
+            "at least one layer; lower pipeline_parallel"
+        )
 
 
 def tensor_parallel_plan(model: ReferenceForCausalLM) -> TensorParallelPlan:

@@ -8,6 +8,7 @@ mesh, then trains with loss-weighted gradient accumulation, checkpoints, resumes
 """
 
 from d9d.trainer._materialize import ModelInitError, materialize_and_initialize
+from d9d.trainer.build import check_model_mesh, check_parallelisms_applied
 from d9d.trainer.builtins import (
     IGNORE_INDEX,
     AutoDataProviderFactory,
@@ -135,6 +136,8 @@ __all__ = [
     "TrainerConfig",
     "TrainingError",
     "apply_overrides",
+    "check_model_mesh",
+    "check_parallelisms_applied",
     "device_peak_flops",
     "is_shared_by_every_rank",
     "load_job_config",

@@ -12,7 +12,65 @@ from d9d.trainer.errors import TrainingError
 from d9d.trainer.job import ResolvedJob
 from d9d.trainer.providers import InitializeModelStageContext, ParallelizeModelStageContext
 
-__all__ = ["build_model"]
+__all__ = ["build_model", "check_model_mesh", "check_parallelisms_applied"]
+
+
+def check_model_mesh(job: ResolvedJob) -> None:
+    """The model provider's own check of the mesh degrees (optional `check_mesh(mesh)`), before anything runs.
+
+    Raises:
+        TrainingError: the provider refused the mesh (its message names the keys).
+    """
+    check = getattr(job.model_provider, "check_mesh", None)
+    if check is None:
+        return
+    try:
+        check(job.config.mesh)
+    except (ValueError, TypeError) as exc:
+        raise TrainingError(str(exc)) from None
+
+
+#: Mesh degree → the axis names whose DTensor parameters prove the provider applied it.
+_AXES = {
+    "tensor_parallel": ("tp",),
+    "data_parallel_shard": ("dp_shard",),
+    "data_parallel_replicate": ("dp_replicate",),
+    "expert_parallel": ("ep_shard",),
+}
+_HOW = {
+    "tensor_parallel": "d9d.parallel.parallelize_tensor_parallel",
+    "data_parallel_shard": "d9d.parallel.parallelize_hsdp",
+    "data_parallel_replicate": "d9d.parallel.parallelize_hsdp",
+    "expert_parallel": "d9d.parallel.parallelize_expert_parallel",
+}
+
+
+def check_parallelisms_applied(model: nn.Module, mesh_degrees: dict[str, int]) -> None:
+    """Every degree > 1 must have left some parameter distributed over its axis.
+
+    Otherwise the ranks of that axis silently compute copies (tensor parallel) or train without
+    synchronizing their gradients (data parallel).
+
+    Raises:
+        TrainingError: naming the degree, what the provider should call, or the degree to set to 1.
+    """
+    from torch.distributed.tensor import DTensor
+
+    seen: set[str] = set()
+    for param in model.parameters():
+        if isinstance(param, DTensor):
+            mesh = param.device_mesh
+            for index, name in enumerate(mesh.mesh_dim_names or ()):
+                if mesh.size(index) > 1:
+                    seen.add(name)
+    for key, axes in _AXES.items():
+        degree = mesh_degrees.get(key, 1)
+        if degree > 1 and not any(axis in name for axis in axes for name in seen):
+            raise TrainingError(
+                f"mesh.{key}={degree} but the model provider's parallelize_model_stage left no parameter "
+                f"distributed over it, so those ranks would not work together; apply it there ({_HOW[key]}) "
+                f"or set mesh.{key}: 1"
+            )
 
 
 def build_model(
@@ -62,6 +120,17 @@ def build_model(
                 "instead of context.context.mesh('dense'), or check context.context.is_local"
             ) from exc
         raise
+    if not context.is_local:
+        mesh = config.mesh
+        check_parallelisms_applied(
+            model,
+            {
+                "tensor_parallel": mesh.tensor_parallel,
+                "data_parallel_shard": mesh.data_parallel_shard,
+                "data_parallel_replicate": mesh.data_parallel_replicate,
+                "expert_parallel": mesh.expert_parallel if _has_experts(model) else 1,
+            },
+        )
     renamed = [name for name, _ in model.named_parameters() if "_orig_mod." in name]
     if renamed:
         raise TrainingError(
@@ -72,3 +141,9 @@ def build_model(
     init_device = "cpu" if tcfg.determinism.init_device == "cpu" else context.device
     materialize_and_initialize(model, context.device, tcfg.determinism.seed, init_device=init_device)
     return model
+
+
+def _has_experts(model: nn.Module) -> bool:
+    from d9d.parallel import MoE
+
+    return any(isinstance(m, MoE) for m in model.modules())

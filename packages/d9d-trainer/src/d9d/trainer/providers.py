@@ -179,6 +179,10 @@ class ModelProvider(Protocol):
         """Return the mapper `Trainer.export()` saves through."""
         ...
 
+    # Optional: `check_mesh(mesh: d9d.mesh.MeshConfig) -> None` raises ValueError when the model cannot
+    # be split by the mesh's degrees (heads by tp, experts by ep, layers by pp); called before anything
+    # is built or written, and by `d9d plan`.
+    #
     # Optional, for pipeline parallelism: `pipeline_num_layers() -> int`, the number of layers the
     # trainer splits into stages (the model is then built one stage at a time, see `stage`).
     #

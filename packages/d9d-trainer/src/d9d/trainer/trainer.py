@@ -20,7 +20,7 @@ from d9d.ckpt import CheckpointManager
 from d9d.mesh import DistributedContext, configure_logging, get_logger
 from d9d.parallel import enable_tf32, resolve_precision
 from d9d.trainer._fault_injection import FaultInjection
-from d9d.trainer.build import build_model
+from d9d.trainer.build import build_model, check_model_mesh
 from d9d.trainer.errors import TrainingError
 from d9d.trainer.failures import FailureBoard, job_store
 from d9d.trainer.job import ResolvedJob, resolve_job
@@ -95,6 +95,7 @@ class Trainer:
         job, ctx = self._job, self._context
         config = job.config
         tcfg = config.trainer
+        check_model_mesh(job)  # before any data, model or file
         dataset = (
             job.dataset_provider.build_dataset(BuildDatasetContext(context=ctx, base_dir=job.loaded.base_dir))
             if job.dataset_provider is not None

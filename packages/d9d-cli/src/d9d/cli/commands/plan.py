@@ -268,6 +268,12 @@ def plan(
     from d9d.trainer import resolve_job
 
     resolved = resolve_job(loaded)  # imports the providers and checks their config sections
+    from d9d.trainer import TrainingError, check_model_mesh
+
+    try:
+        check_model_mesh(resolved)  # the model provider's own check of the degrees
+    except TrainingError as exc:
+        raise CliError(f"{config}: {exc}") from None
     lines = [
         f"config: {config}",
         format_layout(mesh),

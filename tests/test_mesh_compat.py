@@ -1,0 +1,70 @@
+"""The reference model's degrees are checked against its shape before anything is written: by
+`d9d plan` (one process, any size) and by the job itself (real gloo ranks)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _quickstart import CONFIG, MOE, overrides
+
+from d9d.mesh.testing import DistributedTestError, run_distributed
+from d9d.trainer import Trainer
+
+CASES = {
+    "tp2-one-kv-head": (
+        ["mesh.tensor_parallel=2", "model.num_key_value_heads=1"],
+        "model.num_key_value_heads=1 is not divisible by mesh.tensor_parallel=2",
+    ),
+    "ep4-six-experts": (
+        [
+            "mesh.data_parallel_shard=4",
+            "mesh.expert_parallel=4",
+            "model.moe={num_experts: 6, top_k: 2, moe_intermediate_size: 32}",
+        ],
+        "model.moe.num_experts=6 is not divisible by mesh.expert_parallel=4",
+    ),
+    "pp4-two-layers": (
+        ["mesh.pipeline_parallel=4"],
+        "mesh.pipeline_parallel=4 is more than model.num_layers=2",
+    ),
+    "ep2-dense-model": (["mesh.data_parallel_shard=2", "mesh.expert_parallel=2"], "the model has no experts"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_plan_refuses_degrees_the_model_cannot_split(tmp_path, case):
+    sets, expected = CASES[case]
+    args = [a for item in overrides(tmp_path, "plan", 2, *sets) for a in ("--set", item)]
+    done = subprocess.run(
+        [sys.executable, "-m", "d9d.cli", "plan", CONFIG, *args], capture_output=True, text=True, timeout=120,
+        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert done.returncode != 0
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and expected in errors[0], done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def _build(args: list[str]) -> None:
+    with Trainer.from_config(CONFIG, args):
+        pass
+
+
+def test_the_job_refuses_them_on_its_ranks_before_writing(tmp_path):
+    sets, expected = CASES["tp2-one-kv-head"]
+    with pytest.raises(DistributedTestError) as failure:
+        run_distributed(_build, 2, overrides(tmp_path, "tp", 2, *sets), timeout=120)
+    assert expected in str(failure.value)
+    assert not (tmp_path / "tp").exists()
+
+
+def test_a_moe_model_accepts_a_dividing_expert_degree(tmp_path):
+    run_distributed(
+        _build,
+        2,
+        overrides(tmp_path, "ep", 2, "mesh.data_parallel_shard=2", "mesh.expert_parallel=2", *MOE),
+        timeout=120,
+    )
