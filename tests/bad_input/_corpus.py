@@ -46,6 +46,7 @@ class Case(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
         separate: also run this case in a process of its own, through this entry point (`d9d train`,
             or `python examples/quickstart/train.py` for `script`).
         entries: the entry points that must refuse it (the CLI, and `python train.py`).
+        encoding: how the config text is written (e.g. latin-1: a file that is not UTF-8).
         xfail: the product fix this case waits for (it is expected to fail until then).
     """
 
@@ -60,6 +61,7 @@ class Case(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True
     importable: bool = False
     separate: Entry | None = None
     entries: list[Entry] = msgspec.field(default_factory=lambda: ["cli", "script"])
+    encoding: str = "utf-8"
     xfail: str | None = None
 
 
@@ -110,7 +112,7 @@ def write_case(case: Case, directory: Path, base: dict[str, Any] | None = None) 
     directory.mkdir(parents=True, exist_ok=True)
     config = without(merge(base if base is not None else base_config(), case.patch), case.unset)
     text = case.text if case.text is not None else yaml.safe_dump(config, sort_keys=False)
-    (directory / "config.yaml").write_text(text, encoding="utf-8")
+    (directory / "config.yaml").write_text(text, encoding=case.encoding)
     for name, content in case.files.items():
         target = directory / name
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ and are converted into the provider's own `config_type` when the providers are r
 unknown key and wrong type still fails before anything starts, with its key path.
 """
 
+import math
 from typing import Any, Literal
 
 import msgspec
@@ -58,7 +59,7 @@ class RunConfig(_Section):
     name: str
 
     def __post_init__(self) -> None:
-        if not self.name or "/" in self.name or self.name in (".", ".."):
+        if not self.name or "/" in self.name or "\x00" in self.name or self.name in (".", ".."):
             raise ValueError(f"trainer.run.name must be a plain directory name, got {self.name!r}")
 
 
@@ -114,8 +115,10 @@ class GradientClippingConfig(_Section):
     max_norm: float | None = 1.0
 
     def __post_init__(self) -> None:
-        if self.max_norm is not None and self.max_norm <= 0:
-            raise ValueError(f"trainer.gradient_clipping.max_norm must be > 0 or null, got {self.max_norm}")
+        if self.max_norm is not None and not (self.max_norm > 0 and math.isfinite(self.max_norm)):
+            raise ValueError(
+                f"trainer.gradient_clipping.max_norm must be > 0 and finite, or null (no clipping), got {self.max_norm}"
+            )
 
 
 class DeterminismConfig(_Section):
@@ -143,8 +146,10 @@ class TimeoutsConfig(_Section):
     step_s: float = 600.0
 
     def __post_init__(self) -> None:
-        if self.init_s <= 0 or self.step_s <= 0:
-            raise ValueError("trainer.timeouts.init_s and step_s must be > 0")
+        for name in ("init_s", "step_s"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"trainer.timeouts.{name} must be > 0 and finite (seconds), got {value}")
 
 
 class TrainerConfig(_Section):
@@ -185,8 +190,17 @@ class OptimizerConfig(_Section):
     implementation: Literal["auto", "fused", "foreach", "for_loop"] = "auto"
 
     def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise ValueError(f"optimizer.lr must be > 0, got {self.lr}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"optimizer.lr must be > 0 and finite, got {self.lr}")
+        if not (self.eps > 0 and math.isfinite(self.eps)):
+            raise ValueError(f"optimizer.eps must be > 0 and finite, got {self.eps}")
+        for index, beta in enumerate(self.betas):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"optimizer.betas[{index}] must be in [0, 1), got {beta}")
+        for name in ("weight_decay", "momentum"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"optimizer.{name} must be >= 0 and finite, got {value}")
 
 
 class LRSchedulerConfig(_Section):
@@ -215,12 +229,24 @@ class PipeliningConfig(_Section):
     embedding_weight: float = 1.0
     head_weight: float = 1.0
 
+    def __post_init__(self) -> None:
+        for name in ("embedding_weight", "head_weight"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"pipelining.{name} must be >= 0 and finite, got {value}")
+
 
 class ExportConfig(_Section):
     """Where `Trainer.export()` writes safetensors at the end of training (null: no export)."""
 
     dir: str | None = None
     shard_size_mb: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.shard_size_mb <= 0:
+            raise ValueError(
+                f"export.shard_size_mb must be > 0 (megabytes per file), got {self.shard_size_mb}"
+            )
 
 
 class JobConfig(_Section):

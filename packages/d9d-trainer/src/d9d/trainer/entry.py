@@ -1,24 +1,44 @@
 """`run_job` and `main`: the one code path behind `python train.py config.yaml` and `d9d train`."""
 
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from d9d.mesh import D9dError
+from d9d.trainer.failures import agree_on_error, error_store, verdict_of
 from d9d.trainer.reporting import report_error
+from d9d.trainer.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED, INTERRUPTED_MESSAGE
 from d9d.trainer.trainer import Trainer, TrainResult
 
 __all__ = ["main", "run_job"]
 
 
 def run_job(config_path: str | Path, overrides: Sequence[str] = ()) -> TrainResult:
-    """Load the config, build the job, train (resuming if the run has checkpoints), export if set."""
-    trainer = Trainer.from_config(config_path, overrides)
-    with trainer:
-        result = trainer.train()
-        if trainer._job.config.export.dir is not None:
-            trainer.export()
-    return result
+    """Load the config, build the job, train (resuming if the run has checkpoints), export if set.
+
+    On a failure under a multi-process launch, the ranks first agree on who reports it (see
+    `d9d.trainer.reporting`); the exception carries the verdict.
+    """
+    try:
+        trainer = Trainer.from_config(config_path, overrides)
+        with trainer:
+            result = trainer.train()
+            if result.stopped_by is None and trainer._job.config.export.dir is not None:
+                trainer.export()  # a run stopped by a signal is unfinished: no export
+        return result
+    except Exception as exc:
+        _agree(exc)
+        raise
+
+
+def _agree(exc: Exception) -> None:
+    world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world_size <= 1 or "RANK" not in os.environ or verdict_of(exc) is not None:
+        return  # one process, or the ranks agreed already (a failed step: see FailureBoard)
+    store = error_store()
+    if store is not None:
+        agree_on_error(exc, store, int(os.environ["RANK"]), world_size)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -29,7 +49,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(0 if args else 2)
     overrides = [a.removeprefix("--set=") for a in args[1:] if a != "--set"]
     try:
-        run_job(args[0], overrides)
-    except (D9dError, OSError) as exc:
+        result = run_job(args[0], overrides)
+    except KeyboardInterrupt:
+        print(INTERRUPTED_MESSAGE, file=sys.stderr, flush=True)
+        sys.exit(EXIT_INTERRUPTED)
+    except Exception as exc:
+        verdict = verdict_of(exc)
+        if not isinstance(exc, D9dError | OSError) and (verdict is None or verdict.kind != "peer"):
+            raise  # a bug, not a user's mistake: its traceback (another rank's failure: quiet)
         report_error(exc)
         sys.exit(2)
+    if result.stopped_by is not None:  # saved after SIGTERM / Ctrl-C: run the same command to resume
+        sys.exit(EXIT_PREEMPTED)

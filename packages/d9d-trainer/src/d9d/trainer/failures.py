@@ -9,22 +9,29 @@ CLI's rule), so the `error:` line appears once instead of N copies of a collecti
 mode there is nothing to coordinate and errors pass unchanged.
 """
 
+import datetime
 import json
+import os
 import time
 import uuid
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch.distributed as dist
 
 from d9d.mesh import D9dError, DistributedContext, get_logger
 from d9d.trainer.errors import PeerFailedError, TrainingError
 
-__all__ = ["FailureBoard", "job_store"]
+__all__ = ["ErrorVerdict", "FailureBoard", "agree_on_error", "error_store", "job_store", "verdict_of"]
 
 _FAILURE_KEY = "failure"
 #: How long a stopping rank waits for the others to stop too, so that rank 0 prints the report
 #: before a launcher (torchrun) reacts to the first exit by killing the rest.
 _LINGER_S = 5.0
+#: How long a failed rank waits for the others to post their errors before it decides alone.
+AGREE_WINDOW_S = 5.0
+_VERDICT_ATTR = "_d9d_verdict"
 _log = get_logger("d9d.trainer")
 
 
@@ -72,13 +79,15 @@ class FailureBoard:
             record: dict[str, Any] = json.loads(self._store.compare_set(_FAILURE_KEY, "", mine))
         except Exception:  # the store is gone with its host (rank 0 outside torchrun): report our own
             record = {"rank": self._rank, "message": message}
+        # The record is the ranks' agreement on the error: rank 0 reports it (its step watchdog does
+        # so too when it stops this rank for a peer), the others stay quiet.
         if record["rank"] != self._rank:
             _log.warning("stopping: another rank failed first", failed_rank=record["rank"], step=step)
-            return PeerFailedError(record["message"], rank=int(record["rank"]))
+            return _mark(PeerFailedError(record["message"], rank=int(record["rank"])), "shared")
         if isinstance(exc, D9dError):
-            return exc
+            return _mark(exc, "shared")
         _log.error("step failed", step=step, exc_info=exc)
-        return TrainingError(message)
+        return _mark(TrainingError(message), "shared")
 
     def linger(self, *, stopping: bool = False) -> None:
         """After a failure: wait (briefly) until every rank stopped, then return so the process can exit.
@@ -124,3 +133,95 @@ def _is_collective_error(exc: Exception) -> bool:
     return isinstance(exc, dist.DistError) or any(
         marker in text for marker in ("gloo", "Connection reset", "Connection closed", "NCCL")
     )
+
+
+# ---------------------------------------------------------------------- one report per error
+
+
+@dataclass(frozen=True)
+class ErrorVerdict:
+    """Who reports a failed rank's error: `shared` (every rank raised the same text: rank 0 says it),
+    `mine` (this rank's own error: it says it, with its rank) or `peer` (another rank's error came
+    first: this rank stays quiet)."""
+
+    kind: Literal["shared", "mine", "peer"]
+    origin: int | None = None
+
+
+def verdict_of(exc: BaseException) -> ErrorVerdict | None:
+    """The verdict attached to `exc` by `agree_on_error` or the FailureBoard, if any."""
+    return getattr(exc, _VERDICT_ATTR, None)
+
+
+def _mark(exc: Exception, kind: Literal["shared", "mine", "peer"], origin: int | None = None) -> Any:
+    setattr(exc, _VERDICT_ATTR, ErrorVerdict(kind, origin))
+    return exc
+
+
+def error_store(environ: Mapping[str, str] | None = None) -> dist.Store | None:
+    """A store that every rank of this launch reaches even after its process group is gone, or None.
+
+    Under torchrun it is the agent's store (alive for the whole attempt, whatever a rank did), in the
+    namespace of this attempt; otherwise the default process group's store while it exists.
+    """
+    env = os.environ if environ is None else environ
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_ADDR" in env and "MASTER_PORT" in env:
+        try:
+            store = dist.TCPStore(
+                env["MASTER_ADDR"],
+                int(env["MASTER_PORT"]),
+                is_master=False,
+                timeout=datetime.timedelta(seconds=10),
+                wait_for_workers=False,
+            )
+        except Exception:  # the agent is gone: nobody to agree with
+            return None
+        return dist.PrefixStore(f"d9d-attempt-{attempt}/d9d-errors/", store)
+    if dist.is_available() and dist.is_initialized():
+        try:
+            return dist.PrefixStore("d9d-errors/", dist.distributed_c10d._get_default_store())
+        except Exception:
+            return None
+    return None
+
+
+def agree_on_error(
+    exc: Exception,
+    store: dist.Store,
+    rank: int,
+    world_size: int,
+    *,
+    window_s: float = AGREE_WINDOW_S,
+) -> ErrorVerdict:
+    """Compare this rank's error text with the other ranks' through `store`; attach and return the verdict.
+
+    Every failed rank posts its one-line text. When all `world_size` ranks posted the same text, the
+    error is shared (a bad config, the same missing file everywhere): rank 0 reports it. Otherwise
+    the first rank whose error is its own (not a broken collective or a relayed peer failure)
+    reports it, naming its rank; the others stay quiet. Ranks that are still busy (blocked in a
+    collective with the failed rank) are waited for up to `window_s` seconds.
+    """
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    consequence = isinstance(exc, PeerFailedError) or (
+        not isinstance(exc, D9dError) and _is_collective_error(exc)
+    )
+    keys = [f"error/{r}" for r in range(world_size)]
+    try:
+        seq = store.add("seq", 1)
+        store.set(keys[rank], json.dumps({"seq": seq, "text": text, "consequence": consequence}))
+        deadline = time.monotonic() + window_s
+        while not store.check(keys) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        posted = {r: json.loads(store.get(k)) for r, k in enumerate(keys) if store.check([k])}
+    except Exception:  # the store went away mid-way: this rank can only speak for itself
+        posted = {rank: {"seq": 0, "text": text, "consequence": consequence}}
+    if len(posted) == world_size and len({p["text"] for p in posted.values()}) == 1:
+        verdict = ErrorVerdict("shared")
+    else:
+        origin = min(posted, key=lambda r: (posted[r]["consequence"], posted[r]["seq"]))
+        verdict = ErrorVerdict("mine" if origin == rank else "peer", origin)
+        if origin != rank:
+            _log.warning("stopping: another rank failed first", failed_rank=origin, error=text)
+    setattr(exc, _VERDICT_ATTR, verdict)
+    return verdict

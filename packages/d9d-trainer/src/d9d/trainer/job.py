@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from d9d.data import AutoDataConfig, DataError, check_batch_sizes
+from d9d.mesh import D9dError
 from d9d.trainer.config import JobConfig
-from d9d.trainer.loading import ConfigError, LoadedJob, convert_section, resolve_object
+from d9d.trainer.loading import ConfigError, LoadedJob, check_values, convert_section, resolve_object
 from d9d.trainer.providers import (
     DataProviderFactory,
     DatasetProvider,
@@ -84,8 +85,10 @@ def resolve_job(loaded: LoadedJob) -> ResolvedJob:
     for role, (spec, section, section_key, methods) in sections.items():
         cls = resolve_object(spec, loaded.base_dir, key=f"{where}: providers.{role}")
         built[role] = _construct(
-            cls, section, where=where, role=role, section_key=section_key, methods=methods
+            cls, section, where=where, role=role, section_key=section_key, methods=methods, spec=spec
         )
+    if "dataset" in built:
+        built["dataset"] = _GuardedDatasetProvider(built["dataset"], spec=providers.dataset or "")
     if providers.data == _BUILTIN_DATA:
         _check_batch(config, where)
     return ResolvedJob(
@@ -100,26 +103,77 @@ def resolve_job(loaded: LoadedJob) -> ResolvedJob:
 
 
 def _construct(
-    cls: Any, section: Any, *, where: str, role: str, section_key: str | None, methods: tuple[str, ...]
+    cls: Any,
+    section: Any,
+    *,
+    where: str,
+    role: str,
+    section_key: str | None,
+    methods: tuple[str, ...],
+    spec: str,
 ) -> Any:
     if not callable(cls):
         raise ConfigError(f"{where}: providers.{role} names {cls!r}, which is not a class")
     config_type = getattr(cls, "config_type", None)
+    prefix = section_key or role
     if config_type is not None:
         raw = section if not hasattr(section, "__struct_fields__") else _as_builtins(section)
-        argument = convert_section(raw, config_type, where=where, prefix=section_key or role)
+        try:
+            argument = convert_section(raw, config_type, where=where, prefix=prefix)
+        except ConfigError:
+            raise
+        except Exception as exc:  # not a type msgspec can convert into, or its own check crashed
+            raise ConfigError(
+                f"{where}: providers.{role} ({spec}): its config_type {config_type!r} cannot hold the "
+                f"{prefix}: section ({type(exc).__name__}: {one_line_text(exc)}); make config_type a "
+                "msgspec.Struct (or a dataclass) whose fields are the section's keys"
+            ) from None
+        check_values(argument, where=where, prefix=prefix)
     else:
         argument = section
     try:
         instance = cls(argument)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where}: constructing providers.{role} ({cls.__name__}) failed: {exc}") from exc
+    except Exception as exc:  # the provider's own code: any exception is one line naming it
+        raise ConfigError(
+            f"{where}: constructing providers.{role} ({spec}) failed: {type(exc).__name__}: "
+            f"{one_line_text(exc)}; fix the provider or its {prefix}: section"
+        ) from exc
     missing = [m for m in methods if not callable(getattr(instance, m, None))]
     if missing:
         raise ConfigError(
             f"{where}: providers.{role} ({cls.__name__}) lacks {', '.join(missing)}; implement it"
         )
     return instance
+
+
+class _GuardedDatasetProvider:
+    """The dataset provider, with any exception of its `build_dataset` turned into one line naming it.
+
+    d9d's own errors (a missing dataset file, ...) pass unchanged: they already say what to do.
+    """
+
+    def __init__(self, provider: Any, *, spec: str) -> None:
+        self._provider = provider
+        self._spec = spec
+
+    def build_dataset(self, context: Any) -> Any:
+        try:
+            return self._provider.build_dataset(context)
+        except (D9dError, OSError, MemoryError):
+            raise
+        except Exception as exc:
+            raise ConfigError(
+                f"providers.dataset ({self._spec}).build_dataset failed: {type(exc).__name__}: "
+                f"{one_line_text(exc)}; fix the dataset provider or its dataset: section"
+            ) from exc
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._provider, name)
+
+
+def one_line_text(exc: BaseException) -> str:
+    """An exception's message on one line (its type name when it has none)."""
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _as_builtins(struct: Any) -> Any:

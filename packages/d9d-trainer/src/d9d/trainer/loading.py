@@ -10,6 +10,7 @@ import copy
 import importlib
 import importlib.util
 import logging
+import math
 import re
 import sys
 import types
@@ -25,7 +26,15 @@ from d9d.mesh import D9dError
 from d9d.parallel import PIPELINE_SCHEDULES, PipelineConfig, PipelineError
 from d9d.trainer.config import JobConfig
 
-__all__ = ["ConfigError", "LoadedJob", "apply_overrides", "load_job_config", "resolve_object"]
+__all__ = [
+    "ConfigError",
+    "LoadedJob",
+    "apply_overrides",
+    "check_values",
+    "convert_section",
+    "load_job_config",
+    "resolve_object",
+]
 
 _AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
 _UNKNOWN = re.compile(r"Object contains unknown field `(?P<key>[^`]+)`")
@@ -66,7 +75,12 @@ def load_job_config(
         path = Path(source)
         where = str(path)
         try:
-            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+            raw = _load_yaml(path.read_text(encoding="utf-8"), where)
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"{where} is not UTF-8 text (byte {exc.start} is {exc.object[exc.start]:#04x}); "
+                "save the config file as UTF-8"
+            ) from None
         except FileNotFoundError:
             raise ConfigError(f"{where}: no such config file; check the path") from None
         except IsADirectoryError:
@@ -91,9 +105,85 @@ def load_job_config(
             )
     raw = apply_overrides(raw, overrides)
     config = convert_section(raw, schema, where=where, prefix="")
+    check_values(config, where=where, prefix="")
     if isinstance(config, JobConfig):
         _check_rules(config, where)
     return LoadedJob(config=config, path=path, raw=raw)
+
+
+def _load_yaml(text: str, where: str) -> Any:
+    """`yaml.safe_load`, except that a key given twice in one mapping (at any depth) is an error."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_duplicate_keys(node, "", where)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _check_duplicate_keys(node: yaml.Node, path: str, where: str) -> None:
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[tuple[str, str], int] = {}
+        for key_node, value_node in node.value:
+            child = path
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                key = (key_node.tag, key_node.value)
+                child = _join(path, key_node.value)
+                line = key_node.start_mark.line + 1
+                if key in seen:
+                    raise ConfigError(
+                        f"{where}: duplicate key {child} at lines {seen[key]} and {line}; "
+                        "a key may appear only once in a section: keep one of them"
+                    )
+                seen[key] = line
+            _check_duplicate_keys(value_node, child, where)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            _check_duplicate_keys(item, f"{path}[{index}]", where)
+
+
+#: Integers a checkpoint can store (as int64).
+_INT64 = range(-(2**63), 2**63)
+
+
+def check_values(value: Any, *, where: str, prefix: str) -> None:
+    """Every value of a converted config can be saved and means something: no integer outside int64,
+    no nan or infinite float, no NUL character in a string (a name or a path).
+
+    Raises:
+        ConfigError: naming the key path of the first such value.
+    """
+    key = prefix or "top level"
+    if isinstance(value, bool) or value is None:
+        return
+    if isinstance(value, int):
+        if value not in _INT64:
+            raise ConfigError(
+                f"{where}: {key} must be an integer below 2**63 (a checkpoint stores it as a 64-bit "
+                f"integer), got {value}"
+            )
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ConfigError(f"{where}: {key} must be a finite number, got {value}")
+    elif isinstance(value, str):
+        if "\x00" in value:
+            raise ConfigError(
+                f"{where}: {key} contains a NUL character (\\x00), which no name or path may hold; "
+                f"remove it (got {value!r})"
+            )
+    elif isinstance(value, msgspec.Struct):
+        for name in value.__struct_fields__:
+            check_values(getattr(value, name), where=where, prefix=_join(prefix, name))
+    elif isinstance(value, dict):
+        for name, item in value.items():
+            check_values(name, where=where, prefix=prefix)
+            check_values(item, where=where, prefix=_join(prefix, str(name)))
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            check_values(item, where=where, prefix=f"{prefix}[{index}]")
 
 
 def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:

@@ -1,32 +1,36 @@
 """How a job's error reaches the user: one `error: ...` line, printed once, and a non-zero exit.
 
-Used by `python train.py` (`d9d.trainer.main`) and `d9d train`. Errors that every rank raises alike
-(a bad config, a launch that does not fit the mesh, a checkpoint that cannot be loaded, a training
-error the ranks agreed on) are printed by rank 0 only; the other ranks wait a moment before they exit, because under
-torchrun the first rank to exit gets the others killed, and rank 0 must get to print first.
+Used by `python train.py` (`d9d.trainer.main`) and `d9d train`. Who prints is decided by agreement,
+never by the error's type: the failed ranks compare their error text through the launch's store
+(`d9d.trainer.failures.agree_on_error`). An error every rank raised alike (a bad config, a launch that
+does not fit the mesh, the same missing file everywhere) is printed by rank 0, while the other ranks
+wait a moment before they exit (under torchrun the first rank to exit gets the others killed, and
+rank 0 must get to print first). An error of one rank (a path that only one node lacks) is printed
+by that rank, naming it; the ranks that only saw its consequence (a broken collective) stay quiet.
 """
 
 import os
+import re
 import sys
 import time
 
-from d9d.ckpt import CheckpointError
-from d9d.mesh import LaunchError
-from d9d.trainer.errors import TrainingError
+from d9d.trainer.failures import verdict_of
 
 __all__ = ["PEER_ERROR_GRACE_S", "is_shared_by_every_rank", "one_line", "report_error"]
 
 #: Seconds a rank other than 0 waits before exiting on an error that rank 0 reports.
 PEER_ERROR_GRACE_S = 10.0
 
+_NAMES_A_RANK = re.compile(r"^rank \d+\b")
+
 
 def is_shared_by_every_rank(exc: BaseException) -> bool:
-    """Whether every rank raises this error alike, so that rank 0 reports it for all.
+    """Whether rank 0 reports this error for every rank (the ranks agreed it is the same everywhere).
 
-    Training errors count: the trainer agrees on them across ranks (a global non-finite loss, a
-    locked run, or one rank's failure that rank 0 reports for the job).
+    Without a verdict (local mode, or no store to compare through) rank 0 reports.
     """
-    return isinstance(exc, ValueError | LaunchError | CheckpointError | TrainingError)
+    verdict = verdict_of(exc)
+    return verdict is None or verdict.kind == "shared"
 
 
 def one_line(exc: BaseException) -> str:
@@ -35,10 +39,20 @@ def one_line(exc: BaseException) -> str:
     return " ".join(part.strip() for part in text.splitlines() if part.strip())
 
 
+def with_rank(text: str, rank: int | str) -> str:
+    """`rank N: text`, unless the text names a rank already."""
+    return text if _NAMES_A_RANK.match(text) else f"rank {rank}: {text}"
+
+
 def report_error(exc: BaseException) -> None:
-    """Print `error: <message>` on stderr (rank 0 only for shared errors; peers wait for it)."""
+    """Print `error: <message>` on stderr once for the job (see the module docstring)."""
     rank = os.environ.get("RANK", "0")
-    if rank == "0" or not is_shared_by_every_rank(exc):
+    verdict = verdict_of(exc)
+    if verdict is not None and verdict.kind == "mine" and os.environ.get("WORLD_SIZE", "1") != "1":
+        print(f"error: {with_rank(one_line(exc), rank)}", file=sys.stderr, flush=True)
+    elif verdict is not None and verdict.kind == "peer":
+        return  # the rank that failed first says why
+    elif rank == "0":
         print(f"error: {one_line(exc)}", file=sys.stderr, flush=True)
     else:
         time.sleep(PEER_ERROR_GRACE_S)
