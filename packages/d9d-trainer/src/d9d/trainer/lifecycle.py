@@ -21,7 +21,7 @@ from d9d.trainer.errors import TrainingError
 from d9d.trainer.job import ResolvedJob
 from d9d.trainer.providers import PrepareExportModelStageContext, PrepareImportModelStageContext
 
-__all__ = ["RunLifecycle"]
+__all__ = ["RunLifecycle", "config_changes"]
 
 _log = get_logger("d9d.trainer")
 
@@ -74,6 +74,8 @@ class RunLifecycle:
             restore_rng_state(loaded.rank_state)
         resumed = int(extra["step"])
         _log.info("resumed", step=resumed, checkpoint=str(latest.path))
+        for key, (before, now) in config_changes(extra.get("config"), self.job.loaded.raw).items():
+            _log.warning("resumed with a changed setting", key=key, checkpoint=before, now=now)
         return resumed
 
     def _import_source_weights(self) -> None:
@@ -134,6 +136,34 @@ class RunLifecycle:
         self.context.barrier()
         _log.info("exported", dir=str(target), files=sorted(result.extra_files))
         return Path(target)
+
+
+#: Config sections whose change on resume is worth a line each (what the run now does differently).
+_WATCHED = ("mesh", "data", "optimizer", "lr_scheduler", "trainer.schedule", "trainer.precision", "model")
+
+
+def config_changes(saved: Any, current: Any) -> dict[str, tuple[Any, Any]]:
+    """{key path: (value in the checkpoint's config, value now)} for the watched sections' leaves."""
+    changes: dict[str, tuple[Any, Any]] = {}
+    if not isinstance(saved, dict) or not isinstance(current, dict):
+        return changes
+
+    def section(config: dict[str, Any], path: str) -> Any:
+        node: Any = config
+        for part in path.split("."):
+            node = node.get(part, {}) if isinstance(node, dict) else {}
+        return node
+
+    def walk(path: str, before: Any, now: Any) -> None:
+        if isinstance(before, dict) and isinstance(now, dict):
+            for key in sorted(set(before) | set(now)):
+                walk(f"{path}.{key}", before.get(key), now.get(key))
+        elif before != now:
+            changes[path] = (before, now)
+
+    for path in _WATCHED:
+        walk(path, section(saved, path), section(current, path))
+    return changes
 
 
 def _plain(state: Any) -> Any:

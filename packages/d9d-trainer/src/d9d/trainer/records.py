@@ -42,6 +42,7 @@ class StepRecords:
         path: the run's metrics file.
         writer: this rank writes the file and the log lines (rank 0).
         total: the run's total steps (the last one is always logged).
+        first: the first step of this launch (logged too, so a start shows at once).
         period: log every `period` steps.
         launch: an id of this launch, stored in every record.
         peak_flops: the device's dense bf16 peak, for MFU (None: no MFU).
@@ -58,6 +59,7 @@ class StepRecords:
         total: int,
         period: int,
         launch: str,
+        first: int = 1,
         peak_flops: float | None,
         world_size: int,
         device: torch.device,
@@ -66,6 +68,7 @@ class StepRecords:
         self._path = path
         self._writer = writer
         self._total = total
+        self._first = first
         self._period = period
         self._launch = launch
         self._peak = peak_flops
@@ -77,13 +80,14 @@ class StepRecords:
         self._last_loss: float | None = None
         self.flops_per_token: float | None = None
         self.losses: list[float] = []
+        self.tokens = 0.0
 
     def add(self, step: int, output: StepOutput, *, lr: float, step_time_s: float) -> None:
         """Record step `step`; flushes (and logs) when it is a logging step or the last one."""
         self._pending.append(_Pending(step, output, lr, step_time_s))
         if self._progress is not None:
             self._progress.update(step, self._last_loss)
-        if step % self._period == 0 or step == self._total:
+        if step % self._period == 0 or step == self._total or step == self._first:
             self.flush(log=True)
 
     def flush(self, *, log: bool = False) -> None:
@@ -110,6 +114,7 @@ class StepRecords:
                 }
             )
         self.losses += [r["loss"] for r in records]
+        self.tokens += sum(r["tokens"] for r in records)
         self._last_loss = records[-1]["loss"]
         if not self._writer:
             return

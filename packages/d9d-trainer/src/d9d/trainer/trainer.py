@@ -174,8 +174,12 @@ class Trainer:
         _log.info(
             "job built",
             run=tcfg.run.name,
+            run_dir=str(self.run_dir.resolve()),
             mesh=config.mesh.describe_degrees(),
-            local_params=sum(p.numel() for p in model.parameters()),
+            data_parallel=config.mesh.data_parallel,
+            microbatches_per_step=getattr(self._data, "microbatches_per_step", None),
+            params=sum(p.numel() for p in model.parameters()),  # a DTensor counts its global size
+            local_params=sum(_local_numel(p) for p in model.parameters()),
             device=str(ctx.device),
             device_name=ctx.device_name,
             precision=precision.describe(),
@@ -266,6 +270,7 @@ class Trainer:
             metrics_path,
             writer=ctx.is_main_process,
             total=total,
+            first=start + 1,
             period=cfg.logging.period_steps,
             launch=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             peak_flops=device_peak_flops(ctx.device),
@@ -276,6 +281,7 @@ class Trainer:
         data_iter = iter(self._data)
         period = cfg.checkpointing.period_steps
         stopped_by = None
+        began = time.perf_counter()
         try:
             self._stops.__enter__()
             while self._step < total:
@@ -311,6 +317,16 @@ class Trainer:
         finally:
             self._stops.__exit__(None, None, None)
         records.close()
+        latest = self._lifecycle.checkpoints.checkpoints()
+        _log.info(
+            "run summary",
+            steps=self._step - start,
+            final_step=self._step,
+            wall_s=round(time.perf_counter() - began, 1),
+            tokens=records.tokens,
+            final_loss=records.losses[-1] if records.losses else None,
+            last_checkpoint=str(latest[-1].path) if latest else None,
+        )
         if stopped_by is not None:
             saved = "saved" if cfg.checkpointing.save_on_signal else "not saved (save_on_signal: false)"
             _log.warning(
@@ -352,6 +368,11 @@ class Trainer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _local_numel(param: torch.Tensor) -> int:
+    local = param.to_local() if hasattr(param, "to_local") else param
+    return local.numel()
 
 
 def _seconds(value: float) -> datetime.timedelta:
