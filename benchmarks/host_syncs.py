@@ -27,8 +27,8 @@ from d9d.mesh.testing import run_distributed  # noqa: E402
 from d9d.trainer import Trainer  # noqa: E402
 
 
-def _syncs(steps: int, mesh: dict | None, implementation: str) -> int:
-    config = job_config(tempfile.mkdtemp(), total_steps=steps, mesh=mesh)
+def _syncs(steps: int, mesh: dict | None, implementation: str, save_root: str) -> int:
+    config = job_config(f"{save_root}/s{steps}", total_steps=steps, mesh=mesh)
     config["trainer"]["logging"]["period_steps"] = 1000
     config["trainer"]["checkpointing"]["period_steps"] = 0
     config["optimizer"]["implementation"] = implementation
@@ -39,8 +39,9 @@ def _syncs(steps: int, mesh: dict | None, implementation: str) -> int:
     return recorder.host_syncs
 
 
-def per_step(mesh: dict | None, implementation: str) -> float:
-    return (_syncs(12, mesh, implementation) - _syncs(4, mesh, implementation)) / 8
+def per_step(mesh: dict | None, implementation: str, save_root: str) -> float:
+    """Saves under save_root/s4 and save_root/s12: the same dirs on every rank."""
+    return (_syncs(12, mesh, implementation, save_root) - _syncs(4, mesh, implementation, save_root)) / 8
 
 
 def main() -> None:
@@ -53,10 +54,11 @@ def main() -> None:
     print(f"{'mesh':<8} {'optimizer':<9} {'syncs per ordinary step':>24}")
     for name, mesh in (("local", None), ("FSDP 2", {"data_parallel_shard": 2})):
         for implementation in ("fused", "foreach"):
+            root = tempfile.mkdtemp()
             if mesh is None:
-                n = per_step(None, implementation)
+                n = per_step(None, implementation, root)
             else:
-                n = max(run_distributed(per_step, 2, mesh, implementation, timeout=300))
+                n = max(run_distributed(per_step, 2, mesh, implementation, root, timeout=300))
             print(f"{name:<8} {implementation:<9} {n:>24.1f}")
             if implementation == "fused":
                 rows.append(

@@ -13,13 +13,29 @@ REDUCTIONS = ("reduce_scatter", "allreduce", "all_reduce")
 
 class OpRecorder(TorchDispatchMode):
     """Records (op name, input dtypes, inside backward) of matmuls and reducing collectives, and counts
-    `_local_scalar_dense` (every `.item()`, `float(t)`, `bool(t)`, `.tolist()`: a host sync on CUDA)."""
+    host syncs: `_local_scalar_dense` (every `.item()`, `float(t)`, `bool(t)`) and `Tensor.tolist()`
+    (which on a CPU tensor reads memory without dispatching any op, so it is counted where it is called)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.matmuls: list[tuple[str, tuple[torch.dtype, ...]]] = []
         self.reductions: list[tuple[str, tuple[torch.dtype, ...], bool]] = []
         self.host_syncs = 0
+
+    def __enter__(self) -> "OpRecorder":
+        self._tolist = torch.Tensor.tolist
+        recorder = self
+
+        def tolist(tensor: torch.Tensor) -> Any:
+            recorder.host_syncs += 1
+            return recorder._tolist(tensor)
+
+        torch.Tensor.tolist = tolist  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.Tensor.tolist = self._tolist  # type: ignore[method-assign]
+        super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = func._overloadpacket.__name__

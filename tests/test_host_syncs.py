@@ -8,7 +8,6 @@ foreach AdamW reads its CPU step counters with `.item()`: CPU tensors, no device
 """
 
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -22,8 +21,8 @@ from d9d.mesh.testing import run_distributed
 from d9d.trainer import Trainer
 
 
-def _syncs(steps: int, mesh: dict | None) -> int:
-    config = job_config(tempfile.mkdtemp(), total_steps=steps, mesh=mesh)
+def _syncs(steps: int, mesh: dict | None, save_root: str) -> int:
+    config = job_config(save_root, total_steps=steps, mesh=mesh)
     config["trainer"]["logging"]["period_steps"] = 1000  # only the last step logs
     config["trainer"]["checkpointing"]["period_steps"] = 0  # only the last step saves
     config["optimizer"]["implementation"] = "fused"
@@ -34,17 +33,18 @@ def _syncs(steps: int, mesh: dict | None) -> int:
     return recorder.host_syncs
 
 
-def _per_ordinary_step(mesh: dict | None = None) -> float:
-    return (_syncs(8, mesh) - _syncs(4, mesh)) / 4
+def _per_ordinary_step(save_root: str, mesh: dict | None = None) -> float:
+    """The runs of 4 and 8 steps save under save_root/s4 and save_root/s8 (the same dirs on every rank)."""
+    return (_syncs(8, mesh, f"{save_root}/s8") - _syncs(4, mesh, f"{save_root}/s4")) / 4
 
 
-def test_one_host_sync_per_ordinary_step_on_one_process():
-    assert _per_ordinary_step() <= 1
+def test_one_host_sync_per_ordinary_step_on_one_process(tmp_path):
+    assert _per_ordinary_step(str(tmp_path)) <= 1
 
 
 @pytest.mark.parametrize(
     "mesh", [{"data_parallel_shard": 2}, {"data_parallel_replicate": 2}], ids=["fsdp2", "ddp2"]
 )
-def test_one_host_sync_per_ordinary_step_on_two_ranks(mesh):
-    per_step = run_distributed(_per_ordinary_step, 2, mesh, timeout=120)
+def test_one_host_sync_per_ordinary_step_on_two_ranks(tmp_path, mesh):
+    per_step = run_distributed(_per_ordinary_step, 2, str(tmp_path), mesh, timeout=120)
     assert all(n <= 1 for n in per_step), per_step

@@ -128,5 +128,5 @@ class StepBase:
         stop = torch.tensor([1.0 if source() else 0.0], device=self.settings.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-        finite_value, stop_value = torch.cat([finite.reshape(1).to(stop.dtype), stop]).tolist()
-        return bool(finite_value), bool(stop_value)
+        packed = int((finite.reshape(1).to(stop.dtype) + 2 * stop).item())  # both flags, one read
+        return bool(packed & 1), bool(packed & 2)
