@@ -8,6 +8,7 @@ log line, progress), `lifecycle` (resume, save, export); this file only wires th
 
 import contextlib
 import datetime
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -71,6 +72,7 @@ class Trainer:
             step_timeout=_seconds(tcfg.timeouts.step_s + _COLLECTIVE_BACKSTOP_S),
             device=tcfg.device,
         )
+        self._threads = _fit_cpu_threads(self._context.device)
         try:
             logging_options = {"format": tcfg.logging.format, "level": tcfg.logging.level}
             configure_logging(self._context, **logging_options)
@@ -182,6 +184,7 @@ class Trainer:
             local_params=sum(_local_numel(p) for p in model.parameters()),
             device=str(ctx.device),
             device_name=ctx.device_name,
+            cpu_threads=self._threads,
             precision=precision.describe(),
             activation_checkpointing=tcfg.activation_checkpointing.mode,
             compile=tcfg.compile.enabled,
@@ -368,6 +371,22 @@ class Trainer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _fit_cpu_threads(device: torch.device) -> int:
+    """On CPU, unless OMP_NUM_THREADS says otherwise, share this node's cores among its ranks.
+
+    torch's default (all cores per process) oversubscribes them with several ranks or a busy machine,
+    which made small CPU jobs many times slower.
+    """
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # pragma: no cover - not Linux
+            cores = os.cpu_count() or 1
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        torch.set_num_threads(max(1, cores // max(1, local_world)))
+    return torch.get_num_threads()
 
 
 def _local_numel(param: torch.Tensor) -> int:
