@@ -36,3 +36,26 @@ def test_progress_line_only_on_a_terminal():
         line.close()
     assert "5/10 loss 1.5000" in tty.getvalue() and tty.getvalue().startswith("\r[")
     assert pipe.getvalue() == ""
+
+
+def test_a_log_line_clears_the_progress_line_first():
+    import logging
+
+    tty = _Tty()
+    handler = logging.StreamHandler(tty)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        line = ProgressLine(total=10, start=0, stream=tty)
+        line.update(3, 2.0)
+        logging.getLogger("d9d.test").warning("a log line")
+        line.update(4, 1.9)
+        line.close()
+        logging.getLogger("d9d.test").warning("after the end")
+    finally:
+        root.removeHandler(handler)
+    out = tty.getvalue()
+    cleared = out.index("\r\033[K")
+    assert out.index("3/10") < cleared < out.index("a log line") < out.index("4/10")
+    assert out.count("\r\033[K") == 1  # after close() the handler is left alone
+    assert out.endswith("after the end\n")

@@ -1,5 +1,6 @@
 """Throughput accounting: tokens/s, model FLOPs utilization against known device peaks, progress line."""
 
+import logging
 import sys
 import time
 from typing import Any, TextIO
@@ -50,6 +51,23 @@ class ProgressLine:
         self._enabled = self._stream.isatty()
         self._total, self._start = total, start
         self._t0 = time.perf_counter()
+        self._shown = ""
+        self._handlers: list[logging.Handler] = []
+        if self._enabled:  # a log line first clears the progress line, which the next update redraws
+            for handler in logging.getLogger().handlers:
+                if (
+                    isinstance(handler, logging.StreamHandler)
+                    and getattr(handler.stream, "isatty", lambda: False)()
+                ):
+                    handler.addFilter(self._clear_before_log)
+                    self._handlers.append(handler)
+
+    def _clear_before_log(self, record: logging.LogRecord) -> bool:
+        if self._shown:
+            self._stream.write("\r\033[K")
+            self._stream.flush()
+            self._shown = ""
+        return True
 
     def update(self, step: int, loss: float | None) -> None:
         """Show `step/total`, the last logged loss (None: none yet) and the time left."""
@@ -62,14 +80,19 @@ class ProgressLine:
         filled = int(width * step / self._total)
         bar = "#" * filled + "." * (width - filled)
         shown = f"{loss:.4f}" if loss is not None else "-"
-        self._stream.write(f"\r[{bar}] {step}/{self._total} loss {shown} eta {left:5.0f}s ")
+        self._shown = f"[{bar}] {step}/{self._total} loss {shown} eta {left:5.0f}s "
+        self._stream.write("\r" + self._shown)
         self._stream.flush()
 
     def close(self) -> None:
-        """End the line."""
-        if self._enabled:
+        """End the line and stop clearing it before log lines."""
+        for handler in self._handlers:
+            handler.removeFilter(self._clear_before_log)
+        self._handlers.clear()
+        if self._enabled and self._shown:
             self._stream.write("\n")
             self._stream.flush()
+            self._shown = ""
 
 
 def mfu(
