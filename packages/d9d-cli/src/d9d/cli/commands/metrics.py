@@ -41,7 +41,7 @@ def read_metrics(path: Path) -> tuple[list[dict[str, Any]], int]:
     """The records of a metrics file in file order, and how many lines were unreadable (skipped)."""
     records: list[dict[str, Any]] = []
     bad = 0
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         if not line.strip():
             continue
         try:
