@@ -42,7 +42,8 @@ class RankCorpus:
 '''
 
 
-def test_a_dataset_missing_on_rank_1_is_reported_once_by_rank_1_torchrun_2(tmp_path):
+@pytest.mark.parametrize("entry", ["script", "cli"])
+def test_a_dataset_missing_on_rank_1_is_reported_once_by_rank_1_torchrun_2(tmp_path, entry):
     (tmp_path / "rank_corpus.py").write_text(_PROVIDER, encoding="utf-8")
     shutil.copy(ROOT / "examples" / "data" / "corpus.txt", tmp_path / "corpus-rank0.txt")
     args = overrides(
@@ -54,8 +55,12 @@ def test_a_dataset_missing_on_rank_1_is_reported_once_by_rank_1_torchrun_2(tmp_p
         "dataset={seq_len: 32}",
     )
     logs = tmp_path / "torchrun-logs"
+    if entry == "script":  # python train.py config.yaml key=value ...
+        command = [TRAIN, CONFIG, *args]
+    else:  # d9d train config.yaml --set key=value ...
+        command = ["-m", "d9d.cli", "train", CONFIG, *[a for item in args for a in ("--set", item)]]
     result = run_torchrun(
-        ["--log-dir", str(logs), "--redirects", "3", TRAIN, CONFIG, *args], nproc_per_node=2, timeout=180
+        ["--log-dir", str(logs), "--redirects", "3", *command], nproc_per_node=2, timeout=180
     )
     assert result.returncode != 0
     stderr = {int(p.parent.name): p.read_text(errors="replace") for p in logs.rglob("stderr.log")}

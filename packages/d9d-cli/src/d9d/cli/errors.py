@@ -49,7 +49,19 @@ def reports_errors(func: Callable[_P, _R]) -> Callable[_P, _R]:
         try:
             return func(*args, **kwargs)
         except Exception as exc:
-            if not _is_user_error(exc) or _debug():
+            if _debug():
+                raise
+            if "d9d.trainer" in sys.modules and not isinstance(exc, CliError):
+                # A job's error: the ranks agreed on who reports it (d9d.trainer.report_error), as
+                # `python train.py` does, so a rank-specific error is printed by its rank.
+                from d9d.trainer import report_error, verdict_of
+
+                verdict = verdict_of(exc)
+                if not _is_user_error(exc) and (verdict is None or verdict.kind != "peer"):
+                    raise  # a bug: its traceback (another rank's failure: quiet)
+                report_error(exc)
+                sys.exit(EXIT_ERROR)
+            if not _is_user_error(exc):
                 raise
             if os.environ.get("RANK", "0") == "0":  # every rank sees the same error; say it once
                 click.echo(f"error: {_one_line(exc)}", err=True)

@@ -39,6 +39,7 @@ from d9d.trainer.config import (
 )
 from d9d.trainer.entry import main, run_job
 from d9d.trainer.errors import PeerFailedError, RunLockedError, TrainingError
+from d9d.trainer.failures import ErrorVerdict, verdict_of
 from d9d.trainer.job import ResolvedJob, resolve_job
 from d9d.trainer.loading import ConfigError, LoadedJob, apply_overrides, load_job_config, resolve_object
 from d9d.trainer.metrics import device_peak_flops, model_flops_per_token
@@ -93,6 +94,7 @@ __all__ = [
     "DataProviderFactory",
     "DatasetProvider",
     "DeterminismConfig",
+    "ErrorVerdict",
     "ExportConfig",
     "GradientClippingConfig",
     "InitializeModelStageContext",
@@ -152,4 +154,5 @@ __all__ = [
     "resolve_object",
     "run_job",
     "truncate_metrics",
+    "verdict_of",
 ]
