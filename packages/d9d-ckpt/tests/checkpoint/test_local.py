@@ -7,7 +7,7 @@ import torch
 from _ckpt_testlib import adamw, eval_loss, full_params, run_forked, tiny_model, train_step
 from torch import nn
 
-from d9d.ckpt import CheckpointError, CheckpointManager, capture_rng_state
+from d9d.ckpt import CheckpointDamagedError, CheckpointError, CheckpointManager, capture_rng_state
 from d9d.ckpt.checkpoint.layout import COMMIT_FILE, stale_dirs, temp_dir_name
 
 
@@ -107,11 +107,11 @@ def test_unfinished_saves_are_never_loaded_and_are_removed_after_the_next_commit
     [
         (
             "truncate",
-            r"file __0_0\.distcp is truncated: \d+ bytes, the commit recorded \d+; it holds keys model\.0\.bias, ",
+            r"save-2/__0_0\.distcp is truncated: \d+ bytes, the commit recorded \d+; it holds keys model\.0\.bias, ",
         ),
-        ("delete", r"file __0_0\.distcp is missing .*; it holds keys model\.0\.bias"),
+        ("delete", r"save-2/__0_0\.distcp is missing .*; it holds keys model\.0\.bias"),
         ("scramble_metadata", r"torch\.distributed\.checkpoint metadata cannot be read"),
-        ("scramble_extra", r"file extra\.msgpack is corrupt"),
+        ("scramble_extra", r"save-2/extra\.msgpack is corrupt"),
     ],
 )
 def test_damaged_checkpoint_is_refused_and_nothing_is_loaded(tmp_path, damage, message):
@@ -133,6 +133,10 @@ def test_damaged_checkpoint_is_refused_and_nothing_is_loaded(tmp_path, damage, m
     with pytest.raises(CheckpointError, match=message) as err:
         manager.load(info, other, other_opt)
     assert str(info.path) in str(err.value) and "nothing was loaded" in str(err.value)
+    assert isinstance(err.value, CheckpointDamagedError)
+    assert str(err.value).endswith(
+        "; move save-2 aside to start the run afresh (it has no earlier committed checkpoint)"
+    )
     _assert_same_params(full_params(other), before)
     assert other_opt.state_dict()["state"] == {}
 

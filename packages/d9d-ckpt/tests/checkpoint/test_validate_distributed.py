@@ -111,7 +111,7 @@ def test_damaged_checkpoint_fails_with_one_message_on_every_rank(saved, tmp_path
     (message,) = messages
     assert message is not None and message.startswith(
         f"checkpoint {tmp_path / 'run' / 'save-1'} cannot be loaded (1 problem); nothing was loaded:\n"
-        "  - file __1_0.distcp is truncated: "
+        "  - save-1/__1_0.distcp is truncated: "
     )
     assert ", the commit recorded " in message and "; it holds keys model." in message
     for rank, result in enumerate(results[1:], start=1):

@@ -5,14 +5,19 @@ checkpoints in `d9d.ckpt.checkpoint`; every public name is re-exported here.
 """
 
 from d9d.ckpt.checkpoint import (
+    CheckpointDamagedError,
+    CheckpointDiskFullError,
     CheckpointError,
     CheckpointInfo,
     CheckpointManager,
     CheckpointMeta,
+    CheckpointVerification,
     LoadedCheckpoint,
+    SaveDirNotSharedError,
     capture_rng_state,
     read_checkpoint_info,
     restore_rng_state,
+    verify_checkpoint,
 )
 from d9d.ckpt.io import SafetensorsIOError, load_safetensors, save_safetensors
 from d9d.ckpt.mapper import (
@@ -46,10 +51,13 @@ from d9d.ckpt.mapper import (
 
 __all__: list[str] = [
     "Cast",
+    "CheckpointDamagedError",
+    "CheckpointDiskFullError",
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointManager",
     "CheckpointMeta",
+    "CheckpointVerification",
     "Chunk",
     "Concat",
     "Deduplicate",
@@ -67,6 +75,7 @@ __all__: list[str] = [
     "Reshape",
     "RopePermute",
     "SafetensorsIOError",
+    "SaveDirNotSharedError",
     "Sequential",
     "Stack",
     "StateMapper",
@@ -82,4 +91,5 @@ __all__: list[str] = [
     "rename_pattern",
     "restore_rng_state",
     "save_safetensors",
+    "verify_checkpoint",
 ]

@@ -5,20 +5,34 @@ from d9d.ckpt import CheckpointManager, capture_rng_state
 manager = CheckpointManager("runs", "my-run", num_to_keep=3)
 manager.save(step, model, optimizer, extra_state={"data": data_state}, rank_state=capture_rng_state())
 loaded = manager.load(manager.latest(), model, optimizer)
+
+Every commit records a checksum per file; `CheckpointManager(..., verify_on_load=True)` and
+`verify_checkpoint(info)` compare them.
 """
 
-from d9d.ckpt.checkpoint.errors import CheckpointError
+from d9d.ckpt.checkpoint.errors import (
+    CheckpointDamagedError,
+    CheckpointDiskFullError,
+    CheckpointError,
+    SaveDirNotSharedError,
+)
 from d9d.ckpt.checkpoint.layout import CheckpointInfo, CheckpointMeta, read_checkpoint_info
 from d9d.ckpt.checkpoint.manager import CheckpointManager, LoadedCheckpoint
 from d9d.ckpt.checkpoint.rng import capture_rng_state, restore_rng_state
+from d9d.ckpt.checkpoint.verify import CheckpointVerification, verify_checkpoint
 
 __all__ = [
+    "CheckpointDamagedError",
+    "CheckpointDiskFullError",
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointManager",
     "CheckpointMeta",
+    "CheckpointVerification",
     "LoadedCheckpoint",
+    "SaveDirNotSharedError",
     "capture_rng_state",
     "read_checkpoint_info",
     "restore_rng_state",
+    "verify_checkpoint",
 ]

@@ -25,6 +25,7 @@ __all__ = [
     "rank_file_name",
     "read_checkpoint_info",
     "read_meta",
+    "recovery_hint",
     "stale_dirs",
     "step_dir_name",
     "temp_dir_name",
@@ -51,6 +52,8 @@ class CheckpointMeta(msgspec.Struct, frozen=True, kw_only=True):
         files: every file of the checkpoint (path relative to its directory) and its size in bytes,
             listed at commit time; loading refuses a checkpoint whose files do not match.
         mesh: the mesh degrees of the job that wrote it (`MeshConfig` fields), None if unknown.
+        checksums: every file's checksum (`crc32:<hex>`, see `checksum.py`), computed by the rank
+            that wrote it; None in checkpoints written before d9d recorded checksums.
     """
 
     step: int
@@ -62,6 +65,7 @@ class CheckpointMeta(msgspec.Struct, frozen=True, kw_only=True):
     has_optimizer: bool
     files: dict[str, int]
     format: int = FORMAT_VERSION
+    checksums: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -171,3 +175,13 @@ def read_checkpoint_info(path: str | os.PathLike[str]) -> CheckpointInfo:
             f"{COMMIT_FILE}); it may be unfinished or from a crashed save"
         )
     return CheckpointInfo(step=step, path=directory, meta=meta)
+
+
+def recovery_hint(checkpoint_dir: Path) -> str:
+    """How to get past a damaged checkpoint: move it aside, and which checkpoint a resume then uses."""
+    name = checkpoint_dir.name
+    step = parse_step_dir(name)
+    earlier = [info for info in list_checkpoints(checkpoint_dir.parent) if step is None or info.step < step]
+    if earlier:
+        return f"move {name} aside to resume from {earlier[-1].path.name}"
+    return f"move {name} aside to start the run afresh (it has no earlier committed checkpoint)"

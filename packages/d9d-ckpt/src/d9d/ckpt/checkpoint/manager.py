@@ -6,8 +6,11 @@ any number of ranks, or one plain process, can read them back). The caller's sma
 rank. A save is written into `.save-<step>.tmp-<id>/`; once every rank finished writing, rank 0 writes
 the commit marker, renames the directory to `save-<step>/` and fsyncs the run directory. Only then
 are older checkpoints beyond `num_to_keep` and leftovers of crashed saves removed, in the background
-(`retention.py`). An asynchronous save stages into reused host buffers (`staging.py`); a load is
-validated by one rank for all (`validate.py`).
+(`retention.py`). Each rank checksums the files it wrote (`checksum.py`); before committing, rank 0
+checks that it sees every rank's files (`visibility.py`: a `save_dir` not shared by all nodes fails
+the save) and records the checksums. A full disk in any layer fails the save as such (`_failure.py`).
+An asynchronous save stages into reused host buffers (`staging.py`); a load is validated, and with
+`verify_on_load` its checksums verified, by one rank for all (`validate.py`).
 """
 
 import concurrent.futures
@@ -29,7 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: caught by name
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -37,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from d9d.ckpt.checkpoint._failure import Failure, describe, disk_full_error
 from d9d.ckpt.checkpoint._fs import fsync_dir, remove, write_durable
 from d9d.ckpt.checkpoint._group import CheckpointGroup
 from d9d.ckpt.checkpoint._testhooks import (  # re-exported: crash tests import the hooks from here
@@ -44,7 +48,8 @@ from d9d.ckpt.checkpoint._testhooks import (  # re-exported: crash tests import 
     PAUSE_IN_PRUNE_ENV,  # noqa: F401
     pause_for_test,
 )
-from d9d.ckpt.checkpoint.errors import CheckpointError
+from d9d.ckpt.checkpoint.checksum import ChecksummingWriter, WrittenFile, checksum_bytes
+from d9d.ckpt.checkpoint.errors import CheckpointDamagedError, CheckpointError, SaveDirNotSharedError
 from d9d.ckpt.checkpoint.extra import decode_state, encode_state
 from d9d.ckpt.checkpoint.layout import (
     COMMIT_FILE,
@@ -53,6 +58,7 @@ from d9d.ckpt.checkpoint.layout import (
     CheckpointMeta,
     list_checkpoints,
     rank_file_name,
+    recovery_hint,
     stale_dirs,
     step_dir_name,
     temp_dir_name,
@@ -66,12 +72,13 @@ from d9d.ckpt.checkpoint.validate import (
     KnownMetadataReader,
     check_keys,
     inspect_checkpoint,
+    problem_report,
 )
+from d9d.ckpt.checkpoint.visibility import collect_files
 from d9d.mesh import DistributedContext, get_logger
 
 __all__ = ["CheckpointManager", "LoadedCheckpoint"]
 
-_MAX_LISTED_PROBLEMS = 20
 _log = get_logger("d9d.ckpt")
 
 
@@ -79,7 +86,8 @@ def _uncommitted_message(run_dir: Path, damaged: list[Path]) -> str:
     names = ", ".join(str(path) for path in damaged)
     return (
         f"{names}: no valid {COMMIT_FILE}, so a damaged checkpoint or one not written by d9d; it is neither "
-        f"loaded nor replaced. Move it out of {run_dir}, or use another trainer.run.name"
+        f"loaded nor replaced. Move it out of {run_dir} ({recovery_hint(damaged[0])}), or use another "
+        "trainer.run.name"
     )
 
 
@@ -126,6 +134,9 @@ class CheckpointManager:
             memory when the state is on CUDA), so that each save stalls training for one
             device-to-host copy into the same buffers. It holds one copy of this rank's state in host
             memory until `close()`; False allocates a fresh pageable copy per save.
+        verify_on_load: before a load, rank 0 reads every file of the checkpoint and compares it with
+            the checksum its commit recorded (finds a flipped byte; costs one read of the
+            checkpoint). A checkpoint saved without checksums loads with a warning.
     """
 
     def __init__(
@@ -137,6 +148,7 @@ class CheckpointManager:
         async_save: bool = False,
         context: DistributedContext | None = None,
         reuse_staging: bool = True,
+        verify_on_load: bool = False,
     ) -> None:
         if not run_name or run_name in (".", "..") or "/" in run_name or os.sep in run_name:
             raise CheckpointError(f"run name {run_name!r} must be a non-empty name without path separators")
@@ -149,7 +161,9 @@ class CheckpointManager:
             if context is not None
             else dist.is_available() and dist.is_initialized()
         )
+        self._save_dir = Path(os.path.abspath(save_dir))
         self._run_dir = Path(save_dir) / run_name
+        self._verify_on_load = verify_on_load
         self._num_to_keep = num_to_keep
         self._async = async_save
         self._mesh = msgspec.structs.asdict(context.config) if context is not None else None
@@ -231,49 +245,54 @@ class CheckpointManager:
         save_id = f"{self._manager_id}{self._seq:04x}"
         self._seq += 1
         tmp = self._run_dir / temp_dir_name(step, save_id)
-        error: str | None = None
+        error: Failure | None = None
         state: dict[str, Any] = {}
+        own_files: dict[str, WrittenFile] = {}  # this rank's msgpack files: (size, checksum)
         try:
             step_dir_name(step)  # validates the step
             state = _live_state(model, optimizer)
             extra = encode_state(extra_state or {}, "extra_state")
             own = encode_state(rank_state, "rank_state") if rank_state is not None else None
             tmp.mkdir(parents=True, exist_ok=True)
-            if self._group.rank == 0:
-                write_durable(tmp / EXTRA_FILE, extra)
-            if own is not None:
-                write_durable(tmp / rank_file_name(self._group.rank), own)
+            for name, data in ((EXTRA_FILE, extra if self._group.rank == 0 else None),
+                               (rank_file_name(self._group.rank), own)):  # fmt: skip
+                if data is not None:
+                    write_durable(tmp / name, data)
+                    own_files[name] = (len(data), checksum_bytes(data))
         except Exception as exc:
-            error = _describe(exc)
+            error = Failure.of(exc)
         # Agree before the collective write: a rank that failed alone would leave the others hanging.
         votes = self._group.all_gather((step, error))
-        _raise_first_error(votes, f"saving checkpoint step {step}")
+        if any(e is not None for _, e in votes):
+            self._discard(tmp)
+        self._raise_first_error(votes, f"saving checkpoint step {step}", step)
         if len({s for s, _ in votes}) != 1:
             raise CheckpointError(f"ranks disagree on the step to save: {[s for s, _ in votes]}")
 
         meta = {"world_size": self._group.world_size, "has_optimizer": optimizer is not None}
+        writer = ChecksummingWriter(tmp)
         if not self._async:
             try:
                 with _quiet_local_dcp():
                     dcp.save(
-                        state, checkpoint_id=str(tmp), process_group=self._group.group, no_dist=self._local
+                        state, storage_writer=writer, process_group=self._group.group, no_dist=self._local
                     )
                 write_error = None
             except (Exception, CheckpointException) as exc:  # DCP's own error is a BaseException
-                write_error = _describe(exc)
-            return self._finish(step, tmp, meta, write_error)
+                write_error = Failure.of(exc)
+            return self._finish(step, tmp, meta, write_error, {**own_files, **writer.written})
 
         with _quiet_local_dcp():
             upload = dcp.async_save(
                 state,
-                checkpoint_id=str(tmp),
+                storage_writer=writer,
                 process_group=self._group.group,
                 async_stager=self._staging.stager(state),
                 no_dist=self._local,
             )
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="d9d-ckpt-commit")
-        self._pending = self._executor.submit(self._finish_async, step, tmp, meta, upload)
+        self._pending = self._executor.submit(self._finish_async, step, tmp, meta, upload, writer, own_files)
         return None
 
     def wait(self) -> CheckpointInfo | None:
@@ -291,40 +310,83 @@ class CheckpointManager:
         finally:
             self._retention.join()
 
-    def _finish_async(self, step: int, tmp: Path, meta: dict[str, Any], upload: Any) -> CheckpointInfo:
+    def _finish_async(
+        self,
+        step: int,
+        tmp: Path,
+        meta: dict[str, Any],
+        upload: Any,
+        writer: ChecksummingWriter,
+        own_files: dict[str, WrittenFile],
+    ) -> CheckpointInfo:
         try:
             upload.result()
             write_error = None
         except (Exception, CheckpointException) as exc:
-            write_error = _describe(exc)
-        return self._finish(step, tmp, meta, write_error)
+            write_error = Failure.of(exc)
+        return self._finish(step, tmp, meta, write_error, {**own_files, **writer.written})
 
-    def _finish(self, step: int, tmp: Path, meta: dict[str, Any], write_error: str | None) -> CheckpointInfo:
-        """Commit once every rank wrote its part; runs on all ranks (in the background when async)."""
-        votes = self._group.all_gather((step, write_error))
-        if self._group.rank == 0 and any(error is not None for _, error in votes):
-            # A failed write (e.g. a full disk) must not keep its partial files around.
-            with contextlib.suppress(OSError):
-                remove(tmp)
-        _raise_first_error(votes, f"writing checkpoint step {step}")
-        result: tuple[CheckpointInfo | None, str | None] = (None, None)
+    def _finish(
+        self,
+        step: int,
+        tmp: Path,
+        meta: dict[str, Any],
+        write_error: Failure | None,
+        written: dict[str, WrittenFile],
+    ) -> CheckpointInfo:
+        """Commit once every rank wrote its part; runs on all ranks (in the background when async).
+
+        `written`: the files this rank wrote, with their sizes and checksums.
+        """
+        votes = self._group.all_gather((step, write_error, written))
+        if any(error is not None for _, error, _ in votes):
+            self._discard(tmp)
+        self._raise_first_error([(s, e) for s, e, _ in votes], f"writing checkpoint step {step}", step)
+        result: tuple[CheckpointInfo | None, Failure | None] = (None, None)
         if self._group.rank == 0:
             try:
                 pause_for_test(PAUSE_BEFORE_COMMIT_ENV, step)
-                result = (self._commit(step, tmp, meta), None)
+                result = (self._commit(step, tmp, meta, [w for _, _, w in votes]), None)
             except Exception as exc:  # every rank must hear of it, else they wait forever
-                result = (None, f"committing {tmp} as {step_dir_name(step)} failed: {_describe(exc)}")
-        info, commit_error = self._group.broadcast(result)  # also the barrier after the commit
-        if info is None:
-            raise CheckpointError(str(commit_error))
-        return info
+                result = (None, Failure.of(exc))
+                _remove_quietly(tmp)  # never loadable; as `_discard`, before the others hear of it
+        info, failure = self._group.broadcast(result)  # also the barrier after the commit
+        if info is not None:
+            return info
+        self._remove_own_copy(tmp)
+        if failure.no_space:
+            raise disk_full_error(step, self._run_dir, 0, failure.text)
+        if failure.not_shared:
+            raise SaveDirNotSharedError(failure.text)
+        raise CheckpointError(f"committing {tmp} as {step_dir_name(step)} failed: {failure.text}")
 
-    def _commit(self, step: int, tmp: Path, meta: dict[str, Any]) -> CheckpointInfo:
-        files = {
-            p.relative_to(tmp).as_posix(): p.stat().st_size
-            for p in sorted(tmp.rglob("*"))
-            if p.is_file() and p.name != COMMIT_FILE
-        }
+    def _discard(self, tmp: Path) -> None:
+        """Remove a failed save's partial files (collective): a full disk gets its space back at once."""
+        if self._group.rank == 0:
+            _remove_quietly(tmp)
+        self._group.broadcast(None)  # rank 0 removed it before any other rank looks
+        self._remove_own_copy(tmp)
+
+    def _remove_own_copy(self, tmp: Path) -> None:
+        """After rank 0 removed a failed save: what is still there on a node-local `save_dir` is this rank's."""
+        if self._group.rank != 0 and tmp.exists():
+            _remove_quietly(tmp)
+
+    def _raise_first_error(self, votes: list[tuple[int, Failure | None]], doing: str, step: int) -> None:
+        failed = [(rank, error) for rank, (_, error) in enumerate(votes) if error is not None]
+        for rank, error in failed:
+            if error.no_space:  # a full disk is named as such, whichever rank met it first
+                raise disk_full_error(step, self._run_dir, rank, error.text)
+        for rank, error in failed:
+            raise CheckpointError(
+                f"{doing} failed on rank {rank}: {error.text}; the previous checkpoint stays the latest"
+            )
+
+    def _commit(
+        self, step: int, tmp: Path, meta: dict[str, Any], reported: list[dict[str, WrittenFile]]
+    ) -> CheckpointInfo:
+        written = collect_files(tmp, reported, self._save_dir)  # every rank's files visible here?
+        files = {name: size for name, (size, _) in written.items()}
         record = CheckpointMeta(
             step=step,
             created_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -334,6 +396,7 @@ class CheckpointManager:
             mesh=self._mesh,
             has_optimizer=meta["has_optimizer"],
             files=files,
+            checksums={name: checksum for name, (_, checksum) in written.items()},
         )
         write_durable(tmp / COMMIT_FILE, msgspec.json.format(msgspec.json.encode(record)))
         fsync_dir(tmp)
@@ -401,33 +464,42 @@ class CheckpointManager:
             )
 
         report: CheckpointReport = self._group.broadcast(
-            inspect_checkpoint(info.path, info.meta, with_metadata=model is not None)
+            inspect_checkpoint(
+                info.path, info.meta, with_metadata=model is not None, verify=self._verify_on_load
+            )
             if self._group.rank == 0
             else None
         )
-        problems = list(report.problems)
+        if report.verified is False and self._group.rank == 0:
+            _log.warning(
+                "checkpoint has no checksums (saved before d9d recorded them): its files are not verified",
+                step=info.step,
+                path=str(info.path),
+            )
+        damage = list(report.problems)  # damaged files: the checkpoint itself is broken
+        problems: list[str] = []  # the checkpoint does not fit the model
         extra = report.extra_state
         own: dict[str, Any] | None = None
-        if not problems:
+        if not damage:
             own_name = rank_file_name(self._group.rank)
             if info.meta.world_size == self._group.world_size and own_name in info.meta.files:
                 try:
-                    own = decode_state((info.path / own_name).read_bytes(), f"file {own_name}")
+                    own = decode_state((info.path / own_name).read_bytes(), f"{info.path.name}/{own_name}")
                 except (CheckpointError, OSError) as exc:
-                    problems.append(str(exc))
+                    damage.append(str(exc))
 
         state: dict[str, Any] = {}
         stored_keys: list[str] = []
         live: dict[str, Any] = {}
         metadata = report.metadata
-        if model is not None and not problems:
+        if model is not None and not damage:
             if metadata is None:
-                problems.append(str(report.metadata_error))
+                damage.append(str(report.metadata_error))
             else:
                 try:
                     state = _live_state(model, optimizer)
                 except Exception as exc:
-                    problems.append(f"the model's state dict cannot be built: {_describe(exc)}")
+                    problems.append(f"the model's state dict cannot be built: {describe(exc)}")
                 else:
                     live, _ = flatten_state_dict(state)
                     problems += check_keys(live, metadata)
@@ -435,8 +507,12 @@ class CheckpointManager:
                         k for k in metadata.state_dict_metadata if k.split(".", 1)[0] in state
                     )
 
-        gathered = self._group.all_gather(problems)
-        merged = list(dict.fromkeys(p for rank_problems in gathered for p in rank_problems))
+        gathered = self._group.all_gather((damage, problems))
+        damaged = list(dict.fromkeys(p for rank_damage, _ in gathered for p in rank_damage))
+        if damaged:
+            hint = self._group.broadcast(recovery_hint(info.path) if self._group.rank == 0 else None)
+            raise CheckpointDamagedError(problem_report(info.path, damaged, hint))
+        merged = list(dict.fromkeys(p for _, rank_problems in gathered for p in rank_problems))
         if not merged and model is not None:
             # Keys of the loaded sections that the checkpoint holds but no rank asked for.
             wanted = self._group.any_true(torch.tensor([k in live for k in stored_keys], dtype=torch.bool))
@@ -446,7 +522,7 @@ class CheckpointManager:
                 if not hit
             ]
         if merged:
-            raise CheckpointError(_problem_report(info.path, merged))
+            raise CheckpointError(problem_report(info.path, merged, damaged=False))
 
         if model is not None and metadata is not None:
             try:
@@ -464,9 +540,10 @@ class CheckpointManager:
                         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
                     )
             except Exception as exc:
-                raise CheckpointError(
+                raise CheckpointDamagedError(
                     f"reading checkpoint {info.path} failed after it passed its checks "
-                    f"({type(exc).__name__}: {exc}); the model state is undefined, load again or restart"
+                    f"({type(exc).__name__}: {exc}); the model state is undefined: load again, or "
+                    f"{recovery_hint(info.path)}"
                 ) from exc
         _log.info("checkpoint loaded", step=info.step, path=str(info.path))
         return LoadedCheckpoint(info=info, extra_state=extra, rank_state=own)
@@ -507,40 +584,18 @@ class CheckpointManager:
             raise CheckpointError(f"the checkpoint manager of {self._run_dir} is closed")
 
 
+def _remove_quietly(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        if path.exists():
+            remove(path)
+
+
 def _live_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
     """The sharded (DTensor where distributed) state dicts to write from or load into."""
     if optimizer is None:
         return {"model": get_model_state_dict(model)}
     model_state, optim_state = get_state_dict(model, optimizer)
     return {"model": model_state, "optimizer": optim_state}
-
-
-def _describe(exc: BaseException) -> str:
-    """One line naming the error; DCP's multi-rank report is reduced to its first underlying error."""
-    if isinstance(exc, CheckpointException) and exc.failures:
-        rank, (cause, _) = min(exc.failures.items())
-        return f"{_describe(cause)} (on rank {rank})"
-    if isinstance(exc, CheckpointError):
-        return str(exc)
-    return " ".join(f"{type(exc).__name__}: {exc}".split())
-
-
-def _raise_first_error(votes: list[tuple[int, str | None]], doing: str) -> None:
-    for rank, (_, error) in enumerate(votes):
-        if error is not None:
-            raise CheckpointError(
-                f"{doing} failed on rank {rank}: {error}; the previous checkpoint stays the latest"
-            )
-
-
-def _problem_report(path: Path, problems: list[str]) -> str:
-    shown = problems[:_MAX_LISTED_PROBLEMS]
-    more = len(problems) - len(shown)
-    lines = "\n".join(f"  - {p}" for p in shown) + (f"\n  ... and {more} more" if more else "")
-    return (
-        f"checkpoint {path} cannot be loaded ({len(problems)} problem{'s' if len(problems) != 1 else ''}); "
-        f"nothing was loaded:\n{lines}"
-    )
 
 
 def _package_version() -> str:

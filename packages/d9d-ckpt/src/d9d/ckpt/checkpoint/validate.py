@@ -3,7 +3,9 @@
 A checkpoint is refused when a file recorded at commit is missing or has another size (truncated or
 overwritten), when its torch.distributed.checkpoint metadata cannot be read, or when its keys, shapes
 and dtypes do not match the state the model and optimizer expect. Every check runs on the metadata
-and file sizes only, so a refused checkpoint leaves the model untouched.
+and file sizes only, so a refused checkpoint leaves the model untouched. With `verify=True`, every
+file is also read and compared with the checksum of its commit record (`checksum.py`), which finds
+a flipped byte that leaves the size alone.
 
 On a shared file system the checks must not multiply with the rank count: one rank runs
 `inspect_checkpoint` (stats every file, reads the extra state and the DCP metadata once) and
@@ -26,9 +28,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from d9d.ckpt.checkpoint.checksum import check_checksums
 from d9d.ckpt.checkpoint.errors import CheckpointError
 from d9d.ckpt.checkpoint.extra import decode_state
-from d9d.ckpt.checkpoint.layout import EXTRA_FILE, CheckpointMeta
+from d9d.ckpt.checkpoint.layout import EXTRA_FILE, CheckpointMeta, recovery_hint
 
 __all__ = [
     "CheckpointReport",
@@ -36,8 +39,11 @@ __all__ = [
     "check_files",
     "check_keys",
     "inspect_checkpoint",
+    "problem_report",
     "read_dcp_metadata",
 ]
+
+_MAX_LISTED_PROBLEMS = 20
 
 
 @dataclass(frozen=True)
@@ -49,31 +55,40 @@ class CheckpointReport:
         extra_state: the decoded extra state (empty when there are problems).
         metadata: the torch.distributed.checkpoint metadata, when asked for and readable.
         metadata_error: why the metadata could not be read, when asked for.
+        verified: with `verify`, whether the checksums were compared (False: the commit record has
+            none); None when not asked.
     """
 
     problems: list[str]
     extra_state: dict[str, Any] = field(default_factory=dict)
     metadata: Metadata | None = None
     metadata_error: str | None = None
+    verified: bool | None = None
 
 
-def inspect_checkpoint(path: Path, meta: CheckpointMeta, *, with_metadata: bool) -> CheckpointReport:
+def inspect_checkpoint(
+    path: Path, meta: CheckpointMeta, *, with_metadata: bool, verify: bool = False
+) -> CheckpointReport:
     """Check the files of a checkpoint, read its extra state and (`with_metadata`) its DCP metadata.
 
+    With `verify`, every file is read and compared with its recorded checksum first.
     Never raises: whatever goes wrong becomes a problem of the report (the other ranks wait for it).
     """
+    verified = (meta.checksums is not None) if verify else None
     try:
         problems = check_files(path, meta)
+        if not problems and verify and meta.checksums is not None:
+            problems = check_checksums(path, meta.checksums)
         if problems:
-            return CheckpointReport(problems)
+            return CheckpointReport(problems, verified=verified)
         try:
-            extra = decode_state((path / EXTRA_FILE).read_bytes(), f"file {EXTRA_FILE}")
+            extra = decode_state((path / EXTRA_FILE).read_bytes(), f"{path.name}/{EXTRA_FILE}")
         except (CheckpointError, OSError) as exc:
-            return CheckpointReport([str(exc)])
+            return CheckpointReport([str(exc)], verified=verified)
         if not with_metadata:
-            return CheckpointReport([], extra)
+            return CheckpointReport([], extra, verified=verified)
         metadata, error = read_dcp_metadata(path)
-        return CheckpointReport([], extra, metadata, error)
+        return CheckpointReport([], extra, metadata, error, verified=verified)
     except Exception as exc:
         return CheckpointReport([f"the checkpoint cannot be inspected ({type(exc).__name__}: {exc})"])
 
@@ -108,17 +123,18 @@ def check_files(path: Path, meta: CheckpointMeta) -> list[str]:
     damaged: dict[str, str] = {}
     for name, size in sorted(meta.files.items()):
         file = path / name
+        label = f"{path.name}/{name}"
         try:
             actual = file.stat().st_size
         except FileNotFoundError:
-            damaged[name] = f"file {name} is missing (the commit recorded {size} bytes)"
+            damaged[name] = f"{label} is missing (the commit recorded {size} bytes)"
             continue
         except OSError as exc:
-            damaged[name] = f"file {name} cannot be read: {exc}"
+            damaged[name] = f"{label} cannot be read: {exc}"
             continue
         if actual != size:
             kind = "truncated" if actual < size else "changed"
-            damaged[name] = f"file {name} is {kind}: {actual} bytes, the commit recorded {size}"
+            damaged[name] = f"{label} is {kind}: {actual} bytes, the commit recorded {size}"
     if not damaged:
         return []
     metadata, _ = read_dcp_metadata(path)
@@ -134,6 +150,24 @@ def check_files(path: Path, meta: CheckpointMeta) -> list[str]:
             problem += f"; it holds keys {', '.join(held[:3])}{more}"
         problems.append(problem)
     return problems
+
+
+def problem_report(path: Path, problems: list[str], hint: str | None = None, *, damaged: bool = True) -> str:
+    """The load error of checkpoint `path`: its problems, and for a damaged one how to recover.
+
+    `hint` is `recovery_hint(path)` when known (computed here otherwise, which lists the run).
+    """
+    shown = problems[:_MAX_LISTED_PROBLEMS]
+    more = len(problems) - len(shown)
+    lines = [f"  - {p}" for p in shown] + ([f"  ... and {more} more"] if more else [])
+    if damaged:
+        hint = hint or recovery_hint(path)
+        if len(lines) == 1:
+            lines[0] += f"; {hint}"
+        else:
+            lines.append(f"  {hint}")
+    count = f"{len(problems)} problem{'s' if len(problems) != 1 else ''}"
+    return f"checkpoint {path} cannot be loaded ({count}); nothing was loaded:\n" + "\n".join(lines)
 
 
 def read_dcp_metadata(path: Path) -> tuple[Metadata | None, str | None]:

@@ -1,0 +1,79 @@
+"""How a failed save is told to every rank: one line per rank, and whether the disk was full.
+
+A full disk shows up in any layer of a save (DCP's writer threads, the staging copy, the msgpack
+files, the commit record), wrapped differently by each; `Failure.of` finds an ENOSPC anywhere in
+the exception's chain (DCP's per-rank failures, causes, contexts) so that the save fails with one
+`CheckpointDiskFullError` whatever raised it.
+"""
+
+import errno
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+from d9d.ckpt.checkpoint.errors import CheckpointDiskFullError, CheckpointError, SaveDirNotSharedError
+
+__all__ = ["Failure", "describe", "disk_full_error", "is_no_space"]
+
+_NO_SPACE_TEXT = os.strerror(errno.ENOSPC)  # "No space left on device"
+
+
+def describe(exc: BaseException) -> str:
+    """One line naming the error; DCP's multi-rank report is reduced to its first underlying error."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        rank, (cause, _) = min(exc.failures.items())
+        return f"{describe(cause)} (on rank {rank})"
+    if isinstance(exc, CheckpointError):
+        return str(exc)
+    return " ".join(f"{type(exc).__name__}: {exc}".split())
+
+
+def is_no_space(exc: BaseException) -> bool:
+    """Whether an ENOSPC is anywhere in `exc`'s chain (an error that lost its errno: by its text)."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        current = todo.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno == errno.ENOSPC:
+            return True
+        if isinstance(current, CheckpointDiskFullError) or _NO_SPACE_TEXT in str(current):
+            return True
+        if isinstance(current, CheckpointException):
+            for failure in current.failures.values():
+                cause = failure[0] if isinstance(failure, tuple) else failure
+                if isinstance(cause, BaseException):
+                    todo.append(cause)
+        todo += [e for e in (current.__cause__, current.__context__) if e is not None]
+    return False
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What one rank tells the others about its failed part of a save (it pickles for a gather)."""
+
+    text: str
+    no_space: bool = False
+    not_shared: bool = False
+
+    @classmethod
+    def of(cls, exc: BaseException) -> "Failure":
+        """The failure of `exc`."""
+        return cls(
+            describe(exc), no_space=is_no_space(exc), not_shared=isinstance(exc, SaveDirNotSharedError)
+        )
+
+
+def disk_full_error(step: int, run_dir: Path, rank: int, detail: str) -> CheckpointDiskFullError:
+    """The one error of a save that ran out of space, with where it happened."""
+    # DCP reports every rank's failure on each rank and names the rank that failed itself.
+    where = detail if "(on rank " in detail else f"rank {rank}: {detail}"
+    return CheckpointDiskFullError(
+        f"no space left on device while writing checkpoint step {step} to {run_dir}; the previous "
+        f"checkpoint stays the latest; free space or set trainer.checkpointing.save_dir "
+        f"({where})"
+    )

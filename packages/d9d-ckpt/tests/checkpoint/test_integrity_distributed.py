@@ -1,0 +1,128 @@
+"""Commit-time and load-time integrity over real gloo ranks (world 2): shared save_dir, checksums, full disk."""
+
+import errno
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from _ckpt_testlib import sharded_job, train_step
+
+from d9d.ckpt import (
+    CheckpointDamagedError,
+    CheckpointDiskFullError,
+    CheckpointError,
+    CheckpointManager,
+)
+from d9d.ckpt.checkpoint.layout import list_checkpoints, stale_dirs
+from d9d.mesh import MeshConfig
+from d9d.mesh.testing import run_distributed
+
+WORLD2 = MeshConfig(data_parallel_shard=2)
+
+
+def _save_then_save_on_a_node_local_dir(shared: str, node1: str) -> dict[str, Any]:
+    """Step 2 on the shared dir; step 4 with rank 1 writing where rank 0 cannot see (its own disk)."""
+    ctx, model, opt = sharded_job(WORLD2)
+    train_step(model, opt, 0)
+    with CheckpointManager(shared, "run", context=ctx) as manager:
+        manager.save(2, model, opt, extra_state={"step": 2}, rank_state={"rank": ctx.rank})
+    # The same save_dir on two nodes without a shared file system: two different directories.
+    own_disk = shared if ctx.rank == 0 else node1
+    with CheckpointManager(own_disk, "run", context=ctx) as manager:
+        try:
+            manager.save(4, model, opt, extra_state={"step": 4}, rank_state={"rank": ctx.rank})
+        except CheckpointError as exc:
+            return {
+                "type": type(exc).__name__,
+                "error": str(exc),
+                "left": sorted(os.listdir(Path(own_disk) / "run")),
+            }
+    return {"type": None, "error": None, "left": []}
+
+
+def test_save_dir_not_shared_by_all_nodes_is_refused_at_commit(tmp_path):
+    shared, node1 = tmp_path / "shared", tmp_path / "node1"
+    results = run_distributed(_save_then_save_on_a_node_local_dir, 2, str(shared), str(node1))
+    assert {r["type"] for r in results} == {"SaveDirNotSharedError"}
+    messages = {r["error"] for r in results}
+    assert len(messages) == 1, messages
+    (message,) = messages
+    assert message.startswith(
+        f"save_dir {shared} is not on a file system shared by all nodes (rank 1's files are not visible "
+        "to rank 0); put trainer.checkpointing.save_dir on a shared file system"
+    ), message
+    assert "__1_0.distcp is missing" in message and "rank-00001.msgpack is missing" in message
+    # Nothing was committed: save-2 stays the latest, and no rank keeps the failed save's files.
+    assert [c.step for c in list_checkpoints(shared / "run")] == [2]
+    assert stale_dirs(shared / "run") == [] and stale_dirs(node1 / "run") == []
+    assert results[1]["left"] == []
+
+
+def _load(save_dir: str, verify: bool) -> dict[str, Any]:
+    ctx, model, opt = sharded_job(WORLD2, seed=3)
+    with CheckpointManager(save_dir, "run", context=ctx, verify_on_load=verify) as manager:
+        try:
+            return {"step": manager.load(None, model, opt).step, "error": None}
+        except CheckpointError as exc:
+            return {"step": None, "type": type(exc).__name__, "error": str(exc)}
+
+
+def _save_steps(save_dir: str) -> None:
+    ctx, model, opt = sharded_job(WORLD2)
+    with CheckpointManager(save_dir, "run", context=ctx, async_save=True) as manager:
+        for step in (2, 4):
+            train_step(model, opt, step)
+            manager.save(step, model, opt, extra_state={"step": step}, rank_state={"rank": ctx.rank})
+
+
+def test_flipped_byte_in_rank1s_shard_is_one_error_on_every_rank(tmp_path):
+    run_distributed(_save_steps, 2, str(tmp_path))
+    for info in list_checkpoints(tmp_path / "run"):
+        assert info.meta.checksums is not None and set(info.meta.checksums) == set(info.meta.files)
+        assert {"__0_0.distcp", "__1_0.distcp", "rank-00001.msgpack"} <= set(info.meta.checksums)
+    shard = tmp_path / "run" / "save-4" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    shard.write_bytes(bytes(data))
+    assert [r["step"] for r in run_distributed(_load, 2, str(tmp_path), False)] == [4, 4]  # not read
+    results = run_distributed(_load, 2, str(tmp_path), True)
+    assert {r["type"] for r in results} == {CheckpointDamagedError.__name__}
+    assert {r["error"] for r in results} == {
+        f"checkpoint {tmp_path / 'run' / 'save-4'} cannot be loaded (1 problem); nothing was loaded:\n"
+        "  - save-4/__1_0.distcp is damaged (checksum mismatch); move save-4 aside to resume from save-2"
+    }
+    shutil.move(tmp_path / "run" / "save-4", tmp_path / "save-4.damaged")
+    assert [r["step"] for r in run_distributed(_load, 2, str(tmp_path), True)] == [2, 2]
+
+
+def _rank1_disk_full(save_dir: str) -> dict[str, Any]:
+    from torch.distributed.checkpoint import filesystem
+
+    ctx, model, opt = sharded_job(WORLD2)
+    if ctx.rank == 1:
+
+        def full(self, path, mode):  # type: ignore[no-untyped-def]
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+        filesystem.FileSystem.create_stream = full  # type: ignore[method-assign]
+    with CheckpointManager(save_dir, "run", context=ctx) as manager:
+        try:
+            manager.save(2, model, opt)
+        except CheckpointDiskFullError as exc:
+            return {"error": str(exc)}
+    return {"error": None}
+
+
+def test_disk_full_on_one_rank_is_named_on_every_rank(tmp_path):
+    results = run_distributed(_rank1_disk_full, 2, str(tmp_path))
+    messages = {r["error"] for r in results}
+    assert len(messages) == 1, messages
+    (message,) = messages
+    assert message is not None and message.startswith(
+        f"no space left on device while writing checkpoint step 2 to {tmp_path / 'run'}; the previous "
+        "checkpoint stays the latest; free space or set trainer.checkpointing.save_dir (OSError: "
+        "[Errno 28] No space left on device: "
+    ), message
+    assert message.endswith("__1_0.distcp' (on rank 1))"), message
+    assert list_checkpoints(tmp_path / "run") == [] and stale_dirs(tmp_path / "run") == []
