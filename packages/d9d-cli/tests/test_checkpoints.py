@@ -92,3 +92,55 @@ def test_checkpoints_in_a_subprocess(tiny_run, tmp_path):
     assert _row(ok.stdout, 4).endswith("ok")
     bad = run_cli("checkpoints", str(tmp_path / "nope"))
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "Traceback" not in bad.stderr
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_verify_reports_each_checkpoint_and_fails_on_a_flipped_byte(runner, tiny_run, tmp_path):
+    run = tmp_path / "runs" / "tiny"
+    shutil.copytree(tiny_run.run_dir, run)
+    ok = runner.invoke(cli, ["checkpoints", "--verify", str(run)])
+    assert ok.exit_code == 0, ok.output
+    assert _row(ok.output, 2).endswith("ok") and _row(ok.output, 4).endswith("ok")
+    assert "verified 2 checkpoint(s): 0 damaged" in ok.output
+    shard = max((run / "save-4").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    _flip(shard)
+    plain = runner.invoke(cli, ["checkpoints", str(run)])
+    assert plain.exit_code == 0 and _row(plain.output, 4).endswith("ok")  # sizes alone cannot tell
+    bad = runner.invoke(cli, ["checkpoints", "--verify", str(run)])
+    assert bad.exit_code == 1, bad.output
+    assert _row(bad.output, 2).endswith("ok") and _row(bad.output, 4).endswith("damaged")
+    lines = bad.output.splitlines()
+    at = lines.index("save-4 is damaged:")
+    assert lines[at + 1 : at + 3] == [
+        f"  save-4/{shard.name} is damaged (checksum mismatch)",
+        "  move save-4 aside to resume from save-2",
+    ]
+    assert "verified 2 checkpoint(s): 1 damaged" in bad.output
+
+
+def test_verify_of_a_checkpoint_without_checksums_says_so(runner, tiny_run, tmp_path):
+    run = tmp_path / "runs" / "tiny"
+    shutil.copytree(tiny_run.run_dir, run)
+    commit = run / "save-2" / "commit.json"
+    record = json.loads(commit.read_text())
+    del record["checksums"]  # as written before d9d recorded checksums
+    commit.write_text(json.dumps(record))
+    result = runner.invoke(cli, ["checkpoints", "--verify", str(run)])
+    assert result.exit_code == 0, result.output
+    assert _row(result.output, 2).endswith("ok (no checksums: sizes only)")
+    assert _row(result.output, 4).endswith("ok")
+
+
+def test_verify_in_a_subprocess_exits_1_when_damaged(tiny_run, tmp_path):
+    run = tmp_path / "runs" / "tiny"
+    shutil.copytree(tiny_run.run_dir, run)
+    _flip(run / "save-2" / "extra.msgpack")
+    bad = run_cli("checkpoints", "--verify", str(run))
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr, bad.stderr
+    assert "save-2/extra.msgpack is damaged (checksum mismatch)" in bad.stdout
+    assert "move save-2 aside to start the run afresh" in bad.stdout

@@ -8,7 +8,10 @@ from d9d.cli.commands._runs import check_run_dir, scan_run_dir
 from d9d.cli.commands._text import format_size
 from d9d.cli.errors import reports_errors
 
-__all__ = ["checkpoints", "format_mesh", "format_time"]
+__all__ = ["EXIT_DAMAGED", "checkpoints", "format_mesh", "format_time"]
+
+#: Exit status of `d9d checkpoints --verify` when any committed checkpoint is damaged.
+EXIT_DAMAGED = 1
 
 _DEGREE_TAGS = {
     "pipeline_parallel": "pp",
@@ -41,20 +44,37 @@ def format_mesh(mesh: dict[str, int] | None) -> str:
 
 @click.command(short_help="List a run's checkpoints; flag unfinished ones.")
 @click.argument("run_dir", type=click.Path())
+@click.option(
+    "--verify",
+    is_flag=True,
+    help="Read every file and compare it with the checksum its commit recorded; exit 1 if any is damaged.",
+)
 @reports_errors
-def checkpoints(run_dir: str) -> None:
+def checkpoints(run_dir: str, verify: bool) -> None:
     """List the committed checkpoints of RUN_DIR (save_dir/run.name) and flag the others.
 
     For each committed `save-<step>`: step, when it was saved (UTC), its size on disk, the world size
-    and mesh degrees of the job that wrote it, and whether its files are intact. Unfinished saves
-    (no commit marker) and leftovers of crashed saves are listed after the table; they are never
-    loaded and are safe to delete.
+    and mesh degrees of the job that wrote it, and whether its files are intact (their sizes; with
+    --verify their checksums too, which reads the whole checkpoint). Unfinished saves (no commit
+    marker) and leftovers of crashed saves are listed after the table; they are never loaded and are
+    safe to delete.
 
     \b
     Examples:
       d9d checkpoints runs/quickstart
+      d9d checkpoints --verify runs/quickstart
     """
     scan = scan_run_dir(check_run_dir(run_dir))
+    damage: dict[int, list[str]] = {}  # step -> problem lines, with --verify
+    if verify:
+        from d9d.ckpt import verify_checkpoint
+
+        for info in scan.committed:
+            result = verify_checkpoint(info)
+            if not result.ok:
+                damage[info.step] = [*result.problems, str(result.recovery)]
+            elif not result.has_checksums:
+                scan.damaged.setdefault(info.step, "ok (no checksums: sizes only)")
     lines = [f"run: {scan.run_dir}"]
     if not scan.committed:
         lines.append("no committed checkpoints")
@@ -69,7 +89,7 @@ def checkpoints(run_dir: str) -> None:
                     format_size(sum(meta.files.values())),
                     str(meta.world_size),
                     format_mesh(meta.mesh),
-                    scan.damaged.get(info.step, "ok"),
+                    "damaged" if info.step in damage else scan.damaged.get(info.step, "ok"),
                 )
             )
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -83,4 +103,11 @@ def checkpoints(run_dir: str) -> None:
         lines.append("not checkpoints:")
         width = max(len(s.path.name) for s in scan.strays) + 1
         lines += [f"  {(s.path.name + '/').ljust(width)}  {s.reason}" for s in scan.strays]
+    for step, problems in damage.items():
+        lines.append(f"save-{step} is damaged:")
+        lines += [f"  {p}" for p in problems]
+    if verify:
+        lines.append(f"verified {len(scan.committed)} checkpoint(s): {len(damage)} damaged")
     click.echo("\n".join(lines))
+    if damage:
+        raise SystemExit(EXIT_DAMAGED)
