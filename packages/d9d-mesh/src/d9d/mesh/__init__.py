@@ -13,7 +13,7 @@ importing d9d.mesh never pulls in test machinery).
 from d9d.mesh.config import DEGREE_KEYS, MeshConfig
 from d9d.mesh.context import DistributedContext, Mode
 from d9d.mesh.device import DEVICE_CHOICES, DeviceChoice, cuda_problem, device_name, resolve_device
-from d9d.mesh.errors import D9dError, LaunchError, MeshConfigError
+from d9d.mesh.errors import D9dError, LaunchError, MeshConfigError, RendezvousError
 from d9d.mesh.layout import (
     DOMAINS,
     DomainLayout,
@@ -38,6 +38,7 @@ __all__ = [
     "MeshConfig",
     "MeshConfigError",
     "Mode",
+    "RendezvousError",
     "axis_groups",
     "configure_logging",
     "cuda_problem",

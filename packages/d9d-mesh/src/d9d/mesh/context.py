@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from d9d.mesh.config import MeshConfig
 from d9d.mesh.device import device_name, resolve_device
-from d9d.mesh.errors import D9dError, LaunchError
+from d9d.mesh.errors import D9dError, LaunchError, RendezvousError
 from d9d.mesh.layout import DOMAINS, domain_layout, format_layout, rank_coordinates, rank_tag
 
 __all__ = ["DistributedContext", "Mode"]
@@ -131,13 +131,22 @@ class DistributedContext:
         _select(chosen)
         if owns:
             cuda = chosen.type == "cuda"
-            dist.init_process_group(
-                backend="cpu:gloo,cuda:nccl" if cuda else "gloo",
-                timeout=init_timeout,
-                # bound to its GPU, NCCL initializes at once and the mesh splits its communicator
-                device_id=chosen if cuda else None,
-                **_attempt_store(env, init_timeout),
-            )
+            try:
+                dist.init_process_group(
+                    backend="cpu:gloo,cuda:nccl" if cuda else "gloo",
+                    timeout=init_timeout,
+                    # bound to its GPU, NCCL initializes at once and the mesh splits its communicator
+                    device_id=chosen if cuda else None,
+                    **_attempt_store(env, init_timeout),
+                )
+            except (dist.DistStoreError, dist.DistNetworkError) as exc:
+                where = f"{env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}"
+                raise RendezvousError(
+                    f"rank {env.get('RANK', '?')} could not reach the rendezvous store at {where} within "
+                    f"{init_timeout.total_seconds():g} s ({str(exc).splitlines()[0][:160]}); launch every rank "
+                    "with torchrun (which hosts the store), or check MASTER_ADDR/MASTER_PORT and that rank 0 "
+                    "is running and reachable from this node"
+                ) from None
         elif dist.get_world_size() != config.world_size:
             raise LaunchError(
                 f"the existing process group has {dist.get_world_size()} ranks but the mesh "

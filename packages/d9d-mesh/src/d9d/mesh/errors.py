@@ -1,6 +1,11 @@
 """Exception types of d9d.mesh: every message says what was wrong and how to fix it."""
 
-__all__ = ["D9dError", "LaunchError", "MeshConfigError"]
+__all__ = [
+    "D9dError",
+    "LaunchError",
+    "MeshConfigError",
+    "RendezvousError",
+]
 
 
 class D9dError(Exception):
@@ -13,3 +18,7 @@ class MeshConfigError(D9dError, ValueError):
 
 class LaunchError(D9dError, RuntimeError):
     """The processes that were launched do not match the mesh, or the launch environment is broken."""
+
+
+class RendezvousError(LaunchError):
+    """This rank could not reach the launch's rendezvous store (so it cannot tell whether others failed too)."""

@@ -5,8 +5,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from d9d.mesh import D9dError
-from d9d.trainer.failures import agree_on_error, error_store, verdict_of
+from d9d.mesh import D9dError, RendezvousError
+from d9d.trainer.failures import _mark, agree_on_error, error_store, verdict_of
 from d9d.trainer.reporting import report_error
 from d9d.trainer.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED, INTERRUPTED_MESSAGE
 from d9d.trainer.trainer import Trainer, TrainResult
@@ -39,6 +39,8 @@ def _agree(exc: Exception) -> None:
     store = error_store()
     if store is not None:
         agree_on_error(exc, store, int(os.environ["RANK"]), world_size)
+    elif isinstance(exc, RendezvousError):  # no store to agree through: this rank must say it itself
+        _mark(exc, "mine", int(os.environ["RANK"]))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
