@@ -8,6 +8,9 @@ and `os.sync()` has run before that, so neither import memory nor an earlier op'
 counted). The streaming writer and reader of d9d.ckpt should stay near one shard plus one tensor; `safetensors.torch.save_file`/`load_file` and
 `torch.save`/`torch.load` of the full state dict need about the whole model. Throughput compares
 d9d's `CheckpointManager` (atomic commit, validation) with plain `torch.distributed.checkpoint`.
+The cost of checksums is the save time of `CheckpointManager` over the same save with the read-back
+crc32 of each written file replaced by a constant (`d9d_ckpt_save_nocrc`), and the load time with
+`verify_on_load=True` over the default load.
 
 The same model sharded with FSDP2 over 2 forked gloo ranks (`--ranks`) is exported twice: with
 `save_safetensors` (each shard is sent to rank 0 alone) and with torch's usual recipe,
@@ -93,15 +96,21 @@ def _do(op: str, model, folder: str, shard_mb: int) -> float:  # type: ignore[no
         model.load_state_dict(load_file(f"{folder}/model.safetensors"))
     elif op == "torch_load":
         model.load_state_dict(torch.load(f"{folder}/model.pt"))
-    elif op == "d9d_ckpt_save":
-        with CheckpointManager(folder, "bench") as manager:
+    elif op in ("d9d_ckpt_save", "d9d_ckpt_save_nocrc"):
+        if op == "d9d_ckpt_save_nocrc":  # the same save, the read-back checksum left out
+            from d9d.ckpt.checkpoint import checksum
+
+            checksum.checksum_file = lambda path: "crc32:00000000"
+        with CheckpointManager(folder, f"bench-{op}") as manager:
             manager.save(1, model)
     elif op == "dcp_save":
         import torch.distributed.checkpoint as dcp
 
         dcp.save({"model": model.state_dict()}, checkpoint_id=f"{folder}/dcp", no_dist=True)
-    elif op == "d9d_ckpt_load":
-        with CheckpointManager(folder, "bench") as manager:
+    elif op in ("d9d_ckpt_load", "d9d_ckpt_load_verify"):
+        with CheckpointManager(
+            folder, "bench-d9d_ckpt_save", verify_on_load=op.endswith("verify")
+        ) as manager:
             manager.load(None, model)
     elif op == "dcp_load":
         import torch.distributed.checkpoint as dcp
@@ -184,7 +193,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d9d_dir, tempfile.TemporaryDirectory() as plain_dir:
         rows = [_run(op, d9d_dir if op.startswith("d9d") else plain_dir, args) for op in (
             "d9d_export", "save_file", "torch_save", "d9d_import", "load_file", "torch_load",
-            "d9d_ckpt_save", "dcp_save", "d9d_ckpt_load", "dcp_load",
+            "d9d_ckpt_save_nocrc", "d9d_ckpt_save", "dcp_save", "d9d_ckpt_load", "d9d_ckpt_load_verify",
+            "dcp_load",
             "sharded_d9d_export", "sharded_full_state_dict",
         )]  # fmt: skip
     by_op = {r["op"]: r for r in rows}
@@ -207,6 +217,11 @@ def main() -> None:
             by_op["d9d_ckpt_save"]["seconds"] / by_op["dcp_save"]["seconds"], "~1 (+ commit, fsync)"),
         row("CheckpointManager / plain DCP load time",
             by_op["d9d_ckpt_load"]["seconds"] / by_op["dcp_load"]["seconds"], "~1 (+ validation)"),
+        row("save time with / without checksums (crc32 read-back)",
+            by_op["d9d_ckpt_save"]["seconds"] / by_op["d9d_ckpt_save_nocrc"]["seconds"], "~1",
+            f"{by_op['d9d_ckpt_save']['seconds']:.2f} vs {by_op['d9d_ckpt_save_nocrc']['seconds']:.2f} s"),
+        row("load time with / without verify_on_load",
+            by_op["d9d_ckpt_load_verify"]["seconds"] / by_op["d9d_ckpt_load"]["seconds"], "small (one read)"),
     ]  # fmt: skip
     sx, fs = by_op["sharded_d9d_export"], by_op["sharded_full_state_dict"]
     ratios += [
