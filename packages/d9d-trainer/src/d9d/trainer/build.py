@@ -8,7 +8,7 @@ from torch import nn
 from d9d.mesh import D9dError, DistributedContext
 from d9d.parallel import MixedPrecision, PipelineLayout, StageSpec
 from d9d.trainer._materialize import materialize_and_initialize
-from d9d.trainer.errors import TrainingError
+from d9d.trainer.errors import OutOfMemoryError, TrainingError, first_line, is_out_of_memory
 from d9d.trainer.job import ResolvedJob
 from d9d.trainer.providers import InitializeModelStageContext, ParallelizeModelStageContext
 
@@ -139,7 +139,17 @@ def build_model(
             "d9d.parallel.compile_blocks so checkpoint and export keys stay the same"
         )
     init_device = "cpu" if tcfg.determinism.init_device == "cpu" else context.device
-    materialize_and_initialize(model, context.device, tcfg.determinism.seed, init_device=init_device)
+    try:
+        materialize_and_initialize(model, context.device, tcfg.determinism.seed, init_device=init_device)
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        n = sum(p.numel() for p in model.parameters())
+        raise OutOfMemoryError(
+            f"the model ({n:,} parameters on this rank) does not fit in {context.device} memory ({first_line(exc)}); "
+            "make it smaller or split it over more ranks (mesh.data_parallel_shard, mesh.tensor_parallel, "
+            "mesh.pipeline_parallel)"
+        ) from None
     return model
 
 

@@ -2,7 +2,9 @@
 
 from d9d.mesh import D9dError
 
-__all__ = ["PeerFailedError", "RunLockedError", "TrainingError"]
+__all__ = ["OutOfMemoryError", "PeerFailedError", "RunLockedError", "TrainingError", "is_out_of_memory"]
+
+_OOM_TEXT = ("out of memory", "not enough memory", "can't allocate memory", "defaultcpuallocator")
 
 
 class TrainingError(D9dError, RuntimeError):
@@ -23,3 +25,22 @@ class PeerFailedError(TrainingError):
 
 class RunLockedError(TrainingError):
     """Another job is running with the same `save_dir/run.name`; two jobs must not write one run."""
+
+
+class OutOfMemoryError(TrainingError):
+    """The model or a step does not fit in the device's memory (the message says what to change)."""
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """torch's CUDA OOM, Python's MemoryError, or a CPU allocator failure."""
+    import torch
+
+    if isinstance(exc, torch.OutOfMemoryError | MemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(text in str(exc).lower() for text in _OOM_TEXT)
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of the message (allocator errors are long)."""
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:200]

@@ -55,10 +55,7 @@ class ProgressLine:
         self._handlers: list[logging.Handler] = []
         if self._enabled:  # a log line first clears the progress line, which the next update redraws
             for handler in logging.getLogger().handlers:
-                if (
-                    isinstance(handler, logging.StreamHandler)
-                    and getattr(handler.stream, "isatty", lambda: False)()
-                ):
+                if isinstance(handler, logging.StreamHandler) and _is_terminal(handler.stream):
                     handler.addFilter(self._clear_before_log)
                     self._handlers.append(handler)
 
@@ -102,3 +99,10 @@ def mfu(
     if flops_per_token is None or peak is None:
         return {}
     return {"mfu": round(tokens_per_s * flops_per_token / (peak * world_size), 4)}
+
+
+def _is_terminal(stream: object) -> bool:
+    try:
+        return bool(stream.isatty())  # type: ignore[attr-defined]
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False

@@ -22,7 +22,7 @@ from d9d.mesh import DistributedContext, configure_logging, get_logger
 from d9d.parallel import enable_tf32, resolve_precision
 from d9d.trainer._fault_injection import FaultInjection
 from d9d.trainer.build import build_model, check_model_mesh
-from d9d.trainer.errors import TrainingError
+from d9d.trainer.errors import OutOfMemoryError, TrainingError, first_line, is_out_of_memory
 from d9d.trainer.failures import FailureBoard, job_store
 from d9d.trainer.job import ResolvedJob, resolve_job
 from d9d.trainer.lifecycle import RunLifecycle
@@ -308,14 +308,23 @@ class Trainer:
                     stopped_by = self._stops.signal_name or "a signal on another rank"
                     break
             self._lifecycle.checkpoints.wait()
-        except Exception as exc:
+        except Exception as caught:
+            exc: Exception = caught
+            if is_out_of_memory(caught):
+                exc = OutOfMemoryError(
+                    f"out of {self._context.device} memory in step {self._step + 1} ({first_line(caught)}); lower "
+                    "data.microbatch_size, set trainer.activation_checkpointing.mode: full, or shard the model "
+                    "over more ranks"
+                )
             if self._watchdog is not None:
                 self._watchdog.hold_if_exiting()
             with contextlib.suppress(Exception):  # keep what was trained before the failure
                 records.flush()
             stop = self._failures.stopping(exc, self._step + 1)
-            if stop is exc:
+            if stop is caught:
                 raise
+            if stop is exc:
+                raise exc from None
             raise stop from exc
         finally:
             self._stops.__exit__(None, None, None)
