@@ -1,11 +1,26 @@
-"""Run the quickstart job (tiny overrides) as a plain process or under torchrun, and read its results."""
+"""Run the quickstart job (tiny overrides) and compare what runs left: losses, grad norms, weights.
+
+Three ways to run it: a plain process (`run_local`), a real torchrun (`run_ranks`), or forked from
+the test process (`train`: one plain process, or ranks joined by `d9d.mesh.testing.run_distributed`),
+which skips a fresh interpreter per rank. `compare_runs` is the one parity check of the e2e tests.
+"""
 
 import json
+import math
+import multiprocessing
+import os
+import pickle
 import subprocess
 import sys
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from d9d.mesh.testing import run_torchrun
+import torch
+
+from d9d.mesh.testing import run_distributed, run_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "examples" / "quickstart" / "train.py")
@@ -24,6 +39,20 @@ TINY = [
     "lr_scheduler.warmup_steps=2",
 ]
 MOE = ["model.moe={num_experts: 4, top_k: 2, moe_intermediate_size: 64}"]
+#: SGD: no second moment to amplify reduction-order noise, so runs on other meshes agree to ~1e-6.
+SGD = ["optimizer.name=sgd", "optimizer.lr=0.5", "optimizer.weight_decay=0.0"]
+#: Clipping out of reach: a gradient-scale error changes the update, hence the loss, not only the norm.
+NO_CLIP = ["trainer.gradient_clipping.max_norm=null"]
+
+_DIST_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 def overrides(save_dir: Path, name: str, steps: int, *extra: str) -> list[str]:
@@ -49,5 +78,205 @@ def run_ranks(nproc: int, args: list[str], timeout: float = 300) -> str:
 
 def losses(save_dir: Path, name: str) -> list[float]:
     """Losses per step from the run's metrics file."""
-    lines = (save_dir / name / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)["loss"] for line in lines]
+    return [r["loss"] for r in records(save_dir / name)]
+
+
+def records(run_dir: Path) -> list[dict[str, Any]]:
+    """The per-step records (loss, grad_norm, lr, ...) of a run's metrics file."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def exported_weights(export_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files in an export directory, by name."""
+    from safetensors.torch import load_file
+
+    weights: dict[str, torch.Tensor] = {}
+    for file in sorted(export_dir.glob("*.safetensors")):
+        weights.update(load_file(file))
+    assert weights, f"no safetensors files in {export_dir}"
+    return weights
+
+
+# ---------------------------------------------------------------------------------------- results
+
+
+@dataclass
+class RunResult:
+    """What a run left: its per-step records and its final weights (full tensors, by name)."""
+
+    records: list[dict[str, Any]]
+    weights: dict[str, torch.Tensor]
+
+    @classmethod
+    def read(cls, run_dir: Path, export_dir: Path) -> "RunResult":
+        """From a run's metrics file and its export directory (runs in other processes)."""
+        return cls(records(run_dir), exported_weights(export_dir))
+
+
+@dataclass
+class Spread:
+    """Largest relative differences of one run from another: per-step loss and grad norm (|a-b|/|b|)
+    and final weights (per tensor, ||a-b|| / ||b||), with where each was."""
+
+    loss: float
+    loss_step: int
+    grad_norm: float
+    grad_norm_step: int
+    weights: float
+    weights_name: str
+
+    def __str__(self) -> str:
+        return (
+            f"loss {self.loss:.2e} (step {self.loss_step}), grad_norm {self.grad_norm:.2e} "
+            f"(step {self.grad_norm_step}), weights {self.weights:.2e} ({self.weights_name})"
+        )
+
+
+def spread(actual: RunResult, expected: RunResult, *, steps: range | None = None) -> Spread:
+    """The relative differences of `actual` from `expected` (steps: only those, else all of them)."""
+    steps_a = [r["step"] for r in actual.records]
+    steps_e = [r["step"] for r in expected.records]
+    assert steps_a == steps_e, f"the runs logged other steps: {steps_a} vs {steps_e}"
+    assert actual.weights.keys() == expected.weights.keys(), (
+        f"other weights: {sorted(actual.weights.keys() ^ expected.weights.keys())}"
+    )
+    worst: dict[str, tuple[float, Any]] = {"loss": (0.0, 0), "grad_norm": (0.0, 0), "weights": (0.0, "")}
+    for a, e in zip(actual.records, expected.records, strict=True):
+        if steps is not None and a["step"] not in steps:
+            continue
+        for key in ("loss", "grad_norm"):
+            diff = _rel(a[key], e[key])
+            if diff > worst[key][0] or math.isnan(diff):
+                worst[key] = (diff, a["step"])
+    for name, e in expected.weights.items():
+        a = actual.weights[name]
+        assert a.shape == e.shape and a.dtype == e.dtype, (name, a.shape, a.dtype, e.shape, e.dtype)
+        diff = float((a.double() - e.double()).norm() / e.double().norm().clamp_min(1e-30))
+        if diff > worst["weights"][0] or math.isnan(diff):
+            worst["weights"] = (diff, name)
+    return Spread(*worst["loss"], *worst["grad_norm"], *worst["weights"])
+
+
+def compare_runs(
+    actual: RunResult,
+    expected: RunResult,
+    *,
+    rel: float,
+    weights_rel: float | None = None,
+    steps: range | None = None,
+) -> Spread:
+    """Assert `actual` matches `expected`: every step's loss and grad norm within `rel`, every final
+    weight tensor within `weights_rel` (default `rel`); rel=0 asks for bit-identical runs.
+
+    Returns the measured spread; raises AssertionError naming what was off, and by how much.
+    """
+    weights_rel = rel if weights_rel is None else weights_rel
+    found = spread(actual, expected, steps=steps)
+    if rel == 0 and weights_rel == 0:
+        off = [f"step {a['step']} {key}: {a[key]!r} != {e[key]!r}"
+               for a, e in zip(actual.records, expected.records, strict=True)
+               if steps is None or a["step"] in steps
+               for key in ("loss", "grad_norm", "lr") if a[key] != e[key]]  # fmt: skip
+        off += [
+            f"weight {n} differs"
+            for n, e in expected.weights.items()
+            if not torch.equal(actual.weights[n], e)
+        ]
+        assert not off, "runs are not bit-identical: " + "; ".join(off[:8])
+        return found
+    off = []
+    if not found.loss <= rel:
+        off.append(f"loss off by {found.loss:.2e} at step {found.loss_step}")
+    if not found.grad_norm <= rel:
+        off.append(f"grad_norm off by {found.grad_norm:.2e} at step {found.grad_norm_step}")
+    if not found.weights <= weights_rel:
+        off.append(f"weight {found.weights_name} off by {found.weights:.2e}")
+    assert not off, f"runs differ beyond rel={rel:g}, weights_rel={weights_rel:g}: " + "; ".join(off)
+    return found
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+# ---------------------------------------------------------------------------------------- forked runs
+
+
+def train(nproc: int, args: list[str], timeout: float = 300) -> RunResult:
+    """Train the quickstart forked from this process (nproc 1: a plain process without a process
+    group, the one-process reference) and return its records and final weights."""
+    if nproc == 1:
+        weights = run_forked(train_and_gather, list(args), timeout=timeout)
+    else:
+        merged: dict[str, torch.Tensor] = {}
+        for rank_weights in run_distributed(train_and_gather, nproc, list(args), timeout=timeout):
+            merged.update(rank_weights)  # pipeline stages hold different names; replicas equal ones
+        weights = merged
+    run_dir = _run_dir(args)
+    return RunResult(records(run_dir), weights)
+
+
+def run_forked(
+    fn: Callable[..., Any], *args: Any, timeout: float = 300, env: Mapping[str, str] | None = None
+) -> Any:
+    """`fn(*args)` in one forked process with no process group and no torchrun variables; its result."""
+    reader, writer = multiprocessing.get_context("fork").Pipe(duplex=False)
+    process = multiprocessing.get_context("fork").Process(
+        target=_forked_main, args=(fn, args, dict(env or {}), writer), daemon=True
+    )
+    process.start()
+    writer.close()
+    try:
+        if not reader.poll(timeout):
+            raise AssertionError(f"forked {fn.__name__} did not finish within {timeout} s")
+        status, payload = pickle.loads(reader.recv_bytes())
+    except EOFError:
+        process.join(5)
+        raise AssertionError(f"forked {fn.__name__} died with exit code {process.exitcode}") from None
+    finally:
+        if process.is_alive():
+            process.kill()
+        process.join(5)
+    assert status == "ok", f"forked {fn.__name__} failed:\n{payload}"
+    return payload
+
+
+def _forked_main(fn: Callable[..., Any], args: tuple[Any, ...], env: dict[str, str], writer: Any) -> None:
+    try:
+        for name in _DIST_ENV:
+            os.environ.pop(name, None)
+        os.environ.update({"OMP_NUM_THREADS": "1", **env})
+        torch.set_num_threads(1)
+        message = ("ok", fn(*args))
+    except BaseException:
+        message = ("error", traceback.format_exc())
+    try:
+        writer.send_bytes(pickle.dumps(message))
+        writer.close()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def train_and_gather(args: list[str]) -> dict[str, torch.Tensor]:
+    """Train (resuming if the run has checkpoints; exporting if export.dir is set); this rank's
+    full-tensor view of its weights."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from d9d.trainer import Trainer
+
+    with Trainer.from_config(CONFIG, args) as trainer:
+        trainer.train()
+        if any(arg.startswith("export.dir=") and arg != "export.dir=null" for arg in args):
+            trainer.export()  # as the quickstart's main() does
+        state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
+        return {name: t.detach().cpu().clone() for name, t in state.items()}
+
+
+def _run_dir(args: list[str]) -> Path:
+    found = {}
+    for arg in args:
+        key, _, value = arg.partition("=")
+        found[key] = value
+    return Path(found["trainer.checkpointing.save_dir"]) / found["trainer.run.name"]
