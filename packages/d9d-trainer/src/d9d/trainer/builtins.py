@@ -122,16 +122,32 @@ def optimizer_kernels(implementation: str, params: list[torch.Tensor]) -> dict[s
     return {"foreach": False}
 
 
-def lr_multiplier(step: int, *, name: str, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+def lr_multiplier(
+    step: int,
+    *,
+    name: str,
+    warmup_steps: int,
+    total_steps: int,
+    min_lr_ratio: float,
+    decay_ratio: float = 0.1,
+) -> float:
     """Multiplier of the base learning rate for optimizer step `step` (0-based).
 
     Linear warmup from 1/(warmup+1) to 1 over `warmup_steps`, then `constant`, or decay to
-    `min_lr_ratio` at the last step along a cosine or a line.
+    `min_lr_ratio` at the last step along a cosine or a line; `wsd` stays at 1 until the last
+    `decay_ratio × total_steps` steps, which decay linearly to `min_lr_ratio`.
     """
     if step < warmup_steps:
         return (step + 1) / (warmup_steps + 1)
     if name == "constant":
         return 1.0
+    if name == "wsd":
+        decay = max(1, round(decay_ratio * total_steps))
+        start = max(warmup_steps, total_steps - decay)
+        if step < start:
+            return 1.0
+        progress = min(1.0, (step - start + 1) / max(1, total_steps - start))
+        return min_lr_ratio + (1.0 - min_lr_ratio) * (1.0 - progress)
     decay_steps = max(1, total_steps - warmup_steps - 1)
     progress = min(1.0, (step - warmup_steps) / decay_steps)
     shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if name == "cosine" else 1.0 - progress
@@ -159,6 +175,7 @@ class BuiltinLRSchedulerProvider:
                 warmup_steps=c.warmup_steps,
                 total_steps=total_steps,
                 min_lr_ratio=c.min_lr_ratio,
+                decay_ratio=c.decay_ratio,
             ),
         )
 

@@ -204,17 +204,27 @@ class OptimizerConfig(_Section):
 
 
 class LRSchedulerConfig(_Section):
-    """Linear warmup from 0, then cosine or linear decay to `min_lr_ratio × lr`, or constant."""
+    """Linear warmup from 0, then cosine or linear decay to `min_lr_ratio × lr`, constant, or `wsd`.
 
-    name: Literal["cosine", "linear", "constant"] = "constant"
+    `wsd` (warmup-stable-decay) holds the peak until the last `decay_ratio` of `total_steps`, then
+    decays linearly to `min_lr_ratio`. The schedule is a function of (step, total_steps): raising
+    total_steps on resume recomputes it for the new total (logged). For `wsd` that continues the
+    stable phase unchanged as long as the decay had not begun; cosine and linear stretch their decay,
+    so the learning rate moves to the new curve's value at the resumed step.
+    """
+
+    name: Literal["cosine", "linear", "constant", "wsd"] = "constant"
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0
+    decay_ratio: float = 0.1
 
     def __post_init__(self) -> None:
         if self.warmup_steps < 0:
             raise ValueError(f"lr_scheduler.warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"lr_scheduler.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0.0 < self.decay_ratio <= 1.0:
+            raise ValueError(f"lr_scheduler.decay_ratio must be in (0, 1], got {self.decay_ratio}")
 
 
 class PipeliningConfig(_Section):

@@ -70,6 +70,7 @@ class RunLifecycle:
         extra = loaded.extra_state
         self.data.load_state_dict(extra["data"])
         self.scheduler.load_state_dict(extra["lr_scheduler"])
+        self._reapply_schedule()
         if loaded.rank_state is not None:
             restore_rng_state(loaded.rank_state)
         resumed = int(extra["step"])
@@ -77,6 +78,30 @@ class RunLifecycle:
         for key, (before, now) in config_changes(extra.get("config"), self.job.loaded.raw).items():
             _log.warning("resumed with a changed setting", key=key, checkpoint=before, now=now)
         return resumed
+
+    def _reapply_schedule(self) -> None:
+        """Set the learning rate of the resumed step from the schedule as configured now.
+
+        The optimizer's checkpoint holds the learning rate the old schedule gave; with a changed
+        total_steps (or schedule) the next step must use the new schedule's value, not the old one's
+        (which was 0 at the end of a finished cosine run).
+        """
+        lambdas = getattr(self.scheduler, "lr_lambdas", None)
+        if lambdas is None:  # not a LambdaLR: its own state is all it has
+            return
+        step = self.scheduler.last_epoch
+        old = [group["lr"] for group in self.optimizer.param_groups]
+        new = [base * fn(step) for base, fn in zip(self.scheduler.base_lrs, lambdas, strict=True)]
+        for group, lr in zip(self.optimizer.param_groups, new, strict=True):
+            group["lr"] = lr
+        self.scheduler._last_lr = list(new)  # what get_last_lr() reports for this step
+        if any(abs(a - b) > 1e-12 * max(abs(a), abs(b), 1e-30) for a, b in zip(old, new, strict=True)):
+            _log.warning(
+                "learning rate follows the schedule as configured now",
+                step=step + 1,
+                checkpoint=old[0],
+                now=new[0],
+            )
 
     def _import_source_weights(self) -> None:
         prepare = getattr(self.job.model_provider, "prepare_import_model_stage", None)

@@ -125,6 +125,7 @@ class Trainer:
             tcfg.run.name,
             num_to_keep=ckpt.num_to_keep,
             async_save=ckpt.async_save,
+            verify_on_load=ckpt.verify_on_load,
             context=ctx,
         )
         self._lifecycle = RunLifecycle(
