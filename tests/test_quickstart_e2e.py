@@ -4,10 +4,11 @@ and at the end every weight tensor, within the measured reduction-order spread.
 Ranks are forked from the test process (`_quickstart.train`); the launch through real torchrun is
 covered by tests/faults/test_torchrun_restart.py (bit-identical to these forked ranks) and the CLI tests.
 
-Measured spread (fp32, gloo, 4 steps, SGD, every mesh below but tp, clipped and unclipped): loss
+Measured spread (fp32, gloo, 4 steps, SGD, every mesh below, clipped and unclipped): loss
 <= 1.1e-7, grad norm <= 6.5e-7, weights <= 1.2e-7 (per tensor, ||a-b|| / ||b||); AdamW on FSDP 2
 the same. REL is 1e-5: ~15x that, and >= 100x below what the gradient-scale mutation at the end
-moves (see there). Tensor parallel misses it through a bug in the reference model (QK_NORM_TP_BUG).
+moves (see there). Comparing weights found that q_norm/k_norm under tensor parallel did not sum
+their gradients over tp (fixed: their input is declared sharded over the heads).
 """
 
 import pytest
@@ -40,16 +41,6 @@ MESHES = {
 #: max_norm 1.0, which every step's norm (1.9-2.9) exceeds, so it tests the distributed clipping;
 #: "unclipped" lets a gradient-scale error reach the loss, not only the logged norm.
 VARIANTS = {"clipped": SGD, "unclipped": [*SGD, *NO_CLIP]}
-
-#: A bug in examples/reference_model (not in these tests): under tensor parallel, q_norm and k_norm are
-#: `ReplicateParallel`, but their input is the rank's own heads, so each tp rank's weight gradient is
-#: only its heads' part and is never summed over tp. The replicas drift apart (2.7e-4 after 4 steps),
-#: every other weight follows them to ~1e-5, and so do the later grad norms (1.1e-5 at step 4 unclipped).
-QK_NORM_TP_BUG = pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="reference_model: q_norm/k_norm weight grads are not reduced over tp (replicas diverge)",
-)
 
 
 def _model(mesh: str) -> list[str]:
@@ -101,28 +92,12 @@ def mesh_run(runs):
 @pytest.mark.parametrize("mesh", list(MESHES))
 def test_mesh_gives_single_process_losses_grad_norms_and_weights(reference, mesh_run, mesh, variant):
     expected = reference(tuple(_model(mesh)), tuple(VARIANTS[variant]))
-    if "tp" in mesh:  # QK_NORM_TP_BUG moves every step after the first: those are the xfail below
-        compare_runs(mesh_run(mesh, variant), expected, rel=REL, weights_rel=float("inf"), steps=range(1, 2))
-    else:
-        compare_runs(mesh_run(mesh, variant), expected, rel=REL)
+    compare_runs(mesh_run(mesh, variant), expected, rel=REL)
 
 
-@QK_NORM_TP_BUG
-@pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("mesh", [m for m in MESHES if "tp" in m])
-def test_tensor_parallel_gives_single_process_run(reference, mesh_run, mesh, variant):
-    compare_runs(mesh_run(mesh, variant), reference((), tuple(VARIANTS[variant])), rel=REL)
-
-
-def test_fsdp2_with_adamw_gives_single_process_losses_grad_norms_and_weights(runs, reference):
-    """The quickstart's own optimizer (AdamW, clipped): over 4 steps its noise stays ~1e-7 too."""
-    actual = train(2, overrides(runs, "fsdp2-adamw", STEPS, "mesh.data_parallel_shard=2"))
-    compare_runs(actual, reference((), ()), rel=REL)
-
-
-@QK_NORM_TP_BUG
 def test_tensor_parallel_keeps_qk_norm_replicas_equal(runs):
-    """The plain statement of the bug above: after training, both tp ranks hold the same q/k norms."""
+    """Per-head norms under tensor parallel (each rank normalizes its own heads): their weight
+    gradients are summed over tp, so after training both tp ranks hold the same q/k norms."""
     args = overrides(runs, "tp2-replicas", 2, *SGD, "mesh.tensor_parallel=2")
     rank0, rank1 = run_distributed(train_and_gather, 2, args, timeout=300)
     differ = [name for name in rank0 if not torch.equal(rank0[name], rank1[name])]

@@ -4,6 +4,8 @@ Data parallelism (`d9d.parallel.parallelize_hsdp`) is applied by the caller afte
 reads: tensor parallel → expert parallel → HSDP.
 """
 
+from torch.distributed.tensor import Shard
+
 from d9d.mesh import DistributedContext, MeshConfig
 from d9d.parallel import (
     MixedPrecision,
@@ -89,10 +91,10 @@ def tensor_parallel_plan(model: ReferenceForCausalLM) -> TensorParallelPlan:
         | norm_plan("model.layers.*.input_layernorm", "model.layers.*.post_attention_layernorm", "model.norm")
         | lm_head_plan("lm_head", loss_parallel=False)
     )
-    if model.config.qk_norm:
+    if model.config.qk_norm:  # per-head norms: each tp rank normalizes its own heads (dim 2)
         plan |= {
-            "model.layers.*.self_attn.q_norm": ReplicateParallel(),
-            "model.layers.*.self_attn.k_norm": ReplicateParallel(),
+            "model.layers.*.self_attn.q_norm": ReplicateParallel(input_layouts=Shard(2)),
+            "model.layers.*.self_attn.k_norm": ReplicateParallel(input_layouts=Shard(2)),
         }
     dense_layers = [
         name for name, layer in model.model.layers.items() if not model.config.is_moe_layer(int(name))

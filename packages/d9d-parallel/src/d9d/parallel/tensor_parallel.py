@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -124,14 +124,26 @@ def norm_plan(*names: str, sequence_parallel: bool = True) -> TensorParallelPlan
 
 
 class ReplicateParallel(ParallelStyle):
-    """Replicate a module's parameters over tp; it computes on plain (replicated) inputs as before."""
+    """Replicate a module's parameters over tp; it computes on its plain inputs as before.
+
+    `input_layouts` says what each rank's input is: `Replicate()` (the same on every tp rank, the
+    default) or e.g. `Shard(2)` when every rank holds a different slice of it, such as the attention
+    heads a per-head norm (q_norm / k_norm) sees. With a sharded input the weight's gradient is the
+    sum of the ranks' parts (DTensor all-reduces it in backward), so the replicas stay equal.
+    """
+
+    def __init__(self, *, input_layouts: Placement | None = None) -> None:
+        super().__init__()
+        self.input_layouts = input_layouts if input_layouts is not None else Replicate()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        layout = self.input_layouts
+
         def to_dtensor(
             _module: nn.Module, inputs: tuple[object, ...], mesh: DeviceMesh
         ) -> tuple[object, ...]:
             return tuple(
-                DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                DTensor.from_local(x, mesh, [layout], run_check=False)
                 if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
                 else x
                 for x in inputs
