@@ -73,3 +73,16 @@ def test_reconfiguring_replaces_handlers():
 def test_bad_format_is_rejected():
     with pytest.raises(ValueError, match="log format must be 'console' or 'json'"):
         configure_logging(format="xml")  # type: ignore[arg-type]
+
+
+def test_a_log_file_configured_later_starts_with_the_lines_logged_before_it(tmp_path):
+    get_logger("d9d.test").info("an earlier job's line")
+    configure_logging(stream=io.StringIO())  # a job starts: from here its lines are kept for its file
+    get_logger("d9d.test").info("start-up line", step=0)
+    logging.getLogger("some.library").warning("plain stdlib start-up record")
+    configure_logging(stream=io.StringIO(), log_dir=tmp_path)
+    get_logger("d9d.test").info("after the file", step=1)
+    configure_logging(stream=io.StringIO(), log_dir=tmp_path)  # a second file configuration replays nothing
+    lines = rank_log_path(tmp_path, 0).read_text().splitlines()
+    events = [LINE.match(line).group("event").split("  ")[0].strip() for line in lines]
+    assert events == ["start-up line", "plain stdlib start-up record", "after the file"]

@@ -109,6 +109,23 @@ def _shared_processors() -> list[Any]:
     ]
 
 
+class _StartupBuffer(logging.Handler):
+    """Keeps the records logged before a log file exists (the first `capacity` of them)."""
+
+    capacity = 10_000
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+        self.dropped = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if len(self.records) < self.capacity:
+            self.records.append(record)
+        else:
+            self.dropped += 1
+
+
 def rank_log_path(log_dir: str | os.PathLike[str], rank: int) -> Path:
     """Where rank `rank` writes its log file under `log_dir`: `<log_dir>/rank-<rank>.log`."""
     return Path(log_dir) / f"rank-{rank}.log"
@@ -130,7 +147,9 @@ def configure_logging(
     Args:
         context: where this rank sits; without one the tag comes from the RANK variable, or `local`.
         format: `console` (aligned text for people) or `json` (one JSON object per line).
-        log_dir: when set, each rank also appends to `<log_dir>/rank-<N>.log`.
+        log_dir: when set, each rank also appends to `<log_dir>/rank-<N>.log`, starting with the lines
+            logged since the last call without one (so a job that configures its file once it started
+            cleanly still has its start-up lines there, and a failed start writes no file).
         level: minimum level, e.g. "INFO" or "DEBUG".
         stream: where to print instead of stdout (tests).
     """
@@ -147,15 +166,30 @@ def configure_logging(
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
     )
     handlers: list[logging.Handler] = [logging.StreamHandler(stream if stream is not None else sys.stdout)]
+    root = logging.getLogger()
+    buffered = next((h for h in root.handlers if isinstance(h, _StartupBuffer)), None)
+    file_handler = None
     if log_dir is not None:
         rank = 0 if _RANK.rank == "local" else int(_RANK.rank)
         path = rank_log_path(log_dir, rank)
         path.parent.mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.FileHandler(path, encoding="utf-8"))
-    root = logging.getLogger()
+        file_handler = logging.FileHandler(path, encoding="utf-8")
+        handlers.append(file_handler)
+    else:  # from here, keep the start-up lines for a log file configured later (once the job is sound)
+        handlers.append(_StartupBuffer())
     for old in [h for h in root.handlers if getattr(h, _HANDLER_MARK, False)]:
         root.removeHandler(old)
         old.close()
+    if file_handler is not None and buffered is not None:
+        file_handler.setFormatter(formatter)
+        for record in buffered.records:
+            file_handler.handle(record)
+        if buffered.dropped:
+            file_handler.handle(
+                logging.makeLogRecord({"name": "d9d.mesh", "levelno": logging.WARNING, "levelname": "WARNING",
+                                       "msg": f"{buffered.dropped} earlier start-up log lines were not kept"})
+            )  # fmt: skip
+        buffered.records.clear()
     for handler in handlers:
         setattr(handler, _HANDLER_MARK, True)
         handler.setFormatter(formatter)
