@@ -7,6 +7,7 @@
 The job is described by config.yaml; this file holds the two providers it names.
 """
 
+import json
 import sys
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from reference_model import (
     apply_expert_parallel,
     apply_tensor_parallel,
     check_mesh,
+    hf_export_mapper,
+    to_hf_config,
     trim_to_stage,
 )
 
@@ -78,7 +81,11 @@ class QuickstartModelProvider:
     def prepare_export_model_stage(
         self, context: PrepareExportModelStageContext
     ) -> PrepareExportModelStageResult:
-        return PrepareExportModelStageResult(mapper=None)  # module names already follow Hugging Face's
+        # A Hugging Face folder (Qwen3 layout, or Qwen3-MoE with experts): transformers loads it as is
+        config_json = json.dumps(to_hf_config(self.config), indent=2)
+        return PrepareExportModelStageResult(
+            mapper=hf_export_mapper(self.config), extra_files={"config.json": config_json}
+        )
 
 
 class CorpusConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
