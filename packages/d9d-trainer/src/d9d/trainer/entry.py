@@ -43,13 +43,27 @@ def _agree(exc: Exception) -> None:
         _mark(exc, "mine", int(os.environ["RANK"]))
 
 
+def _overrides(args: Sequence[str]) -> list[str]:
+    """`key=val`, `--set key=val` and `--set=key=val`, in order; a `--set` with no value after it exits 2."""
+    overrides = []
+    rest = iter(args)
+    for arg in rest:
+        if arg == "--set":
+            arg = next(rest, None)
+            if arg is None or arg.startswith("-"):
+                print("error: --set needs an override after it: key.path=value", file=sys.stderr)
+                sys.exit(2)
+        overrides.append(arg.removeprefix("--set="))
+    return overrides
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """`python train.py CONFIG [key.path=value ...]`: run the job; errors are one line and exit 2."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         print("usage: python train.py CONFIG.yaml [key.path=value ...]", file=sys.stderr)
         sys.exit(0 if args else 2)
-    overrides = [a.removeprefix("--set=") for a in args[1:] if a != "--set"]
+    overrides = _overrides(args[1:])
     try:
         result = run_job(args[0], overrides)
     except KeyboardInterrupt:
