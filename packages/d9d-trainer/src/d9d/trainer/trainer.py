@@ -63,8 +63,11 @@ class Trainer:
         trainer.export()
     """
 
-    def __init__(self, job: ResolvedJob) -> None:
+    def __init__(self, job: ResolvedJob, *, read_only: bool = False) -> None:
+        """`read_only`: for resume-and-export while another job may train the run (`d9d export`): no run
+        lock, no clean-up in the run directory; `train()` and `save_checkpoint()` refuse."""
         self._job = job
+        self._read_only = read_only
         tcfg = job.config.trainer
         self._context = DistributedContext.from_env(
             job.config.mesh,
@@ -85,11 +88,15 @@ class Trainer:
 
     @classmethod
     def from_config(
-        cls, source: str | Path | dict[str, Any] | LoadedJob, overrides: Sequence[str] = ()
+        cls,
+        source: str | Path | dict[str, Any] | LoadedJob,
+        overrides: Sequence[str] = (),
+        *,
+        read_only: bool = False,
     ) -> "Trainer":
         """Load, validate and resolve a job config (raising `ConfigError` before anything starts), then build."""
         loaded = source if isinstance(source, LoadedJob) else load_job_config(source, overrides)
-        return cls(resolve_job(loaded))
+        return cls(resolve_job(loaded), read_only=read_only)
 
     # ------------------------------------------------------------------ build
 
@@ -158,8 +165,8 @@ class Trainer:
         # Fault handling: one job per run directory, one report per failure, no silent hang.
         store = job_store(ctx)
         self._failures = FailureBoard(store, ctx.rank, ctx.world_size)
-        self._lock = RunLock.acquire(self.run_dir, ctx)
-        if ctx.is_main_process:  # no other job writes the run now: what crashed saves left can go
+        self._lock = None if self._read_only else RunLock.acquire(self.run_dir, ctx)
+        if ctx.is_main_process and not self._read_only:  # no other job writes the run now: clean up
             checkpoints.remove_leftovers()
         self._watchdog = (
             StepWatchdog(
@@ -248,7 +255,12 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """Save model, optimizer, data position, LR schedule, RNG and config as `save-<step>`."""
+        self._refuse_if_read_only("save a checkpoint")
         self._lifecycle.save(self._step)
+
+    def _refuse_if_read_only(self, what: str) -> None:
+        if self._read_only:
+            raise TrainingError(f"cannot {what}: this Trainer was built read_only (no run lock)")
 
     def export(self, out_dir: str | Path | None = None) -> Path:
         """Write the model as safetensors through the model provider's export mapper."""
@@ -258,6 +270,7 @@ class Trainer:
 
     def train(self) -> TrainResult:
         """Resume if the run has a checkpoint, then train until `trainer.schedule.total_steps`."""
+        self._refuse_if_read_only("train")
         cfg = self._job.config.trainer
         total = cfg.schedule.total_steps
         self.resume()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from d9d.cli.commands._options import overrides_option
-from d9d.cli.commands._runs import METRICS_FILE, check_run_dir, scan_run_dir
+from d9d.cli.commands._runs import check_run_dir, scan_run_dir
 from d9d.cli.errors import CliError, reports_errors
 
 if TYPE_CHECKING:  # the trainer imports torch: only inside the command at run time
@@ -146,17 +146,11 @@ def export(source: str, out_dir: str, step: int | None, overrides: Sequence[str]
 
     from d9d.trainer import Trainer
 
-    metrics = run_dir / METRICS_FILE
-    kept = metrics.read_bytes() if metrics.is_file() else None
-    try:
-        with Trainer.from_config(loaded) as trainer:
-            trainer.resume(step)
-            trainer.export(out)
-            done = trainer.step
-    finally:
-        # Trainer.resume rewinds the metrics file to the loaded step; exporting must not change the run.
-        if kept is not None and _is_reporting_rank():
-            metrics.write_bytes(kept)
+    # Read-only: no run lock (a job may be training this run) and nothing written into the run.
+    with Trainer.from_config(loaded, read_only=True) as trainer:
+        trainer.resume(step)
+        trainer.export(out)
+        done = trainer.step
     if _is_reporting_rank():
         click.echo(f"exported step {done} of {run_dir} to {out}")
 
