@@ -118,8 +118,11 @@ class _StartupBuffer(logging.Handler):
         super().__init__()
         self.records: list[logging.LogRecord] = []
         self.dropped = 0
+        self.pid = os.getpid()  # a forked child inherits the parent's buffer: it is not its start-up
 
     def emit(self, record: logging.LogRecord) -> None:
+        if self.pid != os.getpid():
+            self.records, self.dropped, self.pid = [], 0, os.getpid()
         if len(self.records) < self.capacity:
             self.records.append(record)
         else:
@@ -180,7 +183,7 @@ def configure_logging(
     for old in [h for h in root.handlers if getattr(h, _HANDLER_MARK, False)]:
         root.removeHandler(old)
         old.close()
-    if file_handler is not None and buffered is not None:
+    if file_handler is not None and buffered is not None and buffered.pid == os.getpid():
         file_handler.setFormatter(formatter)
         for record in buffered.records:
             file_handler.handle(record)
