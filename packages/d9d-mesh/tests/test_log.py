@@ -86,3 +86,18 @@ def test_a_log_file_configured_later_starts_with_the_lines_logged_before_it(tmp_
     lines = rank_log_path(tmp_path, 0).read_text().splitlines()
     events = [LINE.match(line).group("event").split("  ")[0].strip() for line in lines]
     assert events == ["start-up line", "plain stdlib start-up record", "after the file"]
+
+
+def _file_lines_of_a_forked_rank(config, log_dir):
+    with DistributedContext.from_env(config) as ctx:
+        configure_logging(ctx, stream=io.StringIO(), log_dir=log_dir)
+        get_logger("d9d.test").info("the rank's own line")
+    return rank_log_path(log_dir, ctx.rank).read_text()
+
+
+def test_a_forked_rank_does_not_replay_its_parents_start_up_lines(tmp_path):
+    configure_logging(stream=io.StringIO())
+    get_logger("d9d.test").info("the parent's line")
+    texts = run_distributed(_file_lines_of_a_forked_rank, 2, MeshConfig(data_parallel_shard=2), str(tmp_path))
+    for text in texts:
+        assert "the rank's own line" in text and "the parent's line" not in text
