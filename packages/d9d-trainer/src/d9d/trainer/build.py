@@ -30,18 +30,12 @@ def check_model_mesh(job: ResolvedJob) -> None:
         raise TrainingError(str(exc)) from None
 
 
-#: Mesh degree → the axis names whose DTensor parameters prove the provider applied it.
-_AXES = {
-    "tensor_parallel": ("tp",),
-    "data_parallel_shard": ("dp_shard",),
-    "data_parallel_replicate": ("dp_replicate",),
-    "expert_parallel": ("ep_shard",),
-}
-_HOW = {
-    "tensor_parallel": "d9d.parallel.parallelize_tensor_parallel",
-    "data_parallel_shard": "d9d.parallel.parallelize_hsdp",
-    "data_parallel_replicate": "d9d.parallel.parallelize_hsdp",
-    "expert_parallel": "d9d.parallel.parallelize_expert_parallel",
+#: Mesh degree → (the axis whose DTensor parameters prove the provider applied it, what applies it).
+_APPLIED_BY = {
+    "tensor_parallel": ("tp", "d9d.parallel.parallelize_tensor_parallel"),
+    "data_parallel_shard": ("dp_shard", "d9d.parallel.parallelize_hsdp"),
+    "data_parallel_replicate": ("dp_replicate", "d9d.parallel.parallelize_hsdp"),
+    "expert_parallel": ("ep_shard", "d9d.parallel.parallelize_expert_parallel"),
 }
 
 
@@ -63,12 +57,12 @@ def check_parallelisms_applied(model: nn.Module, mesh_degrees: dict[str, int]) -
             for index, name in enumerate(mesh.mesh_dim_names or ()):
                 if mesh.size(index) > 1:
                     seen.add(name)
-    for key, axes in _AXES.items():
+    for key, (axis, how) in _APPLIED_BY.items():
         degree = mesh_degrees.get(key, 1)
-        if degree > 1 and not any(axis in name for axis in axes for name in seen):
+        if degree > 1 and not any(axis in name for name in seen):  # flattened names contain it
             raise TrainingError(
                 f"mesh.{key}={degree} but the model provider's parallelize_model_stage left no parameter "
-                f"distributed over it, so those ranks would not work together; apply it there ({_HOW[key]}) "
+                f"distributed over it, so those ranks would not work together; apply it there ({how}) "
                 f"or set mesh.{key}: 1"
             )
 

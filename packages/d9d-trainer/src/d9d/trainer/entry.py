@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from d9d.mesh import D9dError, RendezvousError
-from d9d.trainer.failures import _mark, agree_on_error, error_store, verdict_of
+from d9d.trainer.failures import agree_on_error, error_store, mark_own_error, verdict_of
 from d9d.trainer.reporting import report_error
 from d9d.trainer.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED, INTERRUPTED_MESSAGE
 from d9d.trainer.trainer import Trainer, TrainResult
@@ -40,7 +40,7 @@ def _agree(exc: Exception) -> None:
     if store is not None:
         agree_on_error(exc, store, int(os.environ["RANK"]), world_size)
     elif isinstance(exc, RendezvousError):  # no store to agree through: this rank must say it itself
-        _mark(exc, "mine", int(os.environ["RANK"]))
+        mark_own_error(exc, int(os.environ["RANK"]))
 
 
 def _overrides(args: Sequence[str]) -> list[str]:

@@ -23,7 +23,15 @@ import torch.distributed as dist
 from d9d.mesh import D9dError, DistributedContext, get_logger
 from d9d.trainer.errors import PeerFailedError, TrainingError
 
-__all__ = ["ErrorVerdict", "FailureBoard", "agree_on_error", "error_store", "job_store", "verdict_of"]
+__all__ = [
+    "ErrorVerdict",
+    "FailureBoard",
+    "agree_on_error",
+    "error_store",
+    "job_store",
+    "mark_own_error",
+    "verdict_of",
+]
 
 _FAILURE_KEY = "failure"
 #: How long a stopping rank waits for the others to stop too, so that rank 0 prints the report
@@ -151,6 +159,11 @@ class ErrorVerdict:
 def verdict_of(exc: BaseException) -> ErrorVerdict | None:
     """The verdict attached to `exc` by `agree_on_error` or the FailureBoard, if any."""
     return getattr(exc, _VERDICT_ATTR, None)
+
+
+def mark_own_error(exc: Exception, rank: int) -> None:
+    """Record that `exc` is this rank's own error, for it to report (no store to agree through)."""
+    _mark(exc, "mine", rank)
 
 
 def _mark(exc: Exception, kind: Literal["shared", "mine", "peer"], origin: int | None = None) -> Any:

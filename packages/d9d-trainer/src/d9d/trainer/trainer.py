@@ -299,49 +299,47 @@ class Trainer:
         period = cfg.checkpointing.period_steps
         stopped_by = None
         began = time.perf_counter()
-        try:
-            self._stops.__enter__()
-            while self._step < total:
-                step_start = time.perf_counter()
-                with self._watching(self._step + 1):
-                    microbatches = next(data_iter)
-                    self._faults.before_step(self._step + 1)
-                    if records.flops_per_token is None:
-                        records.flops_per_token = _flops_per_token(self._model, microbatches)
-                    lr = self._scheduler.get_last_lr()[0]  # the learning rate this step uses
-                    output = self._train_step.run(microbatches, self._step + 1)
-                self._step += 1
-                records.add(self._step, output, lr=lr, step_time_s=time.perf_counter() - step_start)
-                saving = self._step == total or (period and self._step % period == 0)
-                if output.stop and not saving and cfg.checkpointing.save_on_signal:
-                    saving = True
-                if saving:
-                    records.flush()  # a committed checkpoint never has fewer records than steps
-                    self.save_checkpoint()
-                if output.stop and self._step < total:
-                    stopped_by = self._stops.signal_name or "a signal on another rank"
-                    break
-            self._lifecycle.checkpoints.wait()
-        except Exception as caught:
-            exc: Exception = caught
-            if is_out_of_memory(caught):
-                exc = OutOfMemoryError(
-                    f"out of {self._context.device} memory in step {self._step + 1} ({first_line(caught)}); lower "
-                    "data.microbatch_size, set trainer.activation_checkpointing.mode: full, or shard the model "
-                    "over more ranks"
-                )
-            if self._watchdog is not None:
-                self._watchdog.hold_if_exiting()
-            with contextlib.suppress(Exception):  # keep what was trained before the failure
-                records.flush()
-            stop = self._failures.stopping(exc, self._step + 1)
-            if stop is caught:
-                raise
-            if stop is exc:
-                raise exc from None
-            raise stop from exc
-        finally:
-            self._stops.__exit__(None, None, None)
+        flops_unknown = True
+        with self._stops:
+            try:
+                while self._step < total:
+                    step_start = time.perf_counter()
+                    with self._watching(self._step + 1):
+                        microbatches = next(data_iter)
+                        self._faults.before_step(self._step + 1)
+                        if flops_unknown:  # the sequence length is known from the first batch on
+                            records.flops_per_token = _flops_per_token(self._model, microbatches)
+                            flops_unknown = False
+                        lr = self._scheduler.get_last_lr()[0]  # the learning rate this step uses
+                        output = self._train_step.run(microbatches, self._step + 1)
+                    self._step += 1
+                    records.add(self._step, output, lr=lr, step_time_s=time.perf_counter() - step_start)
+                    periodic = bool(period) and self._step % period == 0
+                    if self._step == total or periodic or (output.stop and cfg.checkpointing.save_on_signal):
+                        records.flush()  # a committed checkpoint never has fewer records than steps
+                        self.save_checkpoint()
+                    if output.stop and self._step < total:
+                        stopped_by = self._stops.signal_name or "a signal on another rank"
+                        break
+                self._lifecycle.checkpoints.wait()
+            except Exception as caught:
+                exc: Exception = caught
+                if is_out_of_memory(caught):
+                    exc = OutOfMemoryError(
+                        f"out of {self._context.device} memory in step {self._step + 1} ({first_line(caught)}); "
+                        "lower data.microbatch_size, set trainer.activation_checkpointing.mode: full, or shard the "
+                        "model over more ranks"
+                    )
+                if self._watchdog is not None:
+                    self._watchdog.hold_if_exiting()
+                with contextlib.suppress(Exception):  # keep what was trained before the failure
+                    records.flush()
+                stop = self._failures.stopping(exc, self._step + 1)
+                if stop is caught:
+                    raise
+                if stop is exc:
+                    raise exc from None
+                raise stop from exc
         records.close()
         latest = self._lifecycle.checkpoints.checkpoints()
         _log.info(
