@@ -74,7 +74,7 @@ def test_quickstart_from_init_to_export(tmp_path):
         timeout=240,
     )
     assert trained.returncode == 0, trained.output[-4000:]
-    run_dir = work / "runs" / "quickstart"
+    run_dir = tmp_path / "job" / "runs" / "quickstart"  # save_dir is relative to the config file
 
     listed = _d9d("checkpoints", str(run_dir), cwd=work)
     assert listed.returncode == 0, listed.stderr

@@ -48,7 +48,7 @@ class HFModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The `model:` section: which Hugging Face folder to start from.
 
     Attributes:
-        hf_folder: config.json plus model.safetensors (or shards + index), relative to the working directory.
+        hf_folder: config.json plus model.safetensors (or shards + index), relative to the config file.
         fp32_logits: return float32 logits whatever the parameter dtype.
     """
 
@@ -62,10 +62,21 @@ class HFModelProvider:
     config_type = HFModelConfig
 
     def __init__(self, config: HFModelConfig) -> None:
+        self.config = config
         self.folder = Path(config.hf_folder)
-        self.model_config: ReferenceModelConfig = read_hf_config(self.folder, fp32_logits=config.fp32_logits)
+        self._model_config: ReferenceModelConfig | None = None
+
+    @property
+    def model_config(self) -> ReferenceModelConfig:
+        """The folder's config.json as the reference model's config (read by `initialize_model_stage`)."""
+        if self._model_config is None:
+            raise RuntimeError("HFModelProvider.initialize_model_stage has not run yet")
+        return self._model_config
 
     def initialize_model_stage(self, context: InitializeModelStageContext) -> InitializeModelStageResult:
+        # Like every path of the config, hf_folder is relative to the config file's directory.
+        self.folder = Path(context.base_dir) / self.config.hf_folder
+        self._model_config = read_hf_config(self.folder, fp32_logits=self.config.fp32_logits)
         return InitializeModelStageResult(model=ReferenceForCausalLM(self.model_config))
 
     def parallelize_model_stage(self, context: ParallelizeModelStageContext) -> None:

@@ -75,3 +75,8 @@ def test_a_dataset_missing_on_rank_1_is_reported_once_by_rank_1_torchrun_2(tmp_p
     assert errors[1][0].startswith("error: rank 1: ") and missing in errors[1][0], errors[1]
     assert not [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert "Traceback" not in stderr[1]
+    # torchrun's failure summary names rank 1's error as the root cause (its error file), not <N/A>.
+    root_cause = result.stderr.split("Root Cause", 1)[-1]
+    assert "rank      : 1" in root_cause and f"traceback : {errors[1][0]}" in root_cause, result.stderr[
+        -3000:
+    ]

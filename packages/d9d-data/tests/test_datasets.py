@@ -146,3 +146,12 @@ def test_token_dataset_through_the_provider_with_workers(tmp_path):
         step = next(provider)
     assert len(step) == 2 and step[0]["input_ids"].shape == (4, 64)
     assert torch.equal(step[0]["labels"][:, :-1], step[0]["input_ids"][:, 1:])
+
+
+def test_datasets_declare_the_vocabulary_their_ids_come_from(tmp_path, corpus):
+    folder, _ = corpus
+    assert TextDataset(folder, seq_len=8).vocab_size == 257  # 256 bytes + end of document
+    write_token_file(folder, tmp_path / "t.bin", stream=io.StringIO())
+    assert TokenFileDataset(tmp_path / "t.bin", seq_len=8).vocab_size == 257  # from the sidecar
+    (tmp_path / "t.bin.json").unlink()
+    assert TokenFileDataset(tmp_path / "t.bin", seq_len=8, dtype="uint16").vocab_size is None  # unknown

@@ -12,7 +12,7 @@ from d9d.trainer.errors import OutOfMemoryError, TrainingError, first_line, is_o
 from d9d.trainer.job import ResolvedJob
 from d9d.trainer.providers import InitializeModelStageContext, ParallelizeModelStageContext
 
-__all__ = ["build_model", "check_model_mesh", "check_parallelisms_applied"]
+__all__ = ["build_model", "check_model_mesh", "check_parallelisms_applied", "check_vocabulary"]
 
 
 def check_model_mesh(job: ResolvedJob) -> None:
@@ -74,8 +74,12 @@ def build_model(
     *,
     layout: PipelineLayout | None = None,
     stage: StageSpec | None = None,
+    data_vocab_size: int | None = None,
 ) -> nn.Module:
     """This rank's model (stage): built on meta, parallelized by its provider, then materialized.
+
+    `data_vocab_size` (the dataset's vocabulary, when it declares one) is checked against the model's
+    input embedding first, so ids the embedding cannot look up fail before anything is written.
 
     Raises:
         TrainingError: the provider's parallelization renamed parameters (`torch.compile(module)`
@@ -95,6 +99,8 @@ def build_model(
         model = job.model_provider.initialize_model_stage(
             InitializeModelStageContext(context=context, precision=precision, **where)
         ).model
+    if data_vocab_size is not None:
+        check_vocabulary(model, data_vocab_size)
     try:
         job.model_provider.parallelize_model_stage(
             ParallelizeModelStageContext(
@@ -145,6 +151,30 @@ def build_model(
             "mesh.pipeline_parallel)"
         ) from None
     return model
+
+
+def check_vocabulary(model: nn.Module, data_vocab_size: int) -> None:
+    """The model's input embedding must have a row for every id of the data's vocabulary.
+
+    The embedding is `model.get_input_embeddings()` when the model has that method (Hugging Face's
+    convention), else its first `nn.Embedding`; a stage without one (a later pipeline stage) passes.
+
+    Raises:
+        TrainingError: naming both sizes and the fix.
+    """
+    embedding: Any = None
+    getter = getattr(model, "get_input_embeddings", None)
+    if callable(getter):
+        embedding = getter()
+    if not isinstance(embedding, nn.Embedding):
+        embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if embedding is None or embedding.num_embeddings >= data_vocab_size:
+        return
+    raise TrainingError(
+        f"the data's token ids go up to {data_vocab_size - 1} (a vocabulary of {data_vocab_size}) but the "
+        f"model's input embedding has {embedding.num_embeddings} rows; raise the model's vocabulary size "
+        f"(e.g. model.vocab_size: {data_vocab_size}) or use data tokenized for this model"
+    )
 
 
 def _has_experts(model: nn.Module) -> bool:

@@ -95,6 +95,18 @@ class CheckpointingConfig(_Section):
             raise ValueError(f"trainer.checkpointing.num_to_keep must be >= 1, got {self.num_to_keep}")
 
 
+class ResumeConfig(_Section):
+    """How a run resumes from its checkpoint.
+
+    `reset_optimizer`: when the optimizer changed since the checkpoint (another `optimizer.name` or
+    `providers.optimizer`), start the new optimizer fresh from the checkpoint's weights instead of
+    refusing to resume (its state cannot be carried over). An unchanged optimizer always resumes with
+    its state, so the setting may stay on.
+    """
+
+    reset_optimizer: bool = False
+
+
 class LoggingConfig(_Section):
     """Metric logging (rank 0) and the log output of every rank."""
 
@@ -163,6 +175,7 @@ class TrainerConfig(_Section):
     run: RunConfig
     schedule: ScheduleConfig
     checkpointing: CheckpointingConfig = CheckpointingConfig()
+    resume: ResumeConfig = ResumeConfig()
     logging: LoggingConfig = LoggingConfig()
     gradient_clipping: GradientClippingConfig = GradientClippingConfig()
     determinism: DeterminismConfig = DeterminismConfig()

@@ -54,7 +54,7 @@ def resolve_job(loaded: LoadedJob) -> ResolvedJob:
     """
     config = loaded.config
     where = str(loaded.path) if loaded.path is not None else "config"
-    _check_directories(config, where)
+    _check_directories(loaded, where)
     _check_combinations(config, where)
     providers = config.providers
     sections: dict[str, Any] = {
@@ -201,19 +201,19 @@ def _check_batch(config: JobConfig, where: str) -> None:
         raise ConfigError(str(exc)) from None
 
 
-def _check_directories(config: JobConfig, where: str) -> None:
+def _check_directories(loaded: LoadedJob, where: str) -> None:
     """Each directory the job writes must be a directory or creatable: no file may stand in its way."""
+    config = loaded.config
     trainer = config.trainer
-    save_dir = Path(trainer.checkpointing.save_dir)
     targets = {
-        "trainer.checkpointing.save_dir": save_dir / trainer.run.name,
+        "trainer.checkpointing.save_dir": str(Path(trainer.checkpointing.save_dir) / trainer.run.name),
         "trainer.logging.log_dir": trainer.logging.log_dir,
         "export.dir": config.export.dir,
     }
     for key, target in targets.items():
         if target is None:
             continue
-        blocker = _file_in_the_way(Path(target))
+        blocker = _file_in_the_way(loaded.resolve_path(target))
         if blocker is not None:
             raise ConfigError(
                 f"{where}: {key}: {blocker} is a file, not a directory; "

@@ -17,11 +17,12 @@ from d9d.ckpt import (
     save_safetensors,
 )
 from d9d.mesh import DistributedContext, get_logger
+from d9d.trainer.config import OptimizerConfig, ProvidersConfig
 from d9d.trainer.errors import TrainingError
 from d9d.trainer.job import ResolvedJob
 from d9d.trainer.providers import PrepareExportModelStageContext, PrepareImportModelStageContext
 
-__all__ = ["RunLifecycle", "config_changes"]
+__all__ = ["RunLifecycle", "config_changes", "optimizer_change"]
 
 _log = get_logger("d9d.trainer")
 
@@ -66,7 +67,18 @@ class RunLifecycle:
         if latest is None:
             self._import_source_weights()
             return None
-        loaded = self.checkpoints.load(latest, self.model, self.optimizer)
+        saved_config = self.checkpoints.read_extra_state(latest).get("config")
+        changed = optimizer_change(saved_config, self.job.loaded.raw)
+        reset = changed is not None
+        if reset and not self.job.config.trainer.resume.reset_optimizer:
+            raise TrainingError(
+                f"the optimizer changed since checkpoint {latest.path} ({changed}): its state cannot be carried "
+                "over; set trainer.resume.reset_optimizer=true to start the new optimizer fresh from the "
+                "checkpoint's weights, or start a new run (another trainer.run.name)"
+            )
+        loaded = self.checkpoints.load(latest, self.model, None if reset else self.optimizer)
+        if reset:
+            _log.warning("optimizer state reset: the optimizer changed since the checkpoint", change=changed)
         extra = loaded.extra_state
         self.data.load_state_dict(extra["data"])
         self.scheduler.load_state_dict(extra["lr_scheduler"])
@@ -132,8 +144,13 @@ class RunLifecycle:
         _log.info("checkpoint saved", step=step, run_dir=str(self.run_dir))
 
     def export(self, out_dir: str | Path | None = None) -> Path:
-        """Write the model as safetensors through the model provider's export mapper."""
-        target = out_dir if out_dir is not None else self.job.config.export.dir
+        """Write the model as safetensors through the model provider's export mapper.
+
+        `out_dir` (a caller's path) is taken as given; `export.dir` of the config is relative to the
+        config file's directory, like every path of the config.
+        """
+        configured = self.job.config.export.dir
+        target = out_dir if out_dir is not None else configured and self.job.loaded.resolve_path(configured)
         if self.pipelined:
             raise TrainingError(
                 "export from a pipeline-parallel run is not supported yet: export the run's checkpoint "
@@ -189,6 +206,34 @@ def config_changes(saved: Any, current: Any) -> dict[str, tuple[Any, Any]]:
     for path in _WATCHED:
         walk(path, section(saved, path), section(current, path))
     return changes
+
+
+def optimizer_change(saved: Any, current: Any) -> str | None:
+    """ "optimizer.name adamw → sgd" when the checkpoint's config picked another optimizer; else None.
+
+    The optimizer is picked by `providers.optimizer` and, for the built-in provider, `optimizer.name`
+    (a key left out counts as its default); its hyperparameters (lr, betas, ...) keep the state valid.
+    """
+    if not isinstance(saved, dict) or not isinstance(current, dict):
+        return None
+    builtin, default_name = ProvidersConfig(model="").optimizer, OptimizerConfig().name
+
+    def picked(config: dict[str, Any]) -> tuple[Any, Any]:
+        provider = _get(config, "providers", "optimizer", builtin)
+        name = _get(config, "optimizer", "name", default_name) if provider == builtin else None
+        return provider, name
+
+    (provider_before, name_before), (provider_now, name_now) = picked(saved), picked(current)
+    if provider_before != provider_now:
+        return f"providers.optimizer {provider_before} → {provider_now}"
+    if name_before != name_now:
+        return f"optimizer.name {name_before} → {name_now}"
+    return None
+
+
+def _get(config: dict[str, Any], section: str, key: str, default: Any) -> Any:
+    node = config.get(section)
+    return node.get(key, default) if isinstance(node, dict) else default
 
 
 def _plain(state: Any) -> Any:

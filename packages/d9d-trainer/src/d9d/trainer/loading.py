@@ -11,6 +11,7 @@ import importlib
 import importlib.util
 import logging
 import math
+import os
 import re
 import sys
 import types
@@ -54,8 +55,15 @@ class LoadedJob:
 
     @property
     def base_dir(self) -> Path:
-        """Directory that `file.py:Name` provider paths are relative to."""
+        """Directory that every relative path of the config is relative to: the config file's own
+        (the working directory for a config given as a dict)."""
         return self.path.parent if self.path is not None else Path.cwd()
+
+    def resolve_path(self, value: str | os.PathLike[str]) -> Path:
+        """A path of the config as an absolute path: a relative one is taken from `base_dir`, so the
+        same config names the same run, logs and export wherever the job is started from."""
+        path = Path(value).expanduser()
+        return Path(os.path.abspath(path if path.is_absolute() else self.base_dir / path))
 
 
 def load_job_config(

@@ -141,7 +141,7 @@ class StepRecords:
             step=last["step"],
             loss=round(last["loss"], 5),
             grad_norm=round(last["grad_norm"], 4),
-            lr=last["lr"],
+            lr=float(f"{last['lr']:.6g}"),  # the file keeps the exact value
             tokens_per_s=round(tokens_per_s, 1),
             **mfu(tokens_per_s, self.flops_per_token, self._peak, self._world_size),
             **_memory(self._device),

@@ -9,6 +9,7 @@ rank 0 must get to print first). An error of one rank (a path that only one node
 by that rank, naming it; the ranks that only saw its consequence (a broken collective) stay quiet.
 """
 
+import json
 import os
 import re
 import sys
@@ -45,14 +46,39 @@ def with_rank(text: str, rank: int | str) -> str:
 
 
 def report_error(exc: BaseException) -> None:
-    """Print `error: <message>` on stderr once for the job (see the module docstring)."""
+    """Print `error: <message>` on stderr once for the job (see the module docstring).
+
+    Under torchrun the rank that prints also records the line as its error file, so torchrun's
+    failure summary shows it as the root cause instead of `<N/A>`.
+    """
     rank = os.environ.get("RANK", "0")
     verdict = verdict_of(exc)
     if verdict is not None and verdict.kind == "mine" and os.environ.get("WORLD_SIZE", "1") != "1":
-        print(f"error: {with_rank(one_line(exc), rank)}", file=sys.stderr, flush=True)
+        _say(f"error: {with_rank(one_line(exc), rank)}")
     elif verdict is not None and verdict.kind == "peer":
         return  # the rank that failed first says why
     elif rank == "0":
-        print(f"error: {one_line(exc)}", file=sys.stderr, flush=True)
+        _say(f"error: {one_line(exc)}")
     else:
         time.sleep(PEER_ERROR_GRACE_S)
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+    record_for_torchrun(line)
+
+
+def record_for_torchrun(message: str) -> None:
+    """Write `message` as this rank's torchelastic error file (`TORCHELASTIC_ERROR_FILE`), if there is one.
+
+    torchrun names the failed rank with the earliest error as the root cause and prints the file's
+    message in its summary. Best effort: a file that cannot be written changes nothing else.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w", encoding="utf-8") as file:
+            json.dump({"message": message, "timestamp": int(time.time())}, file)
+    except OSError:
+        pass

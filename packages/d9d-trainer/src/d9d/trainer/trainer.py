@@ -81,7 +81,8 @@ class Trainer:
             configure_logging(self._context, **logging_options)
             self._build()
             if tcfg.logging.log_dir is not None:  # only once the job is sound: a failed start writes nothing
-                configure_logging(self._context, log_dir=tcfg.logging.log_dir, **logging_options)
+                log_dir = job.loaded.resolve_path(tcfg.logging.log_dir)
+                configure_logging(self._context, log_dir=log_dir, **logging_options)
         except BaseException:
             self.close()
             raise
@@ -120,7 +121,15 @@ class Trainer:
         layout = stage = None
         if pipelined:
             layout, stage, n_microbatches = plan_pipeline_stage(job, ctx, self._data)
-        model = build_model(job, ctx, precision, layout=layout, stage=stage)
+        vocab = getattr(getattr(dataset, "dataset", None), "vocab_size", None)
+        model = build_model(
+            job,
+            ctx,
+            precision,
+            layout=layout,
+            stage=stage,
+            data_vocab_size=vocab if isinstance(vocab, int) else None,
+        )
         self._model = model
         self._optimizer = job.optimizer_provider.build_optimizer(model.named_parameters())
         self._scheduler = job.lr_scheduler_provider.build_lr_scheduler(
@@ -128,7 +137,7 @@ class Trainer:
         )
         ckpt = tcfg.checkpointing
         checkpoints = CheckpointManager(
-            ckpt.save_dir,
+            job.loaded.resolve_path(ckpt.save_dir),
             tcfg.run.name,
             num_to_keep=ckpt.num_to_keep,
             async_save=ckpt.async_save,

@@ -205,6 +205,24 @@ class CheckpointManager:
         found = self.checkpoints()
         return found[-1] if found else None
 
+    def read_extra_state(self, info: CheckpointInfo) -> dict[str, Any]:
+        """The extra state of a committed checkpoint alone (collective: rank 0 reads it, every rank gets it).
+
+        Reads one small file and checks nothing else, e.g. to compare the config a checkpoint was
+        trained with before deciding what to load. An unreadable or corrupt file gives `{}`: `load`
+        then reports the damage with its recovery hint.
+        """
+        self._check_open()
+
+        def read() -> dict[str, Any]:
+            try:
+                return decode_state((info.path / EXTRA_FILE).read_bytes(), f"{info.path.name}/{EXTRA_FILE}")
+            except (CheckpointError, OSError):
+                return {}
+
+        state: dict[str, Any] = self._group.broadcast(read() if self._group.rank == 0 else None)
+        return state
+
     @property
     def pending(self) -> bool:
         """True while an asynchronous save has not been waited for."""

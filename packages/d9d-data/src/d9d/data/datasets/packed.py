@@ -44,6 +44,14 @@ class PackedTokens:
         """Length of the flat token sequence."""
         return len(self.tokens)
 
+    @property
+    def vocab_size(self) -> int | None:
+        """Size of the vocabulary the ids come from (every id is below it), None when unknown.
+
+        The trainer checks it against the model's input embedding before anything runs.
+        """
+        return None
+
     def __len__(self) -> int:
         return max(0, (self.num_tokens - 1) // self._seq_len)
 

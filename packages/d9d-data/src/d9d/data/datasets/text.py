@@ -54,6 +54,11 @@ class TextDataset(PackedTokens):
         return self._tokens
 
     @property
+    def vocab_size(self) -> int:
+        """The tokenizer's vocabulary size."""
+        return self._tokenizer.vocab_size
+
+    @property
     def tokenizer(self) -> Tokenizer:
         """The tokenizer the text was encoded with (use it to decode samples)."""
         return self._tokenizer

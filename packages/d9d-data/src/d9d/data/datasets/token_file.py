@@ -91,6 +91,11 @@ class TokenFileDataset(PackedTokens):
         return self._info
 
     @property
+    def vocab_size(self) -> int | None:
+        """The vocabulary size recorded in the sidecar (`write_token_file`), None without one."""
+        return self._info.vocab_size if self._info is not None else None
+
+    @property
     def num_tokens(self) -> int:
         """Tokens in the file."""
         return self._num_tokens

@@ -1,0 +1,89 @@
+"""What a resume refuses or adapts to, through real `python train.py` processes: another optimizer
+(refused with the fix, or reset on request), and relative paths taken from the config file's directory
+wherever the job is started from."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+from _quickstart import CONFIG, TINY, TRAIN, records, run_local
+
+from d9d.ckpt import CheckpointManager
+
+
+def _snapshot(directory: Path) -> dict[str, int]:
+    return {
+        str(p.relative_to(directory)): p.stat().st_size for p in sorted(directory.rglob("*")) if p.is_file()
+    }
+
+
+def test_a_resume_with_another_optimizer_is_refused_with_the_fix_then_reset_on_request(tmp_path):
+    base = [*TINY, f"trainer.checkpointing.save_dir={tmp_path}", "trainer.run.name=opt"]
+    first = run_local([*base, "trainer.schedule.total_steps=2"])
+    assert first.returncode == 0, first.stderr[-2000:]
+    run_dir = tmp_path / "opt"
+    before = _snapshot(run_dir)
+
+    refused = run_local([*base, "trainer.schedule.total_steps=4", "optimizer.name=sgd", "optimizer.lr=0.1"])
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    lines = [line for line in refused.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, refused.stderr[-2000:]
+    assert lines[0].startswith("error: the optimizer changed since checkpoint ")
+    assert "optimizer.name adamw → sgd" in lines[0] and "trainer.resume.reset_optimizer=true" in lines[0]
+    after = _snapshot(run_dir)
+    assert {k: v for k, v in after.items() if not k.startswith("logs")} == before  # nothing written
+
+    reset = run_local(
+        [*base, "trainer.schedule.total_steps=4", "optimizer.name=sgd", "optimizer.lr=0.1",
+         "trainer.resume.reset_optimizer=true"]
+    )  # fmt: skip
+    assert reset.returncode == 0, reset.stderr[-2000:]
+    assert "optimizer state reset" in reset.stdout
+    assert [r["step"] for r in records(run_dir)] == [1, 2, 3, 4]
+    with CheckpointManager(tmp_path, "opt") as manager:
+        assert [c.step for c in manager.checkpoints()] == [2, 4]
+
+    # The checkpoint now records SGD: the same command resumes with its state (no reset, no refusal).
+    again = run_local(
+        [*base, "trainer.schedule.total_steps=6", "optimizer.name=sgd", "optimizer.lr=0.1",
+         "trainer.resume.reset_optimizer=true"]
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "optimizer state reset" not in again.stdout
+
+
+def test_relative_paths_of_a_config_are_taken_from_its_directory_wherever_the_job_starts(tmp_path):
+    job = tmp_path / "job"
+    job.mkdir()
+    config = yaml.safe_load(Path(CONFIG).read_text(encoding="utf-8"))
+    config["providers"] = {
+        k: str(Path(CONFIG).parent / v) if ".py:" in v else v for k, v in config["providers"].items()
+    }
+    config["dataset"]["path"] = str((Path(CONFIG).parent / config["dataset"]["path"]).resolve())
+    config["trainer"]["checkpointing"]["save_dir"] = "runs"
+    config["trainer"]["logging"]["log_dir"] = "logs"
+    config["export"] = {"dir": "exported"}
+    (job / "config.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
+    elsewhere = [tmp_path / "a", tmp_path / "b"]
+    for cwd in elsewhere:
+        cwd.mkdir()
+
+    def run(cwd: Path, steps: int) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, TRAIN, str(job / "config.yaml"), *TINY, f"trainer.schedule.total_steps={steps}"],
+            cwd=cwd, capture_output=True, text=True, timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+        )  # fmt: skip
+
+    first = run(elsewhere[0], 2)
+    assert first.returncode == 0, first.stderr[-2000:]
+    second = run(elsewhere[1], 4)  # from another directory: the same run resumes
+    assert second.returncode == 0, second.stderr[-2000:]
+    run_dir = job / "runs" / "quickstart"
+    assert f"run_dir={run_dir}" in second.stdout
+    assert "resumed" in second.stdout
+    assert [r["step"] for r in records(run_dir)] == [1, 2, 3, 4]
+    assert (job / "logs" / "rank-0.log").is_file() and any((job / "exported").glob("*.safetensors"))
+    assert all(not any(cwd.iterdir()) for cwd in elsewhere)  # nothing written where the jobs started
+    shutil.rmtree(job / "runs")
