@@ -1,4 +1,4 @@
-"""d9d.parallel: data, tensor and expert parallelism on DTensor, and the global gradient norm.
+"""d9d.parallel: data, tensor, expert and context parallelism, and the global gradient norm.
 
     from d9d.parallel import parallelize_hsdp
     parallelize_hsdp(model, mesh, shard_axis="dp_shard")   # DDP, FSDP or HSDP, by the mesh
@@ -16,6 +16,7 @@ from d9d.parallel.activation_checkpointing import (
 )
 from d9d.parallel.activation_memory import saved_activation_bytes
 from d9d.parallel.compile import CompileConfig, compile_blocks
+from d9d.parallel.context_parallel import ContextParallel, context_parallel_attention
 from d9d.parallel.data_parallel import (
     GradientReduction,
     parallelize_fsdp,
@@ -65,6 +66,7 @@ __all__ = [
     "ActivationCheckpointingConfig",
     "AllToAllDispatcher",
     "CompileConfig",
+    "ContextParallel",
     "ExpertParallelError",
     "GradientReduction",
     "GroupedExperts",
@@ -86,6 +88,7 @@ __all__ = [
     "checkpointed_blocks",
     "clip_grad_norm_",
     "compile_blocks",
+    "context_parallel_attention",
     "cross_entropy",
     "embedding_plan",
     "enable_tf32",

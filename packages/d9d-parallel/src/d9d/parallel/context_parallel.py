@@ -1,0 +1,234 @@
+"""Context parallelism: split every sequence over the `cp` ranks and compute exact causal attention.
+
+Layout (load-balanced): a sequence of `seq_len` tokens is cut into `2·cp` equal chunks and rank `r`
+holds chunks `r` and `2·cp−1−r`, concatenated in that order. Under a causal mask a late chunk costs
+more than an early one; pairing chunk `r` with its mirror gives every rank the same number of
+(query, key) pairs, so no rank waits for another.
+
+Attention (`context_parallel_attention`): K and V are all-gathered over the cp group (one collective
+for both, autograd-aware: their gradients are reduce-scattered back to the owning ranks), reordered
+into global order, and each of the rank's two query chunks (global chunk `c`, length `L`) attends to
+keys `[0, (c+1)·L)` under a lower-right-aligned causal mask. Every other activation of the model
+stays at `seq_len / cp` tokens per rank.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.attention.bias import causal_lower_right
+
+from d9d.parallel._mesh_axes import axis_names, axis_size
+from d9d.parallel.errors import ParallelizeError
+
+__all__ = ["ContextParallel", "context_parallel_attention"]
+
+# torch >= 2.15 gives `all_gather_single` a backward and deprecates the `_autograd` variant.
+_all_gather_autograd = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor_autograd
+
+
+class ContextParallel:
+    """The context-parallel group of this rank: its layout of the sequence and the collectives over it.
+
+    Build it with `ContextParallel.from_mesh(mesh)`. A size-1 group (or no mesh) is a disabled
+    instance: every method is the identity and attention is plain causal attention, so model code
+    calls the same methods with or without context parallelism.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        """Wrap `group` (the ranks that share one sequence); None means context parallelism is off."""
+        self._group = group
+        self._size = 1 if group is None else dist.get_world_size(group)
+        self._rank = 0 if group is None else dist.get_rank(group)
+
+    @classmethod
+    def from_mesh(cls, mesh: DeviceMesh | None, axis: str = "cp") -> "ContextParallel":
+        """The cp group of `mesh`'s `axis` (a job's dense mesh or a 1-D ("cp",) mesh); None: disabled.
+
+        Raises:
+            ParallelizeError: if the mesh has no axis names or no `axis`.
+        """
+        if mesh is None:
+            return cls(None)
+        axis_names(mesh)  # refuses an unnamed mesh
+        if axis_size(mesh, axis) == 1:
+            return cls(None)
+        return cls(mesh.get_group(axis))
+
+    @property
+    def size(self) -> int:
+        """Number of ranks sharing one sequence (1 when disabled)."""
+        return self._size
+
+    @property
+    def rank(self) -> int:
+        """This rank's index in the cp group (0 when disabled)."""
+        return self._rank
+
+    @property
+    def enabled(self) -> bool:
+        """True when the sequence is split over more than one rank."""
+        return self._size > 1
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The process group of the cp axis; None when disabled."""
+        return self._group
+
+    def __repr__(self) -> str:
+        return f"ContextParallel(size={self._size}, rank={self._rank})"
+
+    def check_seq_len(self, seq_len: int) -> None:
+        """Refuse a sequence length the load-balanced layout cannot split (a no-op when disabled).
+
+        Raises:
+            ParallelizeError: if `seq_len` is not a positive multiple of 2·size.
+        """
+        if not self.enabled:
+            return
+        chunks = 2 * self._size
+        if seq_len <= 0 or seq_len % chunks != 0:
+            raise ParallelizeError(
+                f"seq_len {seq_len} is not divisible by 2 × context_parallel = {chunks}; set "
+                f"data.seq_len to a multiple of {chunks} or change mesh.context_parallel"
+            )
+
+    def position_ids(self, seq_len: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """Global positions of this rank's `seq_len // size` tokens (int64), e.g. for RoPE."""
+        self.check_seq_len(seq_len)
+        return _positions(seq_len, self._size, self._rank, device)
+
+    def shard_sequence(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's tokens of a full-length tensor along `dim` (ids, labels, masks; any dtype).
+
+        Differentiable; returns a new tensor (the input itself when disabled).
+        """
+        if not self.enabled:
+            return x
+        self.check_seq_len(x.size(dim))
+        chunks = x.chunk(2 * self._size, dim)
+        return torch.cat([chunks[c] for c in _chunk_ids(self._size, self._rank)], dim)
+
+    def unshard_sequence(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """The full sequence along `dim` in global order, from every rank's shard (all-gather).
+
+        Every rank of the group must call it. Differentiable: the backward sums, over the cp ranks,
+        the gradients that reach each rank's tokens and returns them to their owner (reduce-scatter),
+        so a loss that each rank computes on the *whole* unsharded tensor counts `size` times.
+        """
+        if not self.enabled:
+            return x
+        self.check_seq_len(x.size(dim) * self._size)  # each rank's shard holds two equal chunks
+        dim = dim % x.dim()
+        gathered = _all_gather_autograd(x.movedim(dim, 0).contiguous(), 0, self._group)
+        # Rank r's block is [chunk r, chunk 2·size−1−r]; put the 2·size chunks back in global order.
+        chunks = gathered.movedim(0, dim).chunk(2 * self._size, dim)
+        first = [chunks[2 * r] for r in range(self._size)]
+        mirrored = [chunks[2 * r + 1] for r in reversed(range(self._size))]
+        return torch.cat(first + mirrored, dim)
+
+
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cp: ContextParallel | None,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Exact causal attention of this rank's queries against the whole sequence's keys.
+
+    Tokens are in `cp`'s load-balanced layout, with RoPE (or any position encoding) already applied
+    with global positions (`cp.position_ids`). Every rank of the cp group must call it. With `cp`
+    disabled (or None) it is `F.scaled_dot_product_attention(q, k, v, is_causal=True)`.
+
+    Args:
+        q: [batch, q_heads, s_local, head_dim].
+        k: [batch, kv_heads, s_local, head_dim]; kv_heads divides q_heads (MHA, GQA, MQA).
+        v: like `k` (its last dim may differ from head_dim).
+        cp: the cp group; None means no context parallelism.
+        scale: softmax scale; None for 1/sqrt(head_dim).
+
+    Returns:
+        [batch, q_heads, s_local, v_head_dim], in the same layout as `q`.
+
+    Raises:
+        ParallelizeError: on shapes that do not fit (the message names them).
+    """
+    _check_shapes(q, k, v)
+    gqa = q.size(1) != k.size(1)
+    if cp is None or not cp.enabled:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    cp.check_seq_len(q.size(2) * cp.size)
+    chunk = q.size(2) // 2
+    # One all-gather for K and V together; [2, batch, kv_heads, seq_len, head_dim] in global order.
+    if k.size(-1) == v.size(-1):
+        k_full, v_full = cp.unshard_sequence(torch.stack([k, v]), dim=3).unbind(0)
+    else:
+        k_full, v_full = cp.unshard_sequence(k, dim=2), cp.unshard_sequence(v, dim=2)
+    outputs = []
+    for half, c in enumerate(_chunk_ids(cp.size, cp.rank)):
+        end = (c + 1) * chunk
+        q_chunk = q.narrow(2, half * chunk, chunk)
+        outputs.append(_causal_lower_right(q_chunk, k_full[:, :, :end], v_full[:, :, :end], scale, gqa))
+    return torch.cat(outputs, 2)
+
+
+def _chunk_ids(size: int, rank: int) -> tuple[int, int]:
+    """The two global chunks (of 2·size) that `rank` holds, in the order it holds them."""
+    return rank, 2 * size - 1 - rank
+
+
+def _positions(seq_len: int, size: int, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Global positions of `rank`'s tokens under the load-balanced layout (pure arithmetic)."""
+    if size == 1:
+        return torch.arange(seq_len, device=device)
+    chunk = seq_len // (2 * size)
+    return torch.cat(
+        [torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in _chunk_ids(size, rank)]
+    )
+
+
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if not (q.dim() == k.dim() == v.dim() == 4):
+        raise ParallelizeError(
+            "context_parallel_attention takes q, k, v as [batch, heads, seq, head_dim]; got shapes "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if (
+        k.shape[:3] != v.shape[:3]
+        or q.size(0) != k.size(0)
+        or q.size(2) != k.size(2)
+        or q.size(3) != k.size(3)
+    ):
+        raise ParallelizeError(
+            "context_parallel_attention needs q, k, v with the same batch and local sequence length, "
+            f"and q, k with the same head_dim; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if q.size(1) % k.size(1) != 0:
+        raise ParallelizeError(
+            f"context_parallel_attention: kv_heads {k.size(1)} must divide q_heads {q.size(1)}"
+        )
+
+
+def _causal_lower_right(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, gqa: bool
+) -> torch.Tensor:
+    """Causal attention where the last query sits at the last key (the queries are the keys' tail)."""
+    q_len, kv_len = q.size(-2), k.size(-2)
+    if q_len == kv_len:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    if q.device.type == "cuda" and (not gqa or _can_use_flash(q, k, v)):
+        # CausalBias runs the flash or memory-efficient kernel without materializing a mask. Its
+        # efficient branch passes K/V to the kernel as they are, so GQA goes there only with flash.
+        bias = causal_lower_right(q_len, kv_len)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=gqa)
+    # Elsewhere (CPU, GQA without flash) an explicit boolean mask goes through SDPA's own dispatch.
+    allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - q_len)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
+
+
+def _can_use_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, False, True)
+    return bool(torch.backends.cuda.can_use_flash_attention(params, False))
