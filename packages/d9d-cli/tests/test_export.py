@@ -1,7 +1,10 @@
 """`d9d export`: from a run directory (config stored in the checkpoint) or from the config file."""
 
 import json
+import os
+import re
 import shutil
+import stat
 import sys
 from pathlib import Path
 
@@ -48,7 +51,7 @@ def test_export_latest_and_given_step_from_the_run_dir(runner, tiny_run, tmp_pat
     metrics_before = (tiny_run.run_dir / METRICS_FILE).read_bytes()
     latest = runner.invoke(cli, ["export", str(tiny_run.run_dir), "--out", "latest"])
     assert latest.exit_code == 0, latest.output
-    assert "exported step 4" in latest.output
+    assert re.search(r"d9d.cli: export finished +step=4 ", latest.output), latest.output
     older = runner.invoke(cli, ["export", str(tiny_run.run_dir), "--out", "step2", "--step", "2"])
     assert older.exit_code == 0, older.output
     a, b = _weights(tmp_path / "latest"), _weights(tmp_path / "step2")
@@ -91,15 +94,14 @@ def test_stored_config_whose_providers_cannot_be_found(runner, tmp_path, monkeyp
     assert len(line.splitlines()) == 1
 
 
-@pytest.mark.parametrize("case", ["missing-step", "out-not-empty", "no-such-path", "no-checkpoints"])
+@pytest.mark.parametrize("case", ["missing-step", "out-is-a-file", "no-such-path", "no-checkpoints"])
 def test_export_errors_are_one_line(runner, tiny_run, tmp_path, case):
     out = tmp_path / "out"
     args = ["export", str(tiny_run.run_dir), "--out", str(out)]
     if case == "missing-step":
         args += ["--step", "3"]
-    elif case == "out-not-empty":
-        out.mkdir()
-        (out / "keep.txt").write_text("x")
+    elif case == "out-is-a-file":
+        out.write_text("x")
     elif case == "no-such-path":
         args[1] = str(tmp_path / "nope")
     else:
@@ -111,11 +113,60 @@ def test_export_errors_are_one_line(runner, tiny_run, tmp_path, case):
     assert len(lines) == 1 and lines[0].startswith("error: ")
     if case == "missing-step":
         assert "[2, 4]" in lines[0]
+    if case == "out-is-a-file":
+        assert "is a file; pass a directory" in lines[0]
+
+
+def _new_file_mode() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def test_exported_files_have_the_mode_of_checkpoint_files(runner, tiny_run, tmp_path):
+    out = tmp_path / "o"
+    result = runner.invoke(cli, ["export", str(tiny_run.run_dir), "--out", str(out), "--step", "2"])
+    assert result.exit_code == 0, result.output
+    checkpoint_modes = {stat.S_IMODE(p.stat().st_mode) for p in (tiny_run.run_dir / "save-2").iterdir()}
+    exported_modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert exported_modes == {"model.safetensors": _new_file_mode()}  # 0o644 under umask 022
+    assert checkpoint_modes == {_new_file_mode()}
+
+
+def test_a_non_empty_out_is_replaced_like_export_dir(runner, tiny_run, tmp_path):
+    """As the trainer's export.dir: an earlier export's safetensors files are replaced, others kept."""
+    out = tmp_path / "o"
+    first = runner.invoke(cli, ["export", str(tiny_run.run_dir), "--out", str(out), "--step", "2"])
+    assert first.exit_code == 0, first.output
+    (out / "notes.txt").write_text("mine")
+    (out / "model-00001-of-00003.safetensors").write_text("stale shard of an older layout")
+    again = runner.invoke(cli, ["export", str(tiny_run.run_dir), "--out", str(out)])
+    assert again.exit_code == 0, again.output
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "notes.txt"]
+    assert (out / "notes.txt").read_text() == "mine"
+    fresh = tmp_path / "fresh"
+    assert runner.invoke(cli, ["export", str(tiny_run.run_dir), "--out", str(fresh)]).exit_code == 0
+    a, b = _weights(out), _weights(fresh)
+    assert all((a[k] == b[k]).all() for k in a)  # step 4's weights, not step 2's
+
+
+_LOG_LINE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (INFO|WARNING) +\[local\] +d9d\.[a-z]+: ")
+
+
+def test_export_prints_one_log_format_and_loads_the_checkpoint_once(tiny_run, tmp_path):
+    done = run_cli("export", str(tiny_run.run_dir), "--out", str(tmp_path / "o"), "--step", "2")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    assert lines and all(_LOG_LINE.match(line) for line in lines), lines
+    assert sum("checkpoint loaded" in line for line in lines) == 1
+    assert not any("changed setting" in line for line in lines)  # its mesh was 1 process already
+    assert re.search(r"d9d\.cli: export finished +step=2 ", lines[-1])
 
 
 def test_export_in_a_subprocess(tiny_run, tmp_path):
     ok = run_cli("export", str(tiny_run.run_dir), "--out", str(tmp_path / "o"), "--step", "2")
     assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-2000:]
     assert "embed.weight" in json.dumps(sorted(_weights(tmp_path / "o")))
-    bad = run_cli("export", str(tiny_run.run_dir), "--out", str(tmp_path / "o"))
-    assert bad.returncode == 2 and "not an empty directory" in bad.stderr and "Traceback" not in bad.stderr
+    (tmp_path / "f").write_text("x")
+    bad = run_cli("export", str(tiny_run.run_dir), "--out", str(tmp_path / "f"))
+    assert bad.returncode == 2 and "is a file" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,16 +1,42 @@
-"""`--help` on every command, `--version`, and a `d9d --help` that never imports torch."""
+"""`--help` on every command, `--version`, and a lazy command group: `d9d --help` imports no command."""
 
+import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
+import click
 import pytest
 
 from d9d.cli import cli
+from d9d.cli.main import COMMANDS, OPTIONS, group_help
 
-COMMANDS = ["init", "plan", "train", "checkpoints", "metrics", "export"]
+COMMAND_NAMES = ["init", "plan", "train", "checkpoints", "metrics", "export"]
+
+# Runs main() as the console script does and prints what it imported (as JSON, on stderr).
+_IMPORTS = """
+import json, sys
+from d9d.cli import main
+sys.argv = ["d9d", *sys.argv[1:]]
+try:
+    main()
+except SystemExit as exc:
+    assert exc.code in (0, None), exc.code
+loaded = sorted(m for m in sys.modules if m in ("click", "torch", "importlib.metadata")
+                or m.startswith(("click.", "torch.", "d9d.")))
+print(json.dumps(loaded), file=sys.stderr)
+"""
 
 
-@pytest.mark.parametrize("command", COMMANDS)
+def _imports_of(*args: str) -> tuple[str, set[str]]:
+    """(stdout, modules imported) of `d9d ARGS` in a fresh interpreter."""
+    out = subprocess.run([sys.executable, "-c", _IMPORTS, *args], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout, set(json.loads(out.stderr.strip().splitlines()[-1]))
+
+
+@pytest.mark.parametrize("command", COMMAND_NAMES)
 def test_every_command_has_help_with_examples(runner, command):
     result = runner.invoke(cli, [command, "--help"])
     assert result.exit_code == 0, result.output
@@ -21,8 +47,31 @@ def test_every_command_has_help_with_examples(runner, command):
 def test_group_help_lists_every_command(runner):
     result = runner.invoke(cli, ["--help"])
     assert result.exit_code == 0
-    for command in COMMANDS:
-        assert command in result.output
+    assert result.output == group_help()
+    assert list(COMMANDS) == COMMAND_NAMES
+    for command in COMMAND_NAMES:
+        assert f"\n  {command} " in result.output
+
+
+def test_the_help_table_matches_the_commands_and_options():
+    """main.py's table is what click itself would list: each command's short help, the group's options."""
+    ctx = click.Context(cli, info_name="d9d")
+    for name, text in COMMANDS.items():
+        command = cli.get_command(ctx, name)
+        assert command is not None and command.name == name
+        assert command.get_short_help_str(limit=200) == text
+    records = [p.get_help_record(ctx) for p in cli.get_params(ctx)]
+    assert dict(r for r in records if r is not None) == OPTIONS
+    # click's own layout of the options and commands is exactly that part of `d9d --help`
+    formatter = click.HelpFormatter(width=100)
+    click.Group.format_options(cli, ctx, formatter)
+    assert formatter.getvalue() == group_help()[group_help().index("Options:") :]
+
+
+def test_unknown_command_suggests_the_closest(runner):
+    result = runner.invoke(cli, ["trian"])
+    assert result.exit_code == 2
+    assert "No such command 'trian'; did you mean 'train'?" in result.stderr
 
 
 def test_version_names_every_package(runner):
@@ -32,27 +81,35 @@ def test_version_names_every_package(runner):
         assert name in result.output
 
 
-def test_help_in_a_subprocess_does_not_import_torch():
-    code = (
-        "import sys\n"
-        "from d9d.cli import main\n"
-        "sys.argv = ['d9d', '--help']\n"
-        "try:\n"
-        "    main()\n"
-        "except SystemExit as exc:\n"
-        "    assert exc.code in (0, None), exc.code\n"
-        "heavy = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'd9d.trainer', 'd9d.mesh')))\n"
-        "print('HEAVY', heavy)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert "HEAVY []" in out.stdout
-    assert "Commands:" in out.stdout
+def test_group_help_imports_neither_click_nor_any_command():
+    stdout, loaded = _imports_of("--help")
+    assert stdout == group_help()
+    assert loaded == {"d9d.cli", "d9d.cli.main"}, loaded  # no click, torch, command module or metadata
 
 
-def test_module_form_prints_help():
-    out = subprocess.run(
-        [sys.executable, "-m", "d9d.cli", "--help"], capture_output=True, text=True, timeout=60
-    )
-    assert out.returncode == 0
-    assert "Usage: " in out.stdout and "plan" in out.stdout
+def test_command_help_imports_that_command_only():
+    stdout, loaded = _imports_of("train", "--help")
+    assert stdout.startswith("Usage: d9d train ")
+    commands = {
+        m for m in loaded if m.startswith("d9d.cli.commands.") and not m.rpartition(".")[2].startswith("_")
+    }
+    assert commands == {"d9d.cli.commands.train"}
+    assert "torch" not in loaded and not any(m.startswith(("d9d.trainer", "d9d.mesh")) for m in loaded)
+
+
+def test_group_help_through_click_imports_no_command():
+    """`d9d --debug --help` goes through click (not the fast path) and still lists from the table."""
+    stdout, loaded = _imports_of("--debug", "--help")
+    assert stdout == group_help()
+    assert "click" in loaded and not any(m.startswith("d9d.cli.commands.") for m in loaded)
+
+
+def test_console_script_and_module_form_print_the_group_help():
+    script = shutil.which("d9d", path=str(Path(sys.executable).parent))
+    forms = [[sys.executable, "-m", "d9d.cli", "--help"], [sys.executable, "-m", "d9d.cli", "-h"]]
+    if script is not None:
+        forms.append([script, "--help"])
+    for form in forms:
+        out = subprocess.run(form, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout == group_help()

@@ -1,15 +1,18 @@
-"""`d9d init`: a quickstart that runs from any directory, and never overwrites a file."""
+"""`d9d init`: a quickstart that runs from any directory, a next step that runs, and no overwrite."""
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _cli_job import run_cli
 
 from d9d.cli import cli
-from d9d.cli.commands.init import TEMPLATE_FILES
+from d9d.cli.commands.init import TEMPLATE_FILES, d9d_invocation
 from d9d.trainer import load_job_config, resolve_job
 
 # A few steps of a smaller model, so the test stays fast; the shipped config itself is checked as is.
@@ -60,6 +63,57 @@ def test_init_then_train_from_another_directory(tmp_path):
     sets = [arg for item in TINY for arg in ("--set", item)]
     ran = run_cli("train", str(tmp_path / "job" / "config.yaml"), *sets, cwd=elsewhere)
     assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
-    assert (elsewhere / "runs" / "quickstart" / "save-2").is_dir()
+    # save_dir: runs is relative to the config file, wherever the job is started from
+    assert (tmp_path / "job" / "runs" / "quickstart" / "save-2").is_dir()
+    assert not (elsewhere / "runs").exists()
     again = run_cli("init", "job", cwd=tmp_path)
     assert again.returncode == 2 and again.stderr.startswith("error: ") and "Traceback" not in again.stderr
+
+
+def _without_venv(environ: dict[str, str]) -> dict[str, str]:
+    """The environment of the user's own shell: this environment's bin directory not on PATH."""
+    bindir = str(Path(sys.executable).parent)
+    env = {k: v for k, v in environ.items() if k not in ("VIRTUAL_ENV", "UV_RUN_RECURSION_DEPTH")}
+    env["PATH"] = os.pathsep.join(p for p in environ.get("PATH", "").split(os.pathsep) if p != bindir)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(var, None)
+    return {**env, "OMP_NUM_THREADS": "1"}
+
+
+def _next_steps(stdout: str) -> list[str]:
+    """The commands `d9d init` prints (its indented lines)."""
+    return [line.strip() for line in stdout.splitlines() if line.startswith("  ")]
+
+
+def test_d9d_invocation_is_the_bare_name_only_when_the_shell_finds_this_d9d(tmp_path):
+    bindir = Path(sys.executable).parent
+    if not (bindir / "d9d").is_file():
+        pytest.skip("d9d is not installed as a console script next to this interpreter")
+    shell = _without_venv(dict(os.environ))
+    activated = {**shell, "PATH": os.pathsep.join([str(bindir), shell["PATH"]])}
+    assert d9d_invocation(activated) == "d9d"
+    assert d9d_invocation(shell) == str(bindir / "d9d")  # not on PATH: its full path
+    under_uv_run = {**activated, "UV_RUN_RECURSION_DEPTH": "1"}  # uv run's PATH is its child's only
+    assert d9d_invocation(under_uv_run) == str(bindir / "d9d")
+
+
+def test_next_step_printed_under_uv_run_runs_in_the_users_shell(tmp_path):
+    """`uv run d9d init job` prints a command that trains from a shell without the venv on PATH."""
+    shell = _without_venv(dict(os.environ))
+    bindir = str(Path(sys.executable).parent)
+    as_uv_run = {**shell, "PATH": os.pathsep.join([bindir, shell["PATH"]]), "VIRTUAL_ENV": str(Path(bindir).parent),
+                 "UV_RUN_RECURSION_DEPTH": "1"}  # fmt: skip
+    made = subprocess.run(
+        [sys.executable, "-m", "d9d.cli", "init", "job"],
+        cwd=tmp_path, env=as_uv_run, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    train, plan = _next_steps(made.stdout)
+    assert train.startswith("cd job && ") and " train config.yaml" in train and " plan config.yaml" in plan
+    assert not train.startswith("cd job && d9d ")  # the bare name is not on the user's PATH
+    ran = subprocess.run(
+        ["/bin/sh", "-c", f"{train} {' '.join(TINY)}"],
+        cwd=tmp_path, env=shell, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
+    assert (tmp_path / "job" / "runs" / "quickstart" / "save-2").is_dir()

@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _cli_job import run_cli
 
 from d9d.cli import cli
-from d9d.cli.commands.metrics import find_restarts, read_metrics, summarize
+from d9d.cli.commands.metrics import PLOT_INSTALL_HINT, find_restarts, read_metrics, summarize
 from d9d.trainer import METRICS_FILE
 
 
@@ -76,7 +76,11 @@ def test_plot_without_matplotlib_says_how_to_install(runner, tmp_path, monkeypat
     run = _write(tmp_path / "run", [_record(1, 2.0)])
     result = runner.invoke(cli, ["metrics", str(run), "--plot", str(tmp_path / "m.png")])
     assert result.exit_code == 2
-    assert "pip install matplotlib" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert (
+        "uv sync --all-packages --extra plot" in result.stderr
+        and "pip install 'd9d-cli[plot]'" in result.stderr
+    )
     assert not (tmp_path / "m.png").exists()
 
 
@@ -114,6 +118,32 @@ def test_metrics_in_a_subprocess(tiny_run, tmp_path):
         text=True,
         timeout=60,
     )
-    assert no_mpl.returncode == 2 and "pip install matplotlib" in no_mpl.stderr
+    assert no_mpl.returncode == 2 and PLOT_INSTALL_HINT in no_mpl.stderr
+    assert len(no_mpl.stderr.strip().splitlines()) == 1
     missing = run_cli("metrics", str(tmp_path / "nope"))
     assert missing.returncode == 2 and missing.stderr.startswith("error: ")
+
+
+def test_the_plot_hint_names_a_uv_command_that_installs_matplotlib_here():
+    """The uv command of the hint resolves matplotlib from this workspace's lock (dry run: installs nothing)."""
+    import os
+    import re
+    import shutil
+    import subprocess
+
+    root = Path(__file__).resolve().parents[3]
+    uv = os.environ.get("UV") or shutil.which("uv")
+    if uv is None or not (root / "uv.lock").is_file():
+        pytest.skip("needs uv and the d9d workspace")
+    command = re.search(r"`(uv sync [^`]*)`", PLOT_INSTALL_HINT)
+    assert command is not None, PLOT_INSTALL_HINT
+    args = command.group(1).split()[1:]
+    out = subprocess.run(
+        [uv, *args, "--frozen", "--dry-run", "--offline"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "matplotlib" in out.stdout + out.stderr or "Would make no changes" in out.stdout + out.stderr

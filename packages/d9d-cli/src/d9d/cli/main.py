@@ -1,72 +1,76 @@
-"""The `d9d` click command group; each command lives in `d9d.cli.commands.<name>`.
+"""The `d9d` entry point and the table of its commands; each command lives in `d9d.cli.commands.<name>`.
 
-Importing this module imports click only: torch, the trainer and the lower d9d packages are imported
-inside the command functions, so `d9d --help` answers at once.
+`d9d --help` is answered from the table below without importing click or any command module (click
+alone costs several times a bare interpreter's start-up); anything else goes to the click group in
+`d9d.cli._group`, which imports a command's module only when that command runs or shows its help.
 """
 
-import click
+import sys
 
-from d9d.cli.commands.checkpoints import checkpoints
-from d9d.cli.commands.export import export
-from d9d.cli.commands.init import init
-from d9d.cli.commands.metrics import metrics
-from d9d.cli.commands.plan import plan
-from d9d.cli.commands.train import train
+__all__ = ["COMMANDS", "group_help", "main"]
 
-__all__ = ["cli", "main"]
+#: Every command, in the order `d9d --help` lists them, with its one-line help (the `short_help` of the
+#: command in `d9d.cli.commands.<name>`; a test keeps the two equal).
+COMMANDS: dict[str, str] = {
+    "init": "Write a ready-to-run quickstart job.",
+    "plan": "Validate a config for a launch size, without GPUs.",
+    "train": "Run a job (one process or under torchrun).",
+    "checkpoints": "List a run's checkpoints; flag unfinished ones.",
+    "metrics": "Summarize (and plot) a run's metrics.",
+    "export": "Export a checkpoint as safetensors.",
+}
 
-_PACKAGES = ("d9d-mesh", "d9d-parallel", "d9d-data", "d9d-ckpt", "d9d-trainer", "d9d-cli")
+#: The group's own options and their help, as `d9d.cli._group` declares them.
+OPTIONS: dict[str, str] = {
+    "--version": "Print the version of every installed d9d package and exit.",
+    "--debug": "Show full tracebacks instead of one-line errors.",
+    "-h, --help": "Show this message and exit.",
+}
 
+_DESCRIPTION = """\
+d9d: composable distributed training for PyTorch.
 
-def _versions() -> str:
-    import importlib.metadata  # only here: keeps `d9d --help` fast
+Examples:
+  d9d init my-job && cd my-job         # a ready-to-run quickstart
+  d9d plan config.yaml --world-size 8 --set mesh.data_parallel_shard=8
+  d9d train config.yaml --set trainer.schedule.total_steps=400
+  torchrun --nproc-per-node 4 -m d9d.cli train config.yaml --set mesh.data_parallel_shard=4
+  d9d checkpoints runs/quickstart
+  d9d metrics runs/quickstart
+  d9d export runs/quickstart --out exported/"""
 
-    lines = []
-    for name in _PACKAGES:
-        try:
-            lines.append(f"{name} {importlib.metadata.version(name)}")
-        except importlib.metadata.PackageNotFoundError:
-            lines.append(f"{name} (not installed)")
-    return "\n".join(lines)
-
-
-def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
-    if value and not ctx.resilient_parsing:
-        click.echo(_versions())
-        ctx.exit()
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.option(
-    "--version",
-    is_flag=True,
-    expose_value=False,
-    is_eager=True,
-    callback=_print_version,
-    help="Print the version of every installed d9d package and exit.",
-)
-@click.option("--debug", is_flag=True, help="Show full tracebacks instead of one-line errors.")
-@click.pass_context
-def cli(ctx: click.Context, debug: bool) -> None:
-    """d9d: composable distributed training for PyTorch.
-
-    \b
-    Examples:
-      d9d init my-job && cd my-job         # a ready-to-run quickstart
-      d9d plan config.yaml --world-size 8 --set mesh.data_parallel_shard=8
-      d9d train config.yaml --set trainer.schedule.total_steps=400
-      torchrun --nproc-per-node 4 -m d9d.cli train config.yaml --set mesh.data_parallel_shard=4
-      d9d checkpoints runs/quickstart
-      d9d metrics runs/quickstart
-      d9d export runs/quickstart --out exported/
-    """
-    ctx.obj = {"debug": debug}
+_HELP_OPTIONS = ("--help", "-h")
 
 
-for _command in (init, plan, train, checkpoints, metrics, export):
-    cli.add_command(_command)
+def _rows(table: dict[str, str]) -> list[str]:
+    width = max(len(name) for name in table)
+    return [f"  {name.ljust(width)}  {text}" for name, text in table.items()]
+
+
+def group_help() -> str:
+    """The text of `d9d --help` (laid out as click lays out a group's help page)."""
+    description = ["  " + line if line else "" for line in _DESCRIPTION.splitlines()]
+    lines = [
+        "Usage: d9d [OPTIONS] COMMAND [ARGS]...",
+        "",
+        *description,
+        "",
+        "Options:",
+        *_rows(OPTIONS),
+        "",
+        "Commands:",
+        *_rows(COMMANDS),
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
-    """Entry point of the `d9d` console script."""
+    """Entry point of the `d9d` console script (and of `python -m d9d.cli`)."""
+    args = sys.argv[1:]
+    if len(args) == 1 and args[0] in _HELP_OPTIONS:
+        sys.stdout.write(group_help())
+        sys.stdout.flush()
+        return
+    from d9d.cli._group import cli
+
     cli(prog_name="d9d")

@@ -2,6 +2,7 @@
 
 import json
 import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -71,11 +72,13 @@ def save_safetensors(
     writer = is_writer()
     gather = WriterGather(state, sorted({k for g in groups for k in g.inputs}))
     target = Path(directory)
+    file_mode = 0
     if writer:
         target.mkdir(parents=True, exist_ok=True)
         for old in target.iterdir():
             if is_layout_file(old.name):
                 old.unlink()
+        file_mode = _new_file_mode(target)
     header = {"format": "pt", **(metadata or {})}
     for name, shard in zip(names, shards, strict=True):
         tensors: dict[str, torch.Tensor] = {}
@@ -87,6 +90,7 @@ def save_safetensors(
             del inputs
         if writer:
             safetensors.torch.save_file(_owning(tensors), target / name, metadata=header)
+            os.chmod(target / name, file_mode)  # safetensors writes through a private (0o600) temp file
         del tensors
     if writer and len(shards) > 1:
         total = sum(group_sizes)
@@ -94,6 +98,21 @@ def save_safetensors(
         (target / INDEX_FILE).write_text(document)
     barrier()
     return weight_map
+
+
+def _new_file_mode(directory: Path) -> int:
+    """The permission bits a file created in `directory` gets (0o666 less the umask and default ACL).
+
+    Found by creating one rather than by reading the umask: `os.umask` can only be read by setting
+    it, which would race with files created meanwhile by other threads.
+    """
+    probe = directory / f".d9d-mode-probe-{os.getpid()}"
+    probe.unlink(missing_ok=True)  # a leftover of a crash keeps its own mode
+    probe.touch()
+    try:
+        return stat.S_IMODE(probe.stat().st_mode)
+    finally:
+        probe.unlink()
 
 
 def _owning(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

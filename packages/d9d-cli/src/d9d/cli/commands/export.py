@@ -2,7 +2,11 @@
 
 From a run directory, the job is rebuilt from the config stored in the checkpoint. That config names
 `file.py:Name` providers (and data files) relative to the directory of the original config file,
-which a checkpoint does not record; `find_config_dir` looks for it where it usually is.
+which the checkpoint records (`config_dir`) but which may have moved since, or which older
+checkpoints lack; `find_config_dir` looks for it where it usually is.
+
+Everything the command prints is a log line of the trainer's format (the trainer configures the
+logging; the command's own last line is `d9d.cli: export finished`); errors are one `error:` line.
 """
 
 import copy
@@ -19,6 +23,7 @@ from d9d.cli.commands._runs import check_run_dir, scan_run_dir
 from d9d.cli.errors import CliError, reports_errors
 
 if TYPE_CHECKING:  # the trainer imports torch: only inside the command at run time
+    from d9d.ckpt import CheckpointInfo
     from d9d.trainer import LoadedJob
 
 __all__ = ["export", "find_config_dir", "relative_provider_files"]
@@ -41,7 +46,7 @@ def find_config_dir(
     """The directory a stored config's relative provider files resolve in, and the places tried.
 
     Tried in order: `stored` (a config directory the trainer kept with the config), the directory
-    the job was started from (the run directory minus a relative `trainer.checkpointing.save_dir`),
+    a relative `trainer.checkpointing.save_dir` was taken from (the run directory minus save_dir),
     the current directory and the run directory's parents; then the subdirectories of those, where
     exactly one must hold the files (or one whose YAML file names the same providers). None when
     the config has no relative file or no unambiguous place holds them all.
@@ -90,13 +95,35 @@ def _names_providers(directory: Path, providers: Any) -> bool:
     return False
 
 
-def _single_process_mesh(overrides: list[str]) -> list[str]:
-    """Outside torchrun, export in this one process (checkpoints reshard to any mesh)."""
+def _single_process_mesh(loaded: "LoadedJob") -> "LoadedJob":
+    """Outside torchrun, export in this one process (checkpoints reshard to any mesh).
+
+    Only the degrees that are not 1 already are set, so that the trainer's "resumed with a changed
+    setting" warnings name what export really changed.
+    """
     if "WORLD_SIZE" in os.environ:
-        return overrides
+        return loaded
     from d9d.mesh import DEGREE_KEYS  # imports torch: only when the command runs
 
-    return [f"mesh.{key}=1" for key in DEGREE_KEYS] + overrides
+    mesh = loaded.config.mesh
+    changes = {f"mesh.{key}": 1 for key in DEGREE_KEYS if getattr(mesh, key) != 1}
+    return _with_values(loaded, changes) if changes else loaded
+
+
+def _with_values(loaded: "LoadedJob", values: dict[str, Any]) -> "LoadedJob":
+    """`loaded` with some `a.b.c` keys set (in the raw dict: no YAML typing of the values), path kept."""
+    from d9d.trainer import load_job_config
+
+    raw = copy.deepcopy(loaded.raw)
+    for key, value in values.items():
+        *parents, leaf = key.split(".")
+        node = raw
+        for part in parents:
+            child = node.get(part)
+            node[part] = child = child if isinstance(child, dict) else {}
+            node = child
+        node[leaf] = value
+    return dataclasses.replace(load_job_config(raw), path=loaded.path)
 
 
 @click.command(short_help="Export a checkpoint as safetensors.")
@@ -106,7 +133,7 @@ def _single_process_mesh(overrides: list[str]) -> list[str]:
     "out_dir",
     required=True,
     type=click.Path(),
-    help="Directory to write (new or empty).",
+    help="Directory to write (created if needed; an earlier export in it is replaced).",
 )
 @click.option("--step", type=click.IntRange(min=0), help="Checkpoint step to export (default: the latest).")
 @overrides_option
@@ -117,7 +144,9 @@ def export(source: str, out_dir: str, step: int | None, overrides: Sequence[str]
     CONFIG_OR_RUN_DIR is either the job's config file (its run directory is save_dir/run.name) or a
     run directory, whose checkpoint holds the config the job ran with. The model goes through the
     model provider's prepare_export_model_stage() mapper. Run as one process, the mesh is set to
-    1 process (any checkpoint reshards); under torchrun the config's mesh is kept.
+    1 process (any checkpoint reshards); under torchrun the config's mesh is kept. --out is treated
+    as the config's export.dir is at the end of training: an earlier export's safetensors files in
+    it are replaced, anything else in it is kept.
 
     \b
     Examples:
@@ -126,33 +155,40 @@ def export(source: str, out_dir: str, step: int | None, overrides: Sequence[str]
       d9d export config.yaml --out exported/ --set trainer.run.name=try2
     """
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CliError(f"--out {out} exists and is not an empty directory; choose a new one (or empty it)")
+    if out.exists() and not out.is_dir():
+        raise CliError(f"--out {out} is a file; pass a directory to write the safetensors files into")
     src = Path(source)
     if not src.exists():
-        raise CliError(f"{src}: no such config file or run directory")
-    extra = _single_process_mesh(list(overrides))
+        raise CliError(
+            f"{src}: no such config file or run directory; pass the job's config file or its run "
+            "directory (save_dir/run.name, e.g. runs/quickstart)"
+        )
 
     from d9d.trainer import load_job_config
 
     if src.is_dir():
         run_dir = check_run_dir(src)
-        loaded = _loaded_from_run(run_dir, step, extra)
+        info = _committed_checkpoint(run_dir, step)
+        loaded = _loaded_from_run(run_dir, info, list(overrides))
     else:
-        loaded = load_job_config(src, extra)
+        loaded = load_job_config(src, list(overrides))
         ckpt = loaded.config.trainer.checkpointing
-        run_dir = Path(ckpt.save_dir) / loaded.config.trainer.run.name
-        _committed_steps(run_dir, step)
+        run_dir = loaded.resolve_path(ckpt.save_dir) / loaded.config.trainer.run.name
+        info = _committed_checkpoint(run_dir, step)
+    loaded = _single_process_mesh(loaded)
 
+    from d9d.mesh import get_logger
     from d9d.trainer import Trainer
 
-    # Read-only: no run lock (a job may be training this run) and nothing written into the run.
+    # Read-only: no run lock (a job may be training this run) and nothing written into the run. The
+    # step is pinned: a checkpoint that such a job commits meanwhile is not the one chosen here.
     with Trainer.from_config(loaded, read_only=True) as trainer:
-        trainer.resume(step)
+        trainer.resume(info.step)
         trainer.export(out)
-        done = trainer.step
-    if _is_reporting_rank():
-        click.echo(f"exported step {done} of {run_dir} to {out}")
+        if _is_reporting_rank():  # the trainer configured logging: this line is in its format
+            get_logger("d9d.cli").info(
+                "export finished", step=trainer.step, checkpoint=str(info.path.resolve()), out=str(out)
+            )
 
 
 def _is_reporting_rank() -> bool:
@@ -160,30 +196,34 @@ def _is_reporting_rank() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def _committed_steps(run_dir: Path, step: int | None) -> list[Any]:
-    """The run's committed checkpoints (`CheckpointInfo`); an error unless `step` (or any) is among them."""
+def _committed_checkpoint(run_dir: Path, step: int | None) -> "CheckpointInfo":
+    """The run's committed checkpoint (`CheckpointInfo`) of `step`, or its latest; a `CliError` if none."""
     if not run_dir.is_dir():
         raise CliError(
-            f"run directory {run_dir} does not exist; train the job first (or check trainer.run.name)"
+            f"run directory {run_dir} does not exist; train the job first (or check trainer.run.name "
+            "and trainer.checkpointing.save_dir)"
         )
     committed = scan_run_dir(run_dir).committed
     steps = [info.step for info in committed]
     if not steps:
         raise CliError(f"{run_dir} has no committed checkpoint to export; train the job first")
-    if step is not None and step not in steps:
+    if step is None:
+        return committed[-1]
+    if step not in steps:
         raise CliError(f"{run_dir} has no committed checkpoint of step {step}; it has steps {steps}")
-    return committed
+    return next(info for info in committed if info.step == step)
 
 
-def _loaded_from_run(run_dir: Path, step: int | None, overrides: list[str]) -> "LoadedJob":
-    """The job config stored in the run's checkpoint, pointed back at this run directory."""
+def _loaded_from_run(run_dir: Path, info: "CheckpointInfo", overrides: list[str]) -> "LoadedJob":
+    """The job config stored in checkpoint `info`, pointed back at this run directory.
+
+    Reads only the checkpoint's small extra-state file: the weights are loaded once, by the trainer.
+    """
     from d9d.ckpt import CheckpointManager
     from d9d.trainer import load_job_config
 
-    committed = _committed_steps(run_dir, step)
-    info = next(i for i in reversed(committed) if step is None or i.step == step)
     with CheckpointManager(run_dir.parent, run_dir.name) as manager:
-        extra_state = manager.load(info).extra_state
+        extra_state = manager.read_extra_state(info)
     raw = extra_state.get("config")
     if not isinstance(raw, dict):
         raise CliError(
@@ -199,15 +239,14 @@ def _loaded_from_run(run_dir: Path, step: int | None, overrides: list[str]) -> "
             f"file, which was not found in (or below) {', '.join(str(t) for t in tried)}; export with "
             "the config instead: d9d export path/to/config.yaml --out DIR"
         )
-    loaded = load_job_config(raw, overrides)
-    # Point the job at this run directory wherever it was trained (set in the dict: no YAML typing).
-    pinned = copy.deepcopy(loaded.raw)
-    trainer = pinned.setdefault("trainer", {})
-    trainer.setdefault("checkpointing", {})["save_dir"] = str(run_dir.resolve().parent)
-    trainer.setdefault("run", {})["name"] = run_dir.name
-    loaded = load_job_config(pinned)
     # file.py providers and data paths resolve next to the original (here: virtual) config file
     # (with no relative provider file to go by, the first place tried is the best guess for data paths)
     guess = base or (tried[0] if tried else Path.cwd())
     virtual = guess / f"<config stored in {run_dir.name} save-{info.step}>"
-    return dataclasses.replace(loaded, path=virtual)
+    loaded = dataclasses.replace(load_job_config(raw, overrides), path=virtual)
+    # Point the job at this run directory wherever it was trained.
+    pinned = {
+        "trainer.checkpointing.save_dir": str(run_dir.resolve().parent),
+        "trainer.run.name": run_dir.name,
+    }
+    return _with_values(loaded, pinned)

@@ -1,5 +1,10 @@
 """`d9d init`: write a ready-to-run quickstart job (train.py, config.yaml, corpus.txt) into a directory."""
 
+import os
+import shlex
+import shutil
+import sys
+from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
 
@@ -7,7 +12,7 @@ import click
 
 from d9d.cli.errors import CliError, reports_errors
 
-__all__ = ["TEMPLATE_FILES", "init", "write_quickstart"]
+__all__ = ["TEMPLATE_FILES", "d9d_invocation", "init", "write_quickstart"]
 
 #: Files `d9d init` writes, shipped as package data in `d9d/cli/templates/`.
 TEMPLATE_FILES = ("train.py", "config.yaml", "corpus.txt")
@@ -35,6 +40,24 @@ def write_quickstart(directory: Path) -> list[Path]:
     return targets
 
 
+def d9d_invocation(environ: Mapping[str, str] | None = None) -> str:
+    """How the user's shell runs this same `d9d`: `d9d` when that is the one on its PATH, else a full path.
+
+    Under `uv run` (or from a virtual environment that is not activated) the shell that typed the
+    command lacks this environment's `bin` directory on its PATH, so a bare `d9d` would fail or run
+    another installation; the path of this environment's `d9d` script works from any directory.
+    """
+    env = os.environ if environ is None else environ
+    script = Path(sys.executable).parent / ("d9d.exe" if os.name == "nt" else "d9d")
+    if not script.is_file():  # d9d.cli run from a checkout, not installed as a script
+        return f"{shlex.quote(sys.executable)} -m d9d.cli"
+    if "UV_RUN_RECURSION_DEPTH" not in env:  # uv run puts the environment on PATH for its child only
+        found = shutil.which("d9d", path=env.get("PATH"))
+        if found is not None and os.path.samefile(found, script):
+            return "d9d"
+    return shlex.quote(str(script))
+
+
 @click.command(short_help="Write a ready-to-run quickstart job.")
 @click.argument("directory", type=click.Path(), default=".")
 @reports_errors
@@ -53,8 +76,10 @@ def init(directory: str) -> None:
     """
     target = Path(directory)
     written = write_quickstart(target)
-    config = target / "config.yaml"
     click.echo("wrote " + ", ".join(str(p) for p in written))
-    click.echo("next:")
-    click.echo(f"  d9d train {config}                # one process, a few minutes on a CPU")
-    click.echo(f"  d9d plan {config} --world-size 2 --set mesh.data_parallel_shard=2")
+    d9d = d9d_invocation()
+    cd = "" if target.resolve() == Path.cwd().resolve() else f"cd {shlex.quote(str(target))} && "
+    click.echo("next, train it (one process, a few minutes on a CPU):")
+    click.echo(f"  {cd}{d9d} train config.yaml")
+    click.echo("or check it for 2 processes first (no GPUs needed):")
+    click.echo(f"  {cd}{d9d} plan config.yaml --world-size 2 --set mesh.data_parallel_shard=2")

@@ -18,7 +18,15 @@ import click
 from d9d.cli.commands._runs import METRICS_FILE, check_run_dir
 from d9d.cli.errors import CliError, reports_errors
 
-__all__ = ["MetricsSummary", "find_restarts", "metrics", "read_metrics", "summarize"]
+__all__ = ["PLOT_INSTALL_HINT", "MetricsSummary", "find_restarts", "metrics", "read_metrics", "summarize"]
+
+#: How to install the `plot` extra. In the d9d workspace it is an extra of the d9d-cli member, not of
+#: the (virtual) workspace root, so `uv sync --extra plot` and `uv sync --all-extras` alone do not
+#: reach it; `--all-packages` makes uv sync every member with the extras asked for.
+PLOT_INSTALL_HINT = (
+    "install it with `uv sync --all-packages --extra plot` in the d9d workspace "
+    "or `pip install 'd9d-cli[plot]'`"
+)
 
 
 @dataclass(frozen=True)
@@ -134,8 +142,7 @@ def plot_metrics(records: Sequence[dict[str, Any]], restarts: Iterable[tuple[int
         import matplotlib.pyplot as plt
     except ImportError:
         raise CliError(
-            "--plot needs matplotlib, which is not installed; `pip install 'd9d-cli[plot]'` "
-            "(or `pip install matplotlib`) and run again"
+            f"--plot needs matplotlib, which is not installed; {PLOT_INSTALL_HINT}, and run again"
         ) from None
     by_step = {r["step"]: r for r in records}
     steps = sorted(by_step)
