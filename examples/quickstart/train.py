@@ -28,7 +28,12 @@ from reference_model import (
 
 from d9d.data import TextDataset
 from d9d.mesh import MeshConfig
-from d9d.parallel import apply_activation_checkpointing, compile_blocks, parallelize_hsdp
+from d9d.parallel import (
+    apply_activation_checkpointing,
+    compile_blocks,
+    parallelize_context_parallel,
+    parallelize_hsdp,
+)
 from d9d.trainer import (
     BuildDatasetContext,
     BuildDatasetResult,
@@ -71,6 +76,7 @@ class QuickstartModelProvider:
         blocks = list(model.model.layers.values())
         apply_tensor_parallel(model, ctx)
         apply_expert_parallel(model, ctx, context.precision)
+        parallelize_context_parallel(model, context.mesh)  # mesh.context_parallel: attention over cp ranks
         apply_activation_checkpointing(
             blocks, context.activation_checkpointing
         )  # trainer.activation_checkpointing

@@ -8,6 +8,8 @@ delete the layers it does not own (and set `embed_tokens`, `norm` or `lm_head` t
 every remaining parameter's name.
 """
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -108,6 +110,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_width, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # Set by d9d.parallel.parallelize_context_parallel: the sequence is split over cp ranks and
+        # attention gathers the keys and values of the whole sequence.
+        self.context_parallel: Any = None
 
     def forward(
         self, hidden_states: torch.Tensor, *, position_embeddings: tuple[torch.Tensor, torch.Tensor]
@@ -122,7 +127,10 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         cos, sin = position_embeddings
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        if self.context_parallel is not None:
+            out = self.context_parallel.attention(q, k, v)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -207,6 +215,7 @@ class ReferenceModel(nn.Module):
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i) for i in range(config.num_layers)})
         self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.attention_head_dim, config.rope_theta)
+        self.context_parallel: Any = None  # as in Attention: this rank's tokens' global positions
 
     def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """`inputs`: token ids [batch, seq] (or hidden states when `embed_tokens` is None) → [batch, seq, hidden].
@@ -220,7 +229,9 @@ class ReferenceModel(nn.Module):
         # The sequence length comes from `inputs`: under sequence parallelism the embedding's output
         # holds only this rank's slice of the sequence, while attention sees all of it.
         batch, seq = inputs.shape[:2]
-        if position_ids is None:
+        if position_ids is None and self.context_parallel is not None:  # this rank's part of the sequence
+            position_ids = self.context_parallel.position_ids(seq * self.context_parallel.size, inputs.device)
+        elif position_ids is None:
             position_ids = torch.arange(seq, device=inputs.device)
         position_ids = position_ids.expand(batch, -1)
         position_embeddings = self.rotary_emb(position_ids, hidden_states.dtype)

@@ -126,8 +126,9 @@ def test_cp_attention_matches_one_process_world_2_3_4(world_size, mesh_shape):
         assert got["one_axis_mesh"] == (world_size, rank, list(range(world_size)))
         chunks, bad = 2 * world_size, 100 if 100 % (2 * world_size) else 102
         assert got["check_seq_len"] == (
-            f"seq_len {bad} is not divisible by 2 × context_parallel = {chunks}; set data.seq_len to a "
-            f"multiple of {chunks} or change mesh.context_parallel"
+            f"a sequence of {bad} tokens is not divisible by 2 × context_parallel = {chunks} (context "
+            f"parallelism cuts it into {chunks} equal chunks); make the dataset's sequence length (e.g. "
+            f"dataset.seq_len) a multiple of {chunks} or change mesh.context_parallel"
         )
         if mesh_shape is not None:
             row = rank // mesh_shape[1]

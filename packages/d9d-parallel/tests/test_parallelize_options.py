@@ -9,40 +9,51 @@ from d9d.mesh import DistributedContext, MeshConfig
 from d9d.mesh.testing import run_distributed
 from d9d.parallel import (
     ParallelizeError,
-    UnsupportedParallelismError,
     apply_activation_checkpointing,
     parallelize_fsdp,
     parallelize_hsdp,
     parallelize_replicate,
-    parallelize_tensor_parallel,
 )
 
 
-def _every_call_refuses_cp():
-    with DistributedContext.from_env(MeshConfig(data_parallel_shard=2, context_parallel=2)) as ctx:
+def _cp_placements(config: MeshConfig) -> dict[str, tuple[tuple[str, ...], tuple[int, ...]]]:
+    """The mesh every parameter lands on under parallelize_hsdp/replicate with a cp axis."""
+    with DistributedContext.from_env(config) as ctx:
         dense = ctx.mesh("dense")
-        calls = {
+        found = {}
+        for name, call in {
             "hsdp": lambda m: parallelize_hsdp(m, dense),
-            "fsdp": lambda m: parallelize_fsdp(m, dense),
             "replicate": lambda m: parallelize_replicate(m, dense),
-            "fsdp on a dp slice": lambda m: parallelize_fsdp(m, dense["dp_shard"]),
-            "tensor parallel": lambda m: parallelize_tensor_parallel(m, dense, {}),
-        }
-        messages = {}
-        for name, call in calls.items():
-            model = make_model()
-            with pytest.raises(
-                UnsupportedParallelismError, match="context parallelism is not supported yet"
-            ) as err:
-                call(model)
-            assert not any(isinstance(p, DTensor) for p in model.parameters())
-            messages[name] = str(err.value)
-        return messages
+        }.items():
+            model = call(make_model())
+            meshes = {(p.device_mesh.mesh_dim_names, tuple(p.device_mesh.shape)) for p in model.parameters()}
+            assert len(meshes) == 1 and all(isinstance(p, DTensor) for p in model.parameters())
+            found[name] = meshes.pop()
+        return found
 
 
-def test_context_parallel_is_refused_clearly_4_ranks():
-    messages = run_distributed(_every_call_refuses_cp, 4)[0]
-    assert all("context_parallel" in m for m in messages.values())
+@pytest.mark.parametrize(
+    ("config", "hsdp", "replicate"),
+    [
+        (MeshConfig(context_parallel=2), (("cp",), (2,)), (("cp",), (2,))),
+        (
+            MeshConfig(data_parallel_shard=2, context_parallel=2),
+            (("dp_shard_cp",), (4,)),
+            (("dp_shard_cp",), (4,)),
+        ),
+        (
+            MeshConfig(data_parallel_replicate=2, context_parallel=2),
+            (("dp_replicate", "cp"), (2, 2)),
+            (("dp_replicate_cp",), (4,)),
+        ),
+    ],
+    ids=["cp2", "dps2-cp2", "dpr2-cp2"],
+)
+def test_context_parallel_ranks_shard_parameters_with_dp_shard(config, hsdp, replicate):
+    """cp ranks hold different tokens: their gradients are summed like dp's, and FSDP shards over
+    dp_shard × cp (so cp does not multiply parameter memory); the replicate axes stay replicas."""
+    found = run_distributed(_cp_placements, config.world_size, config)[0]
+    assert found == {"hsdp": hsdp, "replicate": replicate}
 
 
 def _bad_arguments():

@@ -16,7 +16,12 @@ from d9d.parallel.activation_checkpointing import (
 )
 from d9d.parallel.activation_memory import saved_activation_bytes
 from d9d.parallel.compile import CompileConfig, compile_blocks
-from d9d.parallel.context_parallel import ContextParallel, context_parallel_attention
+from d9d.parallel.context_parallel import (
+    ContextParallel,
+    context_parallel_attention,
+    context_parallel_of,
+    parallelize_context_parallel,
+)
 from d9d.parallel.data_parallel import (
     GradientReduction,
     parallelize_fsdp,
@@ -89,6 +94,7 @@ __all__ = [
     "clip_grad_norm_",
     "compile_blocks",
     "context_parallel_attention",
+    "context_parallel_of",
     "cross_entropy",
     "embedding_plan",
     "enable_tf32",
@@ -99,6 +105,7 @@ __all__ = [
     "mlp_plan",
     "moe_aux_loss",
     "norm_plan",
+    "parallelize_context_parallel",
     "parallelize_expert_parallel",
     "parallelize_fsdp",
     "parallelize_hsdp",

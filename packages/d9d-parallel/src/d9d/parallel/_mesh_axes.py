@@ -1,13 +1,15 @@
-"""Reading DeviceMesh axes: which are data-parallel, sizes, sub-meshes, the context-parallel guard."""
+"""Reading DeviceMesh axes: which carry gradient synchronization, sizes, sub-meshes."""
 
 from collections.abc import Sequence
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from d9d.parallel.errors import ParallelizeError, UnsupportedParallelismError
+from d9d.parallel.errors import ParallelizeError
 
-#: Axes of d9d's meshes that never carry data parallelism (pipeline stage, context, tensor).
-NON_DATA_AXES: tuple[str, ...] = ("pp", "cp", "tp")
+#: Axes of d9d's meshes over which parameters are never replicated or sharded by data parallelism
+#: (pipeline stages, tensor slices). Context parallelism (`cp`) is a data axis for gradients: its
+#: ranks hold different tokens of the same samples, so their gradients are summed like dp's.
+NON_DATA_AXES: tuple[str, ...] = ("pp", "tp")
 
 
 def axis_names(mesh: DeviceMesh) -> tuple[str, ...]:
@@ -28,26 +30,8 @@ def axis_size(mesh: DeviceMesh, axis: str) -> int:
     return int(mesh.size(names.index(axis)))
 
 
-def check_no_context_parallel(mesh: DeviceMesh, what: str) -> None:
-    """Refuse a mesh (or the mesh it was sliced from) whose `cp` axis is larger than 1."""
-    meshes = [mesh]
-    try:  # a 1-D slice such as dense["dp_shard"] still belongs to the whole job's mesh
-        root = mesh._get_root_mesh()
-    except AttributeError:  # pragma: no cover - older torch
-        root = None
-    if root is not None and root is not mesh:
-        meshes.append(root)
-    for m in meshes:
-        names = m.mesh_dim_names or ()
-        if "cp" in names and m.size(names.index("cp")) > 1:
-            raise UnsupportedParallelismError(
-                f"{what}: context parallelism is not supported yet (the mesh has cp="
-                f"{m.size(names.index('cp'))}); set mesh.context_parallel to 1"
-            )
-
-
 def data_axes(mesh: DeviceMesh) -> tuple[str, ...]:
-    """Axes of `mesh` that may carry data parallelism: all but pp, cp and tp."""
+    """Axes of `mesh` whose ranks sum their gradients (data and context parallel): all but pp and tp."""
     return tuple(a for a in axis_names(mesh) if a not in NON_DATA_AXES)
 
 

@@ -12,17 +12,26 @@ keys `[0, (c+1)·L)` under a lower-right-aligned causal mask. Every other activa
 stays at `seq_len / cp` tokens per rank.
 """
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import causal_lower_right
 
 from d9d.parallel._mesh_axes import axis_names, axis_size
 from d9d.parallel.errors import ParallelizeError
 
-__all__ = ["ContextParallel", "context_parallel_attention"]
+__all__ = [
+    "ContextParallel",
+    "context_parallel_attention",
+    "context_parallel_of",
+    "parallelize_context_parallel",
+]
 
 # torch >= 2.15 gives `all_gather_single` a backward and deprecates the `_autograd` variant.
 _all_gather_autograd = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor_autograd
@@ -79,6 +88,47 @@ class ContextParallel:
     def __repr__(self) -> str:
         return f"ContextParallel(size={self._size}, rank={self._rank})"
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> "ContextParallel":
+        """A copied module keeps the same group (a process group cannot be copied)."""
+        return self
+
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None
+    ) -> torch.Tensor:
+        """`context_parallel_attention(q, k, v, self, scale=scale)`: what a model's attention calls."""
+        return context_parallel_attention(q, k, v, self, scale=scale)
+
+    def shard_batch(self, batch: Any, dim: int = 1) -> Any:
+        """This rank's part of a microbatch: every tensor with the batch's sequence length along `dim`
+        is sharded (`shard_sequence`), anything else is kept whole.
+
+        The sequence length is the `dim` size of `batch["input_ids"]` when the batch is a mapping
+        that has it, else of the first tensor with more than `dim` dimensions. Mappings, lists and
+        tuples are walked; an identity when disabled.
+
+        Raises:
+            ParallelizeError: the sequence length is not divisible by 2·size (naming the fix).
+        """
+        if not self.enabled:
+            return batch
+        seq_len = _sequence_length(batch, dim)
+        if seq_len is None:
+            return batch
+        self.check_seq_len(seq_len)
+
+        def shard(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                if value.dim() > dim and value.size(dim) == seq_len:
+                    return self.shard_sequence(value, dim)
+                return value
+            if isinstance(value, Mapping):
+                return type(value)({key: shard(item) for key, item in value.items()})  # type: ignore[call-arg]
+            if isinstance(value, list | tuple):
+                return type(value)(shard(item) for item in value)
+            return value
+
+        return shard(batch)
+
     def check_seq_len(self, seq_len: int) -> None:
         """Refuse a sequence length the load-balanced layout cannot split (a no-op when disabled).
 
@@ -90,8 +140,9 @@ class ContextParallel:
         chunks = 2 * self._size
         if seq_len <= 0 or seq_len % chunks != 0:
             raise ParallelizeError(
-                f"seq_len {seq_len} is not divisible by 2 × context_parallel = {chunks}; set "
-                f"data.seq_len to a multiple of {chunks} or change mesh.context_parallel"
+                f"a sequence of {seq_len} tokens is not divisible by 2 × context_parallel = {chunks} "
+                f"(context parallelism cuts it into {chunks} equal chunks); make the dataset's sequence "
+                f"length (e.g. dataset.seq_len) a multiple of {chunks} or change mesh.context_parallel"
             )
 
     def position_ids(self, seq_len: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -173,6 +224,69 @@ def context_parallel_attention(
         q_chunk = q.narrow(2, half * chunk, chunk)
         outputs.append(_causal_lower_right(q_chunk, k_full[:, :, :end], v_full[:, :, :end], scale, gqa))
     return torch.cat(outputs, 2)
+
+
+def parallelize_context_parallel(module: nn.Module, mesh: DeviceMesh | None) -> ContextParallel:
+    """Give every submodule of `module` that supports context parallelism the mesh's cp group.
+
+    A module supports it by declaring an attribute `context_parallel` (None until set) and, when it
+    is set, calling `self.context_parallel.attention(q, k, v)` for its causal attention and
+    `self.context_parallel.position_ids(...)` for its positions. The trainer shards each microbatch
+    (`ContextParallel.shard_batch`). With `mesh` None or cp 1 the modules are left as they are.
+
+    Returns:
+        The cp group (disabled when there is no context parallelism).
+
+    Raises:
+        ParallelizeError: cp > 1 but no submodule declares `context_parallel`.
+    """
+    cp = (
+        ContextParallel.from_mesh(mesh)
+        if mesh is not None and "cp" in axis_names(mesh)
+        else ContextParallel()
+    )
+    if not cp.enabled:
+        return cp
+    supporting = [m for m in module.modules() if hasattr(m, "context_parallel")]
+    if not supporting:
+        raise ParallelizeError(
+            f"parallelize_context_parallel: no module of {type(module).__name__} supports context parallelism "
+            "(none declares a context_parallel attribute to call cp.attention with); add it to the model's "
+            "attention or set mesh.context_parallel: 1"
+        )
+    for sub in supporting:
+        sub.context_parallel = cp
+    return cp
+
+
+def context_parallel_of(module: nn.Module) -> ContextParallel | None:
+    """The enabled cp group set on some submodule of `module` (by `parallelize_context_parallel`), or None."""
+    for sub in module.modules():
+        cp = getattr(sub, "context_parallel", None)
+        if isinstance(cp, ContextParallel) and cp.enabled:
+            return cp
+    return None
+
+
+def _sequence_length(batch: Any, dim: int) -> int | None:
+    if isinstance(batch, Mapping):
+        ids = batch.get("input_ids")
+        if isinstance(ids, torch.Tensor) and ids.dim() > dim:
+            return int(ids.size(dim))
+        values: Any = list(batch.values())
+    elif isinstance(batch, list | tuple):
+        values = batch
+    else:
+        values = [batch]
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            if value.dim() > dim:
+                return int(value.size(dim))
+        elif isinstance(value, Mapping | list | tuple):
+            found = _sequence_length(value, dim)
+            if found is not None:
+                return found
+    return None
 
 
 def _chunk_ids(size: int, rank: int) -> tuple[int, int]:

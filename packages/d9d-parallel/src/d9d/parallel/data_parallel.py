@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from d9d.parallel._mesh_axes import axis_names, axis_size, check_no_context_parallel, data_axes, sub_mesh
+from d9d.parallel._mesh_axes import axis_names, axis_size, data_axes, sub_mesh
 from d9d.parallel.errors import ParallelizeError
 from d9d.parallel.precision import MixedPrecision
 
@@ -54,11 +54,13 @@ def parallelize_hsdp(
 
     Axes of size 1 are skipped, so the same call gives DDP (only a replicate axis > 1), FSDP (only
     the shard axis > 1), HSDP (both) or nothing (a single data-parallel rank). `mesh` may be the whole
-    `dense` mesh of a d9d job: its pp and tp axes are never data axes, and cp > 1 is refused.
+    `dense` mesh of a d9d job: its pp and tp axes are never data axes. A `cp` axis (context
+    parallelism) shards together with `shard_axis` (one flattened `dp_shard_cp` axis, as its ranks
+    hold different tokens), so context parallelism does not multiply parameter memory.
 
     Args:
         module: the model (or one pipeline stage), parallelized in place and returned.
-        mesh: a named device mesh; its data axes are all axes except pp, cp and tp. None (one
+        mesh: a named device mesh; its data axes are all axes except pp and tp. None (one
             process, e.g. `ParallelizeModelStageContext.mesh` in local mode) leaves the module as is.
         shard_axis: the axis to shard parameters, gradients and optimizer state over.
         blocks: submodules (e.g. transformer blocks) sharded as their own groups before the root, so
@@ -74,14 +76,13 @@ def parallelize_hsdp(
     mp = _policy(precision, param_dtype, reduce_dtype, "parallelize_hsdp")
     if mesh is None:
         return module
-    check_no_context_parallel(mesh, "parallelize_hsdp")
     axes = _active(mesh, data_axes(mesh))
     if shard_axis not in axis_names(mesh):
         raise ParallelizeError(
             f"parallelize_hsdp: shard_axis {shard_axis!r} is not an axis of the mesh {axis_names(mesh)}"
         )
-    shard = [a for a in axes if a == shard_axis]
-    replicate = [a for a in axes if a != shard_axis]
+    shard = [a for a in axes if a in (shard_axis, "cp")]  # cp ranks shard with dp_shard (as one axis)
+    replicate = [a for a in axes if a not in shard]
     return _apply(
         module,
         mesh,
@@ -110,12 +111,11 @@ def parallelize_fsdp(
 ) -> nn.Module:
     """Fully shard `module` over all data axes of `mesh` (or over `axes`), flattened into one.
 
-    Arguments as in `parallelize_hsdp`; `axes` defaults to every axis except pp, cp and tp.
+    Arguments as in `parallelize_hsdp`; `axes` defaults to every axis except pp and tp (cp included).
     """
     mp = _policy(precision, param_dtype, reduce_dtype, "parallelize_fsdp")
     if mesh is None:
         return module
-    check_no_context_parallel(mesh, "parallelize_fsdp")
     shard = _active(mesh, _checked_axes(mesh, axes, "parallelize_fsdp"))
     return _apply(
         module,
@@ -150,7 +150,6 @@ def parallelize_replicate(
     mp = _policy(precision, param_dtype, reduce_dtype, "parallelize_replicate")
     if mesh is None:
         return module
-    check_no_context_parallel(mesh, "parallelize_replicate")
     replicate = _active(mesh, _checked_axes(mesh, axes, "parallelize_replicate"))
     return _apply(
         module,
@@ -249,12 +248,12 @@ def _apply(
     ignored = ignored_params or None
     if shard:
         if replicate:
-            if len(replicate) > 1 or len(shard) > 1:
+            if len(replicate) > 1:
                 raise ParallelizeError(
-                    f"HSDP needs exactly one replicate axis and one shard axis larger than 1, got "
-                    f"replicate {replicate} and shard {shard}"
+                    f"HSDP needs exactly one replicate axis larger than 1, got replicate {replicate} "
+                    f"and shard {shard}"
                 )
-            dp_mesh = mesh[(*replicate, *shard)] if axis_names(mesh) != (*replicate, *shard) else mesh
+            dp_mesh = _hybrid_mesh(mesh, replicate[0], shard)
         else:
             dp_mesh = sub_mesh(mesh, shard)
         kind = "hybrid" if replicate else "shard"
@@ -285,6 +284,17 @@ def _apply(
         setattr(unit, _KIND_ATTR, kind)
     _set_reduction(module, gradient_reduction)
     return module
+
+
+def _hybrid_mesh(mesh: DeviceMesh, replicate: str, shard: Sequence[str]) -> DeviceMesh:
+    """The 2-D (replicate, shard) mesh of HSDP; several shard axes (dp_shard, cp) become one."""
+    names = (replicate, *shard)
+    sliced = mesh if axis_names(mesh) == names else mesh[names]
+    if len(shard) == 1:
+        return sliced
+    shard_name = "_".join(shard)
+    sizes = (axis_size(mesh, replicate), sliced.size() // axis_size(mesh, replicate))
+    return sliced._flatten("_".join(names))._unflatten(0, sizes, (replicate, shard_name))
 
 
 def _set_reduction(module: nn.Module, gradient_reduction: GradientReduction) -> None:

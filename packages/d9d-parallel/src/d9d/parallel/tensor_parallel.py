@@ -38,7 +38,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from d9d.parallel._mesh_axes import axis_names, axis_size, check_no_context_parallel
+from d9d.parallel._mesh_axes import axis_names, axis_size
 from d9d.parallel.errors import ParallelizeError
 
 __all__ = [
@@ -190,7 +190,6 @@ def parallelize_tensor_parallel(
     Call it before `parallelize_fsdp`/`parallelize_hsdp` on the same mesh: FSDP then shards the
     tensor-parallel DTensors further over the data axes (2-D parallelism).
     """
-    check_no_context_parallel(mesh, "parallelize_tensor_parallel")
     names = axis_names(mesh)
     if axis not in names:
         raise ParallelizeError(f"parallelize_tensor_parallel: the mesh {names} has no axis {axis!r}")

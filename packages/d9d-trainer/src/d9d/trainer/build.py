@@ -6,7 +6,7 @@ from typing import Any
 from torch import nn
 
 from d9d.mesh import D9dError, DistributedContext
-from d9d.parallel import MixedPrecision, PipelineLayout, StageSpec
+from d9d.parallel import MixedPrecision, PipelineLayout, StageSpec, context_parallel_of
 from d9d.trainer._materialize import materialize_and_initialize
 from d9d.trainer.errors import OutOfMemoryError, TrainingError, first_line, is_out_of_memory
 from d9d.trainer.job import ResolvedJob
@@ -36,6 +36,7 @@ _APPLIED_BY = {
     "data_parallel_shard": ("dp_shard", "d9d.parallel.parallelize_hsdp"),
     "data_parallel_replicate": ("dp_replicate", "d9d.parallel.parallelize_hsdp"),
     "expert_parallel": ("ep_shard", "d9d.parallel.parallelize_expert_parallel"),
+    "context_parallel": ("cp", "d9d.parallel.parallelize_hsdp, which shards over dp_shard × cp"),
 }
 
 
@@ -129,8 +130,16 @@ def build_model(
                 "data_parallel_shard": mesh.data_parallel_shard,
                 "data_parallel_replicate": mesh.data_parallel_replicate,
                 "expert_parallel": mesh.expert_parallel if _has_experts(model) else 1,
+                "context_parallel": mesh.context_parallel,
             },
         )
+        if mesh.context_parallel > 1 and context_parallel_of(model) is None:
+            raise TrainingError(
+                f"mesh.context_parallel={mesh.context_parallel} but the model provider's parallelize_model_stage "
+                "gave no module the cp group, so every cp rank would attend only to its own part of the "
+                "sequence; call d9d.parallel.parallelize_context_parallel(model, context.mesh) there (the "
+                "model's attention must support it: see docs/parallelism.md) or set mesh.context_parallel: 1"
+            )
     renamed = [name for name, _ in model.named_parameters() if "_orig_mod." in name]
     if renamed:
         raise TrainingError(

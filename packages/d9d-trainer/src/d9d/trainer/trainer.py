@@ -19,7 +19,7 @@ import torch
 
 from d9d.ckpt import CheckpointManager
 from d9d.mesh import DistributedContext, configure_logging, get_logger
-from d9d.parallel import enable_tf32, resolve_precision
+from d9d.parallel import context_parallel_of, enable_tf32, resolve_precision
 from d9d.trainer._fault_injection import FaultInjection
 from d9d.trainer.build import build_model, check_model_mesh
 from d9d.trainer.errors import OutOfMemoryError, TrainingError, first_line, is_out_of_memory
@@ -121,6 +121,9 @@ class Trainer:
         layout = stage = None
         if pipelined:
             layout, stage, n_microbatches = plan_pipeline_stage(job, ctx, self._data)
+        _check_sequence_length(
+            getattr(getattr(dataset, "dataset", None), "seq_len", None), config.mesh.context_parallel
+        )
         vocab = getattr(getattr(dataset, "dataset", None), "vocab_size", None)
         model = build_model(
             job,
@@ -152,9 +155,10 @@ class Trainer:
             precision=precision,
             max_norm=tcfg.gradient_clipping.max_norm,
             on_nonfinite=tcfg.on_nonfinite,
-            dp_group=None if ctx.is_local else ctx.mesh("batch").get_group("dp"),
+            dp_group=None if ctx.is_local else _token_group(ctx),
             pp_group=ctx.mesh("dense")["pp"] if pipelined else None,
             stop_requested=lambda: self._stops.requested,
+            context_parallel=context_parallel_of(model),
         )
         self._stops = StopRequests()
         self._train_step: TrainStep
@@ -417,6 +421,27 @@ def _fit_cpu_threads(device: torch.device) -> int:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
         torch.set_num_threads(max(1, cores // max(1, local_world)))
     return torch.get_num_threads()
+
+
+def _token_group(ctx: DistributedContext) -> torch.distributed.ProcessGroup:
+    """The ranks holding different tokens of one global batch: dp × cp of the batch domain."""
+    batch = ctx.mesh("batch")
+    if ctx.axis_size("cp") == 1:
+        return batch.get_group("dp")
+    if ctx.axis_size("dp") == 1:
+        return batch.get_group("cp")
+    return batch["dp", "cp"]._flatten("dp_cp").get_group()
+
+
+def _check_sequence_length(seq_len: object, context_parallel: int) -> None:
+    """Context parallelism cuts every sequence into 2·cp equal chunks: refuse a length it cannot cut."""
+    if context_parallel > 1 and isinstance(seq_len, int) and seq_len % (2 * context_parallel):
+        raise TrainingError(
+            f"the dataset's sequences have {seq_len} tokens, not divisible by 2 × mesh.context_parallel = "
+            f"{2 * context_parallel} (context parallelism cuts each into {2 * context_parallel} equal chunks); "
+            f"set the dataset's seq_len (e.g. dataset.seq_len) to a multiple of {2 * context_parallel} or "
+            "change mesh.context_parallel"
+        )
 
 
 def _local_numel(param: torch.Tensor) -> int:

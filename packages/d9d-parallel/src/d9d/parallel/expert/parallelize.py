@@ -132,10 +132,10 @@ def _sum_gradients(module: nn.Module) -> None:
 
 def _check_supported(ctx: DistributedContext) -> None:
     config = ctx.config
-    if config.tensor_parallel > 1 or config.context_parallel > 1:
+    if config.tensor_parallel > 1:  # tp ranks share their tokens: the all-to-all would route them twice
         raise UnsupportedParallelismError(
-            "expert parallelism with tensor_parallel or context_parallel > 1 is not supported yet "
-            f"(mesh: {config.describe_degrees()}); use expert_parallel with data parallelism only"
+            "expert parallelism with tensor_parallel > 1 is not supported yet "
+            f"(mesh: {config.describe_degrees()}); use expert_parallel with data or context parallelism"
         )
 
 

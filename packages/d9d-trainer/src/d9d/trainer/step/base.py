@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from d9d.mesh import get_logger
-from d9d.parallel import MixedPrecision, clip_grad_norm_, grad_norm
+from d9d.parallel import ContextParallel, MixedPrecision, clip_grad_norm_, grad_norm
 from d9d.trainer.errors import TrainingError
 from d9d.trainer.providers import Task
 
@@ -46,8 +46,11 @@ class StepSettings:
     max_norm: float | None
     on_nonfinite: Literal["stop", "skip"]
     dp_group: dist.ProcessGroup | None = None
+    """The ranks whose tokens make up the global batch: data parallel × context parallel."""
     pp_group: Any = None
     stop_requested: Callable[[], bool] | None = None
+    context_parallel: ContextParallel | None = None
+    """The cp group: each microbatch's sequences are split over it before the forward."""
 
 
 class TrainStep(Protocol):
@@ -74,6 +77,13 @@ class StepBase:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.settings = settings
+
+    def local_part(self, microbatches: Sequence[Any]) -> list[Any]:
+        """This rank's part of each microbatch: its share of every sequence under context parallelism."""
+        cp = self.settings.context_parallel
+        if cp is None or not cp.enabled:
+            return list(microbatches)
+        return [cp.shard_batch(mb) for mb in microbatches]
 
     def global_weight(self, microbatches: Sequence[Any]) -> torch.Tensor:
         """The summed `task.batch_weight` of the global batch, on the device, without reading it."""

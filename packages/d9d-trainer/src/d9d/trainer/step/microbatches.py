@@ -24,6 +24,7 @@ class MicrobatchStep(StepBase):
     def run(self, microbatches: Sequence[Any], step: int) -> StepOutput:
         """One optimizer step over `microbatches` (this rank's share of the global batch)."""
         model, settings = self.model, self.settings
+        microbatches = self.local_part(microbatches)
         weight = self.global_weight(microbatches)
         scale = weight.to(torch.float32)
         model.train()

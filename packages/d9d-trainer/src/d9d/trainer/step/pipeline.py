@@ -47,6 +47,7 @@ class PipelineStep(StepBase):
     def run(self, microbatches: Sequence[Any], step: int) -> StepOutput:
         """One optimizer step: the schedule's forward/backward, then the shared update."""
         device = self.settings.device
+        microbatches = self.local_part(microbatches)
         weight = self.global_weight(microbatches)
         self._scale = weight.to(torch.float32)
         self.model.train()
