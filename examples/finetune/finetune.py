@@ -29,7 +29,12 @@ from reference_model import (
 )
 
 from d9d.data import TextDataset
-from d9d.parallel import apply_activation_checkpointing, compile_blocks, parallelize_hsdp
+from d9d.parallel import (
+    apply_activation_checkpointing,
+    compile_blocks,
+    parallelize_context_parallel,
+    parallelize_hsdp,
+)
 from d9d.trainer import (
     BuildDatasetContext,
     BuildDatasetResult,
@@ -82,6 +87,7 @@ class HFModelProvider:
     def parallelize_model_stage(self, context: ParallelizeModelStageContext) -> None:
         model = context.model
         blocks = list(model.model.layers.values())
+        parallelize_context_parallel(model, context.mesh)  # mesh.context_parallel > 1
         apply_activation_checkpointing(blocks, context.activation_checkpointing)
         compile_blocks(blocks, context.compile)
         parallelize_hsdp(model, context.mesh, blocks=blocks, precision=context.precision)

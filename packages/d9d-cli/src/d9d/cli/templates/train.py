@@ -8,6 +8,7 @@ The job is described by config.yaml; this file holds the model and the dataset i
 """
 
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import torch
@@ -15,7 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from d9d.data import TextDataset
-from d9d.parallel import apply_activation_checkpointing, compile_blocks, parallelize_hsdp
+from d9d.parallel import (
+    apply_activation_checkpointing,
+    compile_blocks,
+    parallelize_context_parallel,
+    parallelize_hsdp,
+)
 from d9d.trainer import (
     BuildDatasetContext,
     BuildDatasetResult,
@@ -51,12 +57,16 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(hidden)
         self.up = nn.Linear(hidden, 4 * hidden, bias=False)
         self.down = nn.Linear(4 * hidden, hidden, bias=False)
+        self.context_parallel: Any = None  # set under mesh.context_parallel > 1 (see parallelize)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, h = x.shape
         qkv = self.qkv(self.attn_norm(x)).view(b, t, 3, self.num_heads, h // self.num_heads)
         q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each [batch, heads, seq, head_dim]
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.context_parallel is not None:  # this rank holds part of the sequence: attend to all of it
+            y = self.context_parallel.attention(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, h))
         return x + self.down(F.gelu(self.up(self.mlp_norm(x))))
 
@@ -71,9 +81,14 @@ class QuickstartLM(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
         self.norm = nn.RMSNorm(config.hidden_size)
         self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.context_parallel: Any = None  # as in Block: the global positions of this rank's tokens
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        cp, seq = self.context_parallel, input_ids.shape[1]
+        if cp is not None:
+            positions = cp.position_ids(seq * cp.size, input_ids.device)
+        else:
+            positions = torch.arange(seq, device=input_ids.device)
         x = self.embed(input_ids) + self.pos(positions)
         for block in self.blocks:
             x = block(x)
@@ -101,10 +116,11 @@ class QuickstartModelProvider:
     def parallelize_model_stage(self, context: ParallelizeModelStageContext) -> None:
         """Called on every mesh (one process too: then context.mesh is None and HSDP is a no-op).
 
-        The order matters: activation checkpointing, then compile, then data parallelism.
+        The order matters: context parallelism, activation checkpointing, compile, then data parallelism.
         """
         model = context.model
         blocks = list(model.blocks)
+        parallelize_context_parallel(model, context.mesh)  # mesh.context_parallel: long sequences
         apply_activation_checkpointing(
             blocks, context.activation_checkpointing
         )  # trainer.activation_checkpointing
