@@ -1,6 +1,8 @@
 """Context-parallel attention: the load-balanced layout, shard/unshard, and forward and backward equal to
 full causal attention on one process (cp 2, 3, 4; MHA, GQA, MQA; one token per chunk)."""
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -8,7 +10,13 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from d9d.mesh.testing import run_distributed
-from d9d.parallel import ContextParallel, ParallelizeError, context_parallel_attention
+from d9d.parallel import (
+    ContextParallel,
+    ParallelizeError,
+    context_parallel_attention,
+    context_parallel_of,
+    parallelize_context_parallel,
+)
 from d9d.parallel.context_parallel import _positions
 
 # (batch, q_heads, kv_heads, seq_len as a multiple of 2·cp, head_dim, v_head_dim, scale)
@@ -183,3 +191,45 @@ def test_bad_shapes_are_refused(shapes, match):
     q, k, v = (torch.zeros(s) for s in shapes)
     with pytest.raises(ParallelizeError, match=match):
         context_parallel_attention(q, k, v, None)
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.context_parallel = None
+
+
+def _wiring() -> dict[str, object]:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    model = torch.nn.Sequential(_Attention(), torch.nn.Linear(4, 4), _Attention())
+    cp = parallelize_context_parallel(model, mesh)
+    with pytest.raises(ParallelizeError, match="no module of Sequential supports context parallelism"):
+        parallelize_context_parallel(torch.nn.Sequential(torch.nn.Linear(4, 4)), mesh)
+    batch = {"input_ids": torch.arange(8).view(1, 8), "labels": torch.arange(8).view(1, 8) + 100,
+             "doc_weight": torch.ones(1, 3), "scalar": 5}  # fmt: skip
+    local = cp.shard_batch(batch)
+    with pytest.raises(
+        ParallelizeError, match="a sequence of 6 tokens is not divisible by 2 × context_parallel = 4"
+    ):
+        cp.shard_batch({"input_ids": torch.zeros(1, 6)})
+    return {
+        "set": [m.context_parallel is cp for m in (model[0], model[2])],
+        "found": context_parallel_of(model) is cp,
+        "copied_keeps_group": copy.deepcopy(model)[0].context_parallel is cp,
+        "input_ids": local["input_ids"].tolist(),
+        "labels": local["labels"].tolist(),
+        "untouched": local["doc_weight"].shape == (1, 3) and local["scalar"] == 5,
+    }
+
+
+def test_parallelize_context_parallel_sets_the_group_and_shard_batch_splits_every_sequence_tensor():
+    results = run_distributed(_wiring, 2)
+    for rank, got in enumerate(results):
+        positions = _positions(8, 2, rank).tolist()
+        assert got["set"] == [True, True] and got["found"] and got["copied_keeps_group"]
+        assert got["input_ids"] == [positions] and got["labels"] == [[p + 100 for p in positions]]
+        assert got["untouched"]
+    off = torch.nn.Sequential(_Attention())
+    assert not parallelize_context_parallel(off, None).enabled and off[0].context_parallel is None
+    assert context_parallel_of(off) is None
