@@ -1,18 +1,144 @@
-"""`d9d plan`: layout, microbatches, memory estimate and launch command; every way it refuses."""
+"""`d9d plan`: layout, microbatches, context parallelism, memory estimate and launch command; every
+way it refuses."""
 
+import os
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _cli_job import run_cli_concurrently, write_job
+from _cli_job import job_config, run_cli_concurrently, write_job
 
 from d9d.cli import cli
 from d9d.cli.commands._text import format_size
-from d9d.cli.commands.plan import estimate_memory, launch_command
+from d9d.cli.commands.init import d9d_invocation
+from d9d.cli.commands.plan import (
+    estimate_activations,
+    estimate_memory,
+    launch_command,
+    sequence_length_error,
+)
 from d9d.mesh import MeshConfig, axis_groups
+from d9d.trainer import load_job_config, resolve_job
+
+#: A tiny causal LM whose attention supports context parallelism (as the quickstart's does), and
+#: dataset providers whose config_type has a seq_len default (16) or none at all.
+CP_PROVIDERS = '''
+"""Tiny attention LM with context-parallel support, and datasets (written by d9d-cli tests)."""
+
+from typing import Any
+
+import msgspec
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from d9d.parallel import parallelize_context_parallel, parallelize_hsdp
+from d9d.trainer import BuildDatasetResult, InitializeModelStageResult, PrepareExportModelStageResult
+
+
+class AttentionLMConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    vocab: int = 32
+    hidden: int = 16
+    heads: int = 2
+    layers: int = 2
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.out = nn.Linear(hidden, hidden, bias=False)
+        self.heads = heads
+        self.context_parallel: Any = None  # set by parallelize_context_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        if self.context_parallel is not None:
+            y = self.context_parallel.attention(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.out(y.transpose(1, 2).reshape(b, s, h))
+
+
+class AttentionLM(nn.Module):
+    def __init__(self, config: AttentionLMConfig) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(config.vocab, config.hidden)
+        self.blocks = nn.ModuleList(Attention(config.hidden, config.heads) for _ in range(config.layers))
+        self.head = nn.Linear(config.hidden, config.vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class AttentionModelProvider:
+    config_type = AttentionLMConfig
+
+    def __init__(self, config: AttentionLMConfig) -> None:
+        self.config = config
+
+    def initialize_model_stage(self, context: Any) -> InitializeModelStageResult:
+        return InitializeModelStageResult(model=AttentionLM(self.config))
+
+    def parallelize_model_stage(self, context: Any) -> None:
+        parallelize_context_parallel(context.model, context.mesh)
+        parallelize_hsdp(context.model, context.mesh, blocks=list(context.model.blocks), precision=context.precision)
+
+    def prepare_export_model_stage(self, context: Any) -> PrepareExportModelStageResult:
+        return PrepareExportModelStageResult(mapper=None)
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, samples: int, seq_len: int) -> None:
+        self.tokens = torch.arange(samples * (seq_len + 1)).view(samples, -1) % 32
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.tokens[i, :-1], "labels": self.tokens[i, 1:]}
+
+
+class SequencesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    samples: int = 64
+    seq_len: int = 16
+
+
+class SequencesProvider:
+    config_type = SequencesConfig
+
+    def __init__(self, config: SequencesConfig) -> None:
+        self.config = config
+
+    def build_dataset(self, context: Any) -> BuildDatasetResult:
+        return BuildDatasetResult(dataset=Tokens(self.config.samples, self.config.seq_len))
+
+
+class OpaqueConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    samples: int = 64
+
+
+class OpaqueProvider:
+    """Its sequence length is known only once the data is loaded."""
+
+    config_type = OpaqueConfig
+
+    def __init__(self, config: OpaqueConfig) -> None:
+        self.config = config
+
+    def build_dataset(self, context: Any) -> BuildDatasetResult:
+        return BuildDatasetResult(dataset=Tokens(self.config.samples, 12))
+'''
 
 
 @pytest.fixture(scope="module")
@@ -20,22 +146,71 @@ def config(tmp_path_factory):
     return write_job(tmp_path_factory.mktemp("plan"))
 
 
+@pytest.fixture(scope="module")
+def cp_config(tmp_path_factory):
+    """A job whose model supports context parallelism; dataset.seq_len is not set (the provider's 16)."""
+    directory = tmp_path_factory.mktemp("plan_cp")
+    (directory / "cp_job.py").write_text(CP_PROVIDERS, encoding="utf-8")
+    providers = {"model": "cp_job.py:AttentionModelProvider", "dataset": "cp_job.py:SequencesProvider"}
+    path = directory / "config.yaml"
+    path.write_text(yaml.safe_dump(job_config(providers=providers)), encoding="utf-8")
+    return path
+
+
 def _lines(output: str, prefix: str) -> list[str]:
     return [line.strip() for line in output.splitlines() if line.strip().startswith(prefix)]
 
 
+def _launch(output: str) -> str:
+    """The launch command: the line after `launch (...)`, without the `on every node:` prefix."""
+    lines = output.splitlines()
+    (at,) = [i for i, line in enumerate(lines) if line.startswith("launch (")]
+    return lines[at + 1].strip().removeprefix("on every node: ")
+
+
+def _mesh_sets(**degrees: int) -> list[str]:
+    return [arg for key, value in degrees.items() for arg in ("--set", f"mesh.{key}={value}")]
+
+
 def test_estimate_divides_by_the_sharding_degrees():
     est = estimate_memory(
-        8000, 6000, pipeline_parallel=2, data_parallel_shard=2, tensor_parallel=2, optimizer_states=2
+        8000,
+        6000,
+        pipeline_parallel=2,
+        data_parallel_shard=2,
+        context_parallel=1,
+        tensor_parallel=2,
+        optimizer_states=2,
     )
     assert est.shard_factor == 8
     assert (est.params, est.grads, est.optimizer) == (1000, 750, 1500)
     assert est.total == 1000 + 750 + 1500
 
 
+def test_estimate_shards_over_dp_shard_times_cp():
+    # FSDP shards over the flattened dp_shard × cp axis: cp divides parameters, grads and states too
+    est = estimate_memory(
+        8000,
+        8000,
+        pipeline_parallel=1,
+        data_parallel_shard=2,
+        context_parallel=2,
+        tensor_parallel=2,
+        optimizer_states=2,
+    )
+    assert est.shard_factor == 8
+    assert (est.params, est.grads, est.optimizer) == (1000, 1000, 2000)
+
+
 def test_estimate_rounds_up_and_sgd_without_momentum_has_no_state():
     est = estimate_memory(
-        10, 10, pipeline_parallel=1, data_parallel_shard=3, tensor_parallel=1, optimizer_states=0
+        10,
+        10,
+        pipeline_parallel=1,
+        data_parallel_shard=3,
+        context_parallel=1,
+        tensor_parallel=1,
+        optimizer_states=0,
     )
     assert (est.params, est.grads, est.optimizer) == (4, 4, 0)
 
@@ -49,6 +224,17 @@ def test_launch_command_for_one_process_many_processes_and_many_nodes():
     nodes = shlex.split(launch_command("c.yaml", [], nnodes=2, nproc_per_node=8))
     assert nodes[:5] == ["torchrun", "--nnodes", "2", "--nproc-per-node", "8"]
     assert "--rdzv-endpoint" in nodes and nodes[-3:] == ["d9d.cli", "train", "c.yaml"]
+
+
+def test_launch_command_runs_d9d_and_torchrun_from_the_same_environment():
+    script = "/opt/my env/bin/d9d"  # e.g. under `uv run`: the environment's script by its path
+    assert shlex.split(launch_command("c.yaml", [], nnodes=1, nproc_per_node=1, d9d=shlex.quote(script))) == [
+        script, "train", "c.yaml",
+    ]  # fmt: skip
+    many = shlex.split(launch_command("c.yaml", [], nnodes=2, nproc_per_node=2, d9d=shlex.quote(script)))
+    assert many[0] == "/opt/my env/bin/torchrun" and many[-3:] == ["d9d.cli", "train", "c.yaml"]
+    module = launch_command("c.yaml", [], nnodes=1, nproc_per_node=2, d9d="/usr/bin/python3 -m d9d.cli")
+    assert shlex.split(module)[:4] == ["/usr/bin/python3", "-m", "torch.distributed.run", "--nproc-per-node"]
 
 
 def test_plan_prints_layout_batches_memory_and_command(runner, config):
@@ -71,22 +257,28 @@ def test_plan_prints_layout_batches_memory_and_command(runner, config):
         n_params * 4,
         pipeline_parallel=1,
         data_parallel_shard=2,
+        context_parallel=1,
         tensor_parallel=2,
         optimizer_states=2,
     )
     assert "1/4 of the model" in out
-    command = _lines(out, "torchrun")
-    assert command == [launch_command(str(config), sets[1::2], nnodes=1, nproc_per_node=4)]
+    expected = launch_command(str(config), sets[1::2], nnodes=1, nproc_per_node=4, d9d=d9d_invocation())
+    assert _launch(out) == expected
     assert _lines(out, "parameters")[0].split(None, 1)[1] == format_size(per_rank.params)
-    assert _lines(out, "total")[0].split(None, 1)[1] == format_size(per_rank.total)
+    # TokensProvider's config_type gives seq_len 8 (the config does not set dataset.seq_len)
+    job = resolve_job(load_job_config(config, sets[1::2]))
+    acts = estimate_activations(job, seq_len=8, microbatch_size=2, param_dtype="bfloat16")
+    assert "one microbatch of 2 × 8 tokens" in _lines(out, "activations")[0]
+    assert _lines(out, "total")[0].split(None, 1)[1] == format_size(per_rank.total + acts.plain)
 
 
 def test_plan_without_a_size_plans_for_the_mesh(runner, config):
     result = runner.invoke(cli, ["plan", str(config), "--set", "mesh.data_parallel_replicate=2"])
     assert result.exit_code == 0, result.output
-    assert _lines(result.output, "torchrun") == [
-        launch_command(str(config), ["mesh.data_parallel_replicate=2"], nnodes=1, nproc_per_node=2)
-    ]
+    overrides = ["mesh.data_parallel_replicate=2"]
+    assert _launch(result.output) == launch_command(
+        str(config), overrides, nnodes=1, nproc_per_node=2, d9d=d9d_invocation()
+    )
 
 
 def test_plan_for_several_nodes(runner, config):
@@ -194,8 +386,179 @@ def test_plan_shows_precision_checkpointing_and_activations_with_and_without_it(
     assert total.split()[1:] != _lines(fp32.output, "total")[0].split()[1:]  # activations count in the total
 
 
-def test_plan_without_a_sequence_length_says_how_to_get_the_activation_estimate(runner, config):
-    result = runner.invoke(cli, ["plan", str(config)])
+def test_plan_without_a_sequence_length_says_how_to_get_the_activation_estimate(runner, cp_config):
+    opaque = ["--set", "providers.dataset=cp_job.py:OpaqueProvider"]  # no seq_len in its config_type
+    result = runner.invoke(cli, ["plan", str(cp_config), *opaque])
     assert result.exit_code == 0, result.output
     (acts,) = _lines(result.output, "activations")
-    assert "pass --seq-len" in acts
+    assert "pass --seq-len" in acts and "neither dataset.seq_len nor" in acts
+
+
+# ------------------------------------------------------------------------------ context parallelism
+
+
+def test_plan_shows_the_cp_groups_and_each_ranks_share_of_a_sequence(runner, cp_config):
+    sets = _mesh_sets(data_parallel_shard=2, context_parallel=2, tensor_parallel=2)
+    result = runner.invoke(cli, ["plan", str(cp_config), "--world-size", "8", *sets])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    # rank = (dp · cp + c) · tp + t: a cp group is one (dp, tp) coordinate, in cp-rank order
+    groups = [[(d * 2 + c) * 2 + t for c in range(2)] for d in range(2) for t in range(2)]
+    assert groups == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups == axis_groups(
+        MeshConfig(data_parallel_shard=2, context_parallel=2, tensor_parallel=2), "batch", "cp"
+    )
+    assert _lines(out, "cp groups") == ["cp groups (in cp-rank order): [0,2], [1,3], [4,6], [5,7]"]
+    (context,) = _lines(out, "context parallel:")
+    assert "cp 2" in context and "same samples" in context
+    (share,) = _lines(out, "sequence per rank:")
+    assert share == (
+        "sequence per rank: 16 / 2 = 8 tokens (chunks r and 3−r of 4 for cp rank r, 4 tokens each; 16 from "
+        "the seq_len default of providers.dataset (cp_job.py:SequencesProvider))"
+    )
+    # FSDP shards over dp_shard × cp: 1/(2·2·2) of the model per rank
+    assert "1/8 of the model: pp 1 × dp_shard 2 × cp 2 × tp 2" in out
+    (acts,) = _lines(out, "activations")
+    assert "one microbatch of 2 × 8 tokens" in acts  # this rank's 8 of the 16 tokens
+    (assumes,) = _lines(out, "activation estimate assumes:")
+    assert "each rank holds 1/2 of the sequence, except the K/V that attention all-gathers" in assumes
+    assert "divided by tp 2" in assumes
+
+
+def test_plan_without_cp_shows_no_cp_section(runner, cp_config):
+    result = runner.invoke(
+        cli, ["plan", str(cp_config), "--world-size", "2", *_mesh_sets(data_parallel_shard=2)]
+    )
+    assert result.exit_code == 0, result.output
+    assert _lines(result.output, "context parallel") == []
+    assert "1/2 of the model: pp 1 × dp_shard 2 × cp 1 × tp 1" in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "source"),
+    [
+        (["--set", "dataset.seq_len=64"], "64 from dataset.seq_len"),
+        (["--seq-len", "64"], "64 from --seq-len"),
+    ],
+    ids=["config", "option"],
+)
+def test_sequence_per_rank_names_where_the_length_comes_from(runner, cp_config, args, source):
+    result = runner.invoke(cli, ["plan", str(cp_config), *_mesh_sets(context_parallel=4), *args])
+    assert result.exit_code == 0, result.output
+    (share,) = _lines(result.output, "sequence per rank:")
+    assert share.startswith(
+        "sequence per rank: 64 / 4 = 16 tokens (chunks r and 7−r of 8 for cp rank r, 8 tokens"
+    )
+    assert share.endswith(f"{source})")
+    assert "cp groups (in cp-rank order): [0..3]" in result.output
+
+
+def test_sequence_per_rank_says_when_the_length_is_unknown(runner, cp_config):
+    args = ["--set", "providers.dataset=cp_job.py:OpaqueProvider", *_mesh_sets(context_parallel=2)]
+    result = runner.invoke(cli, ["plan", str(cp_config), *args])
+    assert result.exit_code == 0, result.output
+    (share,) = _lines(result.output, "sequence per rank:")
+    assert share.startswith("sequence per rank: seq_len / 2 tokens (chunks r and 3−r of 4 for cp rank r)")
+    assert "not known without loading data" in share and "pass --seq-len" in share
+
+
+def test_sequence_length_error_is_the_trainers_message():
+    from d9d.trainer import TrainingError
+    from d9d.trainer.trainer import _check_sequence_length  # the trainer's own check, to pin the text
+
+    with pytest.raises(TrainingError) as refused:
+        _check_sequence_length(18, 2)
+    assert sequence_length_error(18, 2) == str(refused.value)
+    assert sequence_length_error(16, 2) is None and sequence_length_error(18, 1) is None
+    _check_sequence_length(16, 2)  # and the trainer accepts what plan accepts
+
+
+@pytest.mark.parametrize(
+    ("args", "start"),
+    [
+        (
+            ["--set", "dataset.seq_len=18", *_mesh_sets(context_parallel=2)],
+            "the dataset's sequences have 18 tokens",
+        ),
+        (_mesh_sets(context_parallel=3), "the dataset's sequences have 16 tokens"),  # the provider's default
+        (["--seq-len", "10", *_mesh_sets(context_parallel=2)], "--seq-len 10 is not divisible by 2 × "),
+    ],
+    ids=["dataset.seq_len", "provider-default", "option"],
+)
+def test_sequence_length_that_cp_cannot_split_is_one_line(runner, cp_config, args, start):
+    result = runner.invoke(cli, ["plan", str(cp_config), *args])
+    assert result.exit_code == 2
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {start}")
+    assert "mesh.context_parallel" in lines[0] and "multiple of" in lines[0]
+
+
+def test_cp_with_a_model_without_cp_support_is_one_line(runner, config):
+    result = runner.invoke(cli, ["plan", str(config), *_mesh_sets(context_parallel=2)])
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {config}: ")
+    assert "supports context parallelism" in lines[0] and "mesh.context_parallel: 1" in lines[0]
+
+
+def _resolved(config: Path, *overrides: str):
+    return resolve_job(load_job_config(config, list(overrides)))
+
+
+def test_activations_under_cp_are_the_local_sequence_plus_the_gathered_kv(cp_config):
+    seq, microbatch, hidden, layers, bf16 = 32, 2, 16, 2, 2
+    with_cp = estimate_activations(
+        _resolved(cp_config, "mesh.context_parallel=2"),
+        seq_len=seq,
+        microbatch_size=microbatch,
+        param_dtype="bfloat16",
+    )
+    half = estimate_activations(
+        _resolved(cp_config), seq_len=seq // 2, microbatch_size=microbatch, param_dtype="bfloat16"
+    )
+    assert with_cp.tokens == half.tokens == f"{microbatch} × {seq // 2}"
+    # Everything is the one-process figure at seq / cp tokens, plus, in every layer, K and V of the
+    # whole sequence that attention all-gathers and keeps for backward.
+    gathered_kv = layers * 2 * microbatch * seq * hidden * bf16
+    assert with_cp.plain == half.plain + gathered_kv
+    assert with_cp.full == half.full  # block inputs only: the gather is redone in the backward
+    # the old estimate (the full sequence on one rank divided by cp, as if cp were tp) is not it
+    whole = estimate_activations(
+        _resolved(cp_config), seq_len=seq, microbatch_size=microbatch, param_dtype="bfloat16"
+    )
+    assert with_cp.plain != -(-whole.plain // 2)
+
+
+def test_attention_is_counted_as_a_fused_kernel_linear_in_the_sequence(cp_config):
+    job = _resolved(cp_config)
+    plain = [
+        estimate_activations(job, seq_len=seq, microbatch_size=2, param_dtype="bfloat16").plain
+        for seq in (64, 128, 256)
+    ]
+    # affine in seq_len (a few scalars aside): no seq × seq matrix, which SDPA's math path on the
+    # meta device would save
+    assert plain[2] - plain[1] == 2 * (plain[1] - plain[0])
+
+
+# ------------------------------------------------------------------------------ launch command
+
+
+def test_printed_single_process_command_runs_from_a_shell_without_the_environment(cp_config, tmp_path):
+    env = {**os.environ, "PATH": "/usr/bin:/bin"}  # e.g. the shell that typed `uv run d9d plan ...`
+    env.pop("UV_RUN_RECURSION_DEPTH", None)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(var, None)
+    planned = subprocess.run(
+        [sys.executable, "-m", "d9d.cli", "plan", str(cp_config)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    command = shlex.split(_launch(planned.stdout))
+    assert command[1:] == ["train", str(cp_config)] or command[1:4] == ["-m", "d9d.cli", "train"]
+    ran = subprocess.run([*command, "--help"], env=env, capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    assert "Run the job in CONFIG" in ran.stdout

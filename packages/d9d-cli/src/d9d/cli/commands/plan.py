@@ -3,21 +3,26 @@
 The memory figure is a deliberately simple estimate of the persistent training state per rank (no
 temporary buffers, no allocator slack), see `estimate_memory`, plus the activations one microbatch
 keeps for backward, counted from a forward on the meta device (`estimate_activations`) in the job's
-compute dtype, with and without activation checkpointing.
+compute dtype, with and without activation checkpointing. Under context parallelism that forward
+runs one rank's share of the sequence with the planned cp group, as the trainer will.
 """
 
+import itertools
 import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from d9d.cli.commands._options import check_config_path, overrides_option
 from d9d.cli.commands._text import format_size
+from d9d.cli.commands.init import d9d_invocation
 from d9d.cli.errors import CliError, reports_errors
 
 if TYPE_CHECKING:  # the trainer imports torch: only inside the command at run time
+    from d9d.mesh import MeshConfig
     from d9d.trainer import OptimizerConfig, ResolvedJob
 
 __all__ = [
@@ -27,6 +32,7 @@ __all__ = [
     "estimate_memory",
     "launch_command",
     "plan",
+    "sequence_length_error",
 ]
 
 #: Import path of the built-in data provider whose batching `plan` can report.
@@ -39,7 +45,7 @@ class MemoryEstimate:
     """Bytes of persistent training state on one rank.
 
     Attributes:
-        shard_factor: how many ranks share one copy of every parameter (pp × dp_shard × tp).
+        shard_factor: how many ranks share one copy of every parameter (pp × dp_shard × cp × tp).
         optimizer_states: optimizer tensors kept per trainable parameter (AdamW 2, SGD 1 or 0).
     """
 
@@ -61,18 +67,19 @@ def estimate_memory(
     *,
     pipeline_parallel: int,
     data_parallel_shard: int,
+    context_parallel: int,
     tensor_parallel: int,
     optimizer_states: int,
 ) -> MemoryEstimate:
     """Per-rank parameter, gradient and optimizer bytes of a model of `param_bytes` (full size).
 
     Assumes what the built-in strategies do: pipeline stages split the layers evenly over pp, FSDP
-    shards every parameter over dp_shard, tensor parallelism splits every parameter over tp;
-    dp_replicate and cp keep full copies, and experts count as dense parameters (expert parallelism
-    is ignored). Gradients and optimizer states have the parameter's dtype and exist only for
-    trainable parameters.
+    shards every parameter over dp_shard × cp (the cp ranks shard with dp_shard, as one axis),
+    tensor parallelism splits every parameter over tp; dp_replicate keeps full copies, and experts
+    count as dense parameters (expert parallelism is ignored). Gradients and optimizer states have
+    the parameter's dtype and exist only for trainable parameters.
     """
-    shard = pipeline_parallel * data_parallel_shard * tensor_parallel
+    shard = pipeline_parallel * data_parallel_shard * context_parallel * tensor_parallel
     params = -(-param_bytes // shard)
     grads = -(-trainable_bytes // shard)
     return MemoryEstimate(
@@ -92,7 +99,7 @@ class ActivationEstimate:
         plain: no activation checkpointing.
         checkpointed: with `trainer.activation_checkpointing` as configured (`plain` for `none`).
         full: with every block checkpointed.
-        tokens: microbatch size × sequence length the forward ran on.
+        tokens: microbatch size × sequence length the forward ran on (this rank's share under cp).
     """
 
     plain: int
@@ -102,14 +109,20 @@ class ActivationEstimate:
 
 
 def estimate_activations(
-    job: "ResolvedJob", *, seq_len: int, microbatch_size: int, param_dtype: str, tensor_parallel: int
+    job: "ResolvedJob", *, seq_len: int, microbatch_size: int, param_dtype: str
 ) -> ActivationEstimate:
     """Run the task's loss on the meta device (no memory) and count what autograd saves for backward.
 
     The model is cast to `param_dtype` (as FSDP2 computes); blocks are the entries of the model's
-    largest ModuleList/ModuleDict. Tensor parallelism divides activations by tp (sequence-parallel
-    norms, split heads); a pipeline stage holds 1/pp of the layers but, with 1F1B, up to pp
-    microbatches in flight, so pp leaves the figure as it is.
+    largest ModuleList/ModuleDict. `seq_len` is the dataset's full sequence length. Under context
+    parallelism the model gets the planned mesh's cp group (`parallelize_context_parallel`, on a
+    fake process group) and the forward runs rank 0's share of each sequence (seq_len / cp tokens),
+    so everything is counted at that length except the K/V that attention all-gathers, which it
+    keeps at the full length for backward. `F.scaled_dot_product_attention` is counted as the fused
+    kernels on CUDA and CPU save it (q, k, v, output, float32 log-sum-exp), not as its math path,
+    which the meta device would take (a float32 seq × seq matrix). Tensor parallelism divides
+    activations by tp (sequence-parallel norms, split heads); a pipeline stage holds 1/pp of the
+    layers but, with 1F1B, up to pp microbatches in flight, so pp leaves the figure as it is.
 
     Raises:
         Exception: whatever the model's forward raised on the meta device (e.g. data-dependent MoE
@@ -123,37 +136,79 @@ def estimate_activations(
     from d9d.parallel import (
         ActivationCheckpointingConfig,
         apply_activation_checkpointing,
+        parallelize_context_parallel,
         saved_activation_bytes,
     )
     from d9d.trainer import InitializeModelStageContext, LossContext
 
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[param_dtype]
     config = job.config.trainer.activation_checkpointing
-    with DistributedContext.for_planning(job.config.mesh) as ctx, torch.device("meta"):
-        base = job.model_provider.initialize_model_stage(InitializeModelStageContext(context=ctx)).model
-    base = base.to(dtype)
-    ids = torch.zeros((microbatch_size, seq_len), dtype=torch.long, device="meta")
-    batch = {"input_ids": ids, "labels": ids}
+    mesh = job.config.mesh
+    with DistributedContext.for_planning(mesh) as ctx:  # the cp group's collectives run on meta tensors
+        with torch.device("meta"):
+            base = job.model_provider.initialize_model_stage(InitializeModelStageContext(context=ctx)).model
+        base = base.to(dtype)
+        shape = (microbatch_size, seq_len)  # ids and labels are two tensors, as a dataset gives them
+        batch: Any = {
+            name: torch.zeros(shape, dtype=torch.long, device="meta") for name in ("input_ids", "labels")
+        }
+        if mesh.context_parallel > 1:
+            batch = parallelize_context_parallel(base, ctx.mesh("dense")).shard_batch(batch)
 
-    def measure(mode: str) -> int:
-        model = copy.deepcopy(base)
-        if mode != "none":
-            blocks = _blocks(model)
-            apply_activation_checkpointing(
-                blocks, ActivationCheckpointingConfig(mode=mode, every=config.every)
-            )  # type: ignore[arg-type]
+        def measure(mode: str) -> int:
+            model = copy.deepcopy(base)  # the cp group is shared, not copied
+            if mode != "none":
+                blocks = _blocks(model)
+                apply_activation_checkpointing(
+                    blocks, ActivationCheckpointingConfig(mode=mode, every=config.every)
+                )  # type: ignore[arg-type]
 
-        def loss() -> object:
-            return job.task.compute_loss(LossContext(model=model, batch=batch, device=torch.device("meta")))
+            def loss() -> object:
+                return job.task.compute_loss(
+                    LossContext(model=model, batch=batch, device=torch.device("meta"))
+                )
 
-        return -(-saved_activation_bytes(loss, exclude=model.parameters()) // tensor_parallel)
+            with _attention_as_fused_kernel():
+                saved = saved_activation_bytes(loss, exclude=model.parameters())
+            return -(-saved // mesh.tensor_parallel)
 
-    plain = measure("none")
-    full = measure("full")
-    checkpointed = {"none": plain, "full": full}.get(config.mode) or measure(config.mode)
+        plain = measure("none")
+        full = measure("full")
+        checkpointed = {"none": plain, "full": full}.get(config.mode) or measure(config.mode)
+    local = seq_len // mesh.context_parallel
     return ActivationEstimate(
-        plain=plain, checkpointed=checkpointed, full=full, tokens=f"{microbatch_size} × {seq_len}"
+        plain=plain, checkpointed=checkpointed, full=full, tokens=f"{microbatch_size} × {local}"
     )
+
+
+def _attention_as_fused_kernel() -> Any:
+    """A torch function mode under which `F.scaled_dot_product_attention` (shapes only, for meta tensors)
+    saves for backward what the fused kernels of CUDA and CPU save: q, k, v, output, log-sum-exp."""
+    import torch
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    class FusedAttention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+            log_sum_exp = q.new_empty(q.shape[:-1], dtype=torch.float32)
+            ctx.save_for_backward(q, k, v, out, log_sum_exp)
+            return out
+
+        @staticmethod
+        def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+            raise NotImplementedError("only counts what a forward saves")
+
+    class AttentionAsFusedKernel(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            if func is F.scaled_dot_product_attention:
+                named = {**dict(zip(("query", "key", "value"), args, strict=False)), **kwargs}
+                return FusedAttention.apply(named["query"], named["key"], named["value"])
+            return func(*args, **kwargs)
+
+    return AttentionAsFusedKernel()
 
 
 def _blocks(model: "object") -> list["object"]:
@@ -167,23 +222,43 @@ def _blocks(model: "object") -> list["object"]:
     return list(best.values()) if isinstance(best, nn.ModuleDict) else list(best)
 
 
-def launch_command(config: str, overrides: Sequence[str], *, nnodes: int, nproc_per_node: int) -> str:
+def launch_command(
+    config: str, overrides: Sequence[str], *, nnodes: int, nproc_per_node: int, d9d: str = "d9d"
+) -> str:
     """The shell command that launches `d9d train` for this many nodes and processes per node.
 
-    One process in all is a plain `d9d train`; several nodes rendezvous at node 0 (fill in its host).
+    One process in all runs `d9d train` itself; several go through torchrun (several nodes rendezvous at
+    node 0: fill in its host). `d9d` is how the shell runs d9d (`d9d_invocation()`: the bare name
+    or this environment's script, e.g. under `uv run`); torchrun is then taken from the same place.
     """
     args = [config]
     for item in overrides:
         args += ["--set", item]
     job = " ".join(shlex.quote(part) for part in args)
     if nnodes * nproc_per_node == 1:
-        return f"d9d train {job}"
+        return f"{d9d} train {job}"
+    torchrun = _torchrun_beside(d9d)
     if nnodes == 1:
-        return f"torchrun --nproc-per-node {nproc_per_node} -m d9d.cli train {job}"
+        return f"{torchrun} --nproc-per-node {nproc_per_node} -m d9d.cli train {job}"
     return (
-        f"torchrun --nnodes {nnodes} --nproc-per-node {nproc_per_node} --rdzv-backend c10d "
+        f"{torchrun} --nnodes {nnodes} --nproc-per-node {nproc_per_node} --rdzv-backend c10d "
         f"--rdzv-endpoint HOST_OF_NODE_0:29500 -m d9d.cli train {job}"
     )
+
+
+def _torchrun_beside(d9d: str) -> str:
+    """torchrun of the environment that `d9d` (a `d9d_invocation()` answer) runs from.
+
+    torchrun runs `-m d9d.cli` with its own interpreter, so it must be this environment's: its
+    `torchrun` script next to the `d9d` script (torch installs both), or `PYTHON -m
+    torch.distributed.run` when d9d runs as `PYTHON -m d9d.cli`.
+    """
+    if d9d == "d9d":  # this environment's bin directory is on the shell's PATH
+        return "torchrun"
+    parts = shlex.split(d9d)
+    if parts[1:] == ["-m", "d9d.cli"]:
+        return f"{shlex.quote(parts[0])} -m torch.distributed.run"
+    return shlex.quote(str(Path(parts[0]).with_stem("torchrun")))
 
 
 def _launch_shape(
@@ -219,7 +294,8 @@ def _mismatch(degrees: str, need: int, dp_shard: int, world: int, given: str) ->
 @click.option(
     "--seq-len",
     type=click.IntRange(min=1),
-    help="Tokens per sample, for the activation estimate (default: dataset.seq_len of the config).",
+    help="Tokens per sample, for the activation estimate and the context-parallel split (default: the "
+    "dataset's seq_len: dataset.seq_len, or its provider's default).",
 )
 @overrides_option
 @reports_errors
@@ -235,9 +311,10 @@ def plan(
 
     Loads and validates the config, builds the mesh in one process (a fake process group of any
     size), and prints: which global ranks share each mesh axis, the microbatches each data-parallel
-    rank runs per step, the precision and activation checkpointing, a per-rank estimate of parameter
-    + gradient + optimizer memory and of one microbatch's activations (from the model built on the
-    meta device), and the torchrun command.
+    rank runs per step, under context parallelism the cp groups and each rank's share of a
+    sequence, the precision and activation checkpointing, a per-rank estimate of parameter +
+    gradient + optimizer memory and of one microbatch's activations (from the model built on the
+    meta device), and the launch command.
     Without a size, plans for the size the mesh needs.
 
     \b
@@ -246,6 +323,8 @@ def plan(
       d9d plan config.yaml --world-size 8 --set mesh.data_parallel_shard=8
       d9d plan config.yaml --nnodes 2 --nproc-per-node 8 --set mesh.data_parallel_shard=8 \\
           --set mesh.tensor_parallel=2
+      d9d plan config.yaml --world-size 8 --set mesh.data_parallel_shard=2 \\
+          --set mesh.context_parallel=2 --set mesh.tensor_parallel=2
     """
     shape = _launch_shape(world_size, nnodes, nproc_per_node)
     check_config_path(config)
@@ -274,22 +353,34 @@ def plan(
         check_model_mesh(resolved)  # the model provider's own check of the degrees
     except TrainingError as exc:
         raise CliError(f"{config}: {exc}") from None
+    cp = mesh.context_parallel
+    dataset_seq, source = _dataset_seq_len(resolved)
+    for length, option in ((dataset_seq, None), (seq_len, "--seq-len")):
+        if length is not None and (problem := sequence_length_error(length, cp, option=option)):
+            raise CliError(problem)  # the dataset's: as the trainer refuses it, before data or model
+    seq = (seq_len, "--seq-len") if seq_len is not None else (dataset_seq, source)
     lines = [
         f"config: {config}",
         format_layout(mesh),
         _data_line(job.providers.data, job.data, mesh.data_parallel),
     ]
-    param_bytes, trainable_bytes, n_params = _model_size(resolved)
+    if cp > 1:
+        lines += _context_parallel_lines(mesh, *seq)
+    param_bytes, trainable_bytes, n_params = _model_size(resolved, config)
     states, what = _optimizer_states(job.providers.optimizer, job.optimizer)
     est = estimate_memory(
         param_bytes,
         trainable_bytes,
         pipeline_parallel=mesh.pipeline_parallel,
         data_parallel_shard=mesh.data_parallel_shard,
+        context_parallel=cp,
         tensor_parallel=mesh.tensor_parallel,
         optimizer_states=states,
     )
-    split = f"pp {mesh.pipeline_parallel} × dp_shard {mesh.data_parallel_shard} × tp {mesh.tensor_parallel}"
+    split = (
+        f"pp {mesh.pipeline_parallel} × dp_shard {mesh.data_parallel_shard} × cp {cp} × "
+        f"tp {mesh.tensor_parallel}"
+    )
     tcfg = job.trainer
     prec = tcfg.precision
     compute = "bfloat16" if prec.param_dtype == "auto" else prec.param_dtype
@@ -303,7 +394,7 @@ def plan(
         f"model: {n_params:,} parameters, {format_size(param_bytes)} "
         f"({format_size(trainable_bytes)} trainable)",
     ]
-    acts, acts_note = _activations(resolved, seq_len, compute)
+    acts, acts_note = _activations(resolved, *seq, compute)
     total = est.total + (acts.checkpointed if acts is not None else 0)
     lines += [
         f"memory per rank (estimate; 1/{est.shard_factor} of the model: {split}):",
@@ -319,25 +410,121 @@ def plan(
     else:
         lines.append(f"  activations {'?':>10}  ({acts_note})")
     lines.append(f"  total       {format_size(total):>10}")
+    if acts is not None:
+        lines.append(f"  activation estimate assumes: {_activation_assumptions(mesh)}")
     where = "on every node: " if nodes > 1 else ""
+    command = launch_command(config, overrides, nnodes=nodes, nproc_per_node=per_node, d9d=d9d_invocation())
     lines += [
         f"launch ({nodes} node{'s' if nodes > 1 else ''} × {per_node} process"
         f"{'es' if per_node > 1 else ''}):",
-        f"  {where}{launch_command(config, overrides, nnodes=nodes, nproc_per_node=per_node)}",
+        f"  {where}{command}",
     ]
     click.echo("\n".join(lines))
 
 
+def sequence_length_error(seq_len: int, context_parallel: int, *, option: str | None = None) -> str | None:
+    """Why context parallelism cannot split sequences of `seq_len` tokens, or None when it can.
+
+    For the dataset's length it is the trainer's message, word for word; `option` names the
+    command-line option the length came from instead (`--seq-len`).
+    """
+    chunks = 2 * context_parallel
+    if context_parallel <= 1 or seq_len % chunks == 0:
+        return None
+    if option is None:
+        return (
+            f"the dataset's sequences have {seq_len} tokens, not divisible by 2 × mesh.context_parallel = "
+            f"{chunks} (context parallelism cuts each into {chunks} equal chunks); "
+            f"set the dataset's seq_len (e.g. dataset.seq_len) to a multiple of {chunks} or "
+            "change mesh.context_parallel"
+        )
+    return (
+        f"{option} {seq_len} is not divisible by 2 × mesh.context_parallel = {chunks} (context "
+        f"parallelism cuts each sequence into {chunks} equal chunks); pass a multiple of {chunks} or "
+        "change mesh.context_parallel"
+    )
+
+
+def _dataset_seq_len(job: "ResolvedJob") -> tuple[int | None, str]:
+    """The dataset's sequence length as far as the config tells it without loading data, and from where.
+
+    `dataset.seq_len` when the config sets it, else the `seq_len` default of the dataset provider's
+    `config_type`; (None, why) when neither exists.
+    """
+    section = job.config.dataset
+    value = section.get("seq_len") if isinstance(section, dict) else None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value, "dataset.seq_len"
+    config_type = getattr(job.dataset_provider, "config_type", None)
+    if job.dataset_provider is not None and config_type is not None:
+        import msgspec
+
+        try:
+            value = getattr(msgspec.convert(section, config_type), "seq_len", None)
+        except (ValueError, TypeError):  # resolve_job converted it already: not expected
+            value = None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value, f"the seq_len default of providers.dataset ({job.config.providers.dataset})"
+    return None, "neither dataset.seq_len nor the dataset provider's config_type gives it"
+
+
+def _context_parallel_lines(mesh: "MeshConfig", seq_len: int | None, source: str) -> list[str]:
+    """The cp groups (in cp-rank order) and each rank's share of a sequence, for a mesh with cp > 1."""
+    from d9d.mesh import axis_groups
+
+    cp = mesh.context_parallel
+    chunks = 2 * cp
+    groups = axis_groups(mesh, "batch", "cp")
+    shown = ", ".join(_format_group(g) for g in groups[:4])
+    more = f", … ({len(groups)} groups)" if len(groups) > 4 else ""
+    layout = f"chunks r and {chunks - 1}−r of {chunks} for cp rank r"
+    if seq_len is None:
+        share = (
+            f"seq_len / {cp} tokens ({layout}); the sequence length is not known without loading data "
+            f"({source}): pass --seq-len to check it"
+        )
+    else:
+        share = (
+            f"{seq_len} / {cp} = {seq_len // cp} tokens ({layout}, {seq_len // chunks} tokens each; "
+            f"{seq_len} from {source})"
+        )
+    return [
+        f"context parallel: cp {cp}; the ranks of a cp group get the same samples and split every sequence",
+        f"  cp groups (in cp-rank order): {shown}{more}",
+        f"  sequence per rank: {share}",
+    ]
+
+
+def _format_group(group: list[int]) -> str:
+    """Ranks as the mesh table writes them: `[0,2]`, `[0..3]`, `[0..12 step 4]`."""
+    step = group[1] - group[0] if len(group) > 2 else 0
+    if step and all(b - a == step for a, b in itertools.pairwise(group)):
+        return f"[{group[0]}..{group[-1]}" + (f" step {step}]" if step != 1 else "]")
+    return "[" + ",".join(map(str, group)) + "]"
+
+
+def _activation_assumptions(mesh: "MeshConfig") -> str:
+    """What the activation figure assumes, in one line (see `estimate_activations`)."""
+    parts = ["attention saves what a fused (flash) kernel saves"]
+    if mesh.context_parallel > 1:
+        parts.append(
+            f"each rank holds 1/{mesh.context_parallel} of the sequence, except the K/V that attention "
+            "all-gathers (full length)"
+        )
+    if mesh.tensor_parallel > 1:
+        parts.append(f"divided by tp {mesh.tensor_parallel}")
+    if mesh.pipeline_parallel > 1:
+        parts.append(f"all the layers with up to pp {mesh.pipeline_parallel} microbatches in flight (1F1B)")
+    return "; ".join(parts)
+
+
 def _activations(
-    job: "ResolvedJob", seq_len: int | None, compute: str
+    job: "ResolvedJob", seq_len: int | None, source: str, compute: str
 ) -> tuple[ActivationEstimate | None, str]:
-    """The activation estimate, or None and why there is none."""
+    """The activation estimate, or None and why there is none (`source`: why seq_len is None)."""
     config = job.config
     if seq_len is None:
-        value = config.dataset.get("seq_len") if isinstance(config.dataset, dict) else None
-        seq_len = value if isinstance(value, int) and value > 0 else None
-    if seq_len is None:
-        return None, "not estimated: pass --seq-len (the config has no dataset.seq_len)"
+        return None, f"not estimated: pass --seq-len (the sequence length: {source})"
     if config.providers.data != _AUTO_DATA:
         return None, "not estimated: the microbatch size is decided by a custom data provider"
     import msgspec
@@ -346,13 +533,7 @@ def _activations(
 
     microbatch = msgspec.convert(config.data, AutoDataConfig).microbatch_size
     try:
-        estimate = estimate_activations(
-            job,
-            seq_len=seq_len,
-            microbatch_size=microbatch,
-            param_dtype=compute,
-            tensor_parallel=config.mesh.tensor_parallel * config.mesh.context_parallel,
-        )
+        estimate = estimate_activations(job, seq_len=seq_len, microbatch_size=microbatch, param_dtype=compute)
     except Exception as exc:  # a forward that cannot run on meta (e.g. MoE routing) is not an error
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         return None, f"not estimated: the forward does not run on the meta device ({first[:120]})"
@@ -374,19 +555,30 @@ def _data_line(provider: str, data: dict[str, object], dp: int) -> str:
     )
 
 
-def _model_size(job: "ResolvedJob") -> tuple[int, int, int]:
+def _model_size(job: "ResolvedJob", where: str) -> tuple[int, int, int]:
     """(bytes, trainable bytes, parameter count) of the whole model, built on the meta device.
 
     The model provider sees rank 0 of the planned mesh (a fake process group) and builds the
     unsplit model (one pipeline stage), which is then only counted, never allocated.
+
+    Raises:
+        CliError: mesh.context_parallel > 1 but no module of the model supports it (the trainer
+            refuses such a job once the model is built).
     """
     import torch
 
     from d9d.mesh import DistributedContext
+    from d9d.parallel import ParallelizeError, parallelize_context_parallel
     from d9d.trainer import InitializeModelStageContext
 
-    with DistributedContext.for_planning(job.config.mesh) as ctx, torch.device("meta"):
-        model = job.model_provider.initialize_model_stage(InitializeModelStageContext(context=ctx)).model
+    with DistributedContext.for_planning(job.config.mesh) as ctx:
+        with torch.device("meta"):
+            model = job.model_provider.initialize_model_stage(InitializeModelStageContext(context=ctx)).model
+        if job.config.mesh.context_parallel > 1:
+            try:
+                parallelize_context_parallel(model, ctx.mesh("dense"))
+            except ParallelizeError as exc:
+                raise CliError(f"{where}: {exc}") from None
     params = list(model.parameters())
     total = sum(p.numel() * p.element_size() for p in params)
     trainable = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
