@@ -216,6 +216,9 @@ class ReferenceModel(nn.Module):
         self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.attention_head_dim, config.rope_theta)
         self.context_parallel: Any = None  # as in Attention: this rank's tokens' global positions
+        # Tensor parallelism's sequence-parallel norms split the hidden states between layers over tp
+        # ranks: a pipeline stage that starts from hidden states sees 1/tp of the sequence.
+        self.sequence_parallel: int = 1
 
     def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """`inputs`: token ids [batch, seq] (or hidden states when `embed_tokens` is None) → [batch, seq, hidden].
@@ -229,6 +232,8 @@ class ReferenceModel(nn.Module):
         # The sequence length comes from `inputs`: under sequence parallelism the embedding's output
         # holds only this rank's slice of the sequence, while attention sees all of it.
         batch, seq = inputs.shape[:2]
+        if self.embed_tokens is None:  # hidden states from the previous stage, sequence-sharded under tp
+            seq *= self.sequence_parallel
         if position_ids is None and self.context_parallel is not None:  # this rank's part of the sequence
             position_ids = self.context_parallel.position_ids(seq * self.context_parallel.size, inputs.device)
         elif position_ids is None:

@@ -68,6 +68,12 @@ def check_mesh(config: ReferenceModelConfig, mesh: MeshConfig) -> None:
                 f"model.moe.num_experts={config.moe.num_experts} is not divisible by mesh.expert_parallel={ep}; "
                 f"choose an expert_parallel that divides {config.moe.num_experts}"
             )
+    if pp > 1 and config.tie_word_embeddings:
+        raise ValueError(
+            "mesh.pipeline_parallel > 1 with model.tie_word_embeddings: true is not supported yet (the first "
+            "stage's embedding and the last stage's head would train as two tables, not one); set "
+            "model.tie_word_embeddings: false or mesh.pipeline_parallel: 1"
+        )
     if pp > config.num_layers:
         raise ValueError(
             f"mesh.pipeline_parallel={pp} is more than model.num_layers={config.num_layers}: every stage needs "
@@ -108,6 +114,7 @@ def apply_tensor_parallel(model: ReferenceForCausalLM, context: DistributedConte
     """Apply `tensor_parallel_plan` over the mesh's tp axis (a no-op when tp is 1)."""
     if context.axis_size("tp") > 1:
         parallelize_tensor_parallel(model, context.mesh("dense"), tensor_parallel_plan(model))
+        model.model.sequence_parallel = context.axis_size("tp")  # the norms' plan shards the sequence
 
 
 def apply_expert_parallel(

@@ -7,10 +7,14 @@ from typing import Any
 
 import msgspec
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from d9d.ckpt import (
     CheckpointManager,
+    MappingError,
+    Parallel,
+    StateMapper,
     capture_rng_state,
     load_safetensors,
     restore_rng_state,
@@ -82,6 +86,11 @@ class RunLifecycle:
         extra = loaded.extra_state
         self.data.load_state_dict(extra["data"])
         self.scheduler.load_state_dict(extra["lr_scheduler"])
+        # One base lr per parameter group of *this* rank's optimizer: the checkpoint's scheduler state
+        # came from rank 0, whose stage may have had other groups (another pipeline layout).
+        self.scheduler.base_lrs = [
+            group.get("initial_lr", group["lr"]) for group in self.optimizer.param_groups
+        ]
         self._reapply_schedule()
         if loaded.rank_state is not None:
             restore_rng_state(loaded.rank_state)
@@ -148,14 +157,19 @@ class RunLifecycle:
 
         `out_dir` (a caller's path) is taken as given; `export.dir` of the config is relative to the
         config file's directory, like every path of the config.
+
+        On a pipeline-parallel mesh each rank passes only its own stages (`self.model`'s state dict,
+        whole-model names) and `save_safetensors` assembles the whole model on global rank 0, which
+        writes: the files are byte-identical to a one-process export of the same weights. Nothing is
+        gathered a stage at a time or all at once: tensor by tensor in file order, every piece (a
+        stage's plain tensor, or each dp/tp/ep shard of a DTensor) goes point to point from the one
+        rank chosen to send it to rank 0. Rank 0 holds at most one file's tensors
+        (`export.shard_size_mb`) plus one mapper group; the other ranks never more than one of their
+        own shards (a whole tensor only for a partial sum they reduce). When the pp ranks' mappers
+        differ (each built from its own stage), their union is used, stage by stage.
         """
         configured = self.job.config.export.dir
         target = out_dir if out_dir is not None else configured and self.job.loaded.resolve_path(configured)
-        if self.pipelined:
-            raise TrainingError(
-                "export from a pipeline-parallel run is not supported yet: export the run's checkpoint "
-                "from a mesh without pipeline_parallel (e.g. `d9d export` in one process)"
-            )
         if target is None:
             raise TrainingError("no export directory: pass one or set export.dir in the config")
         result = self.job.model_provider.prepare_export_model_stage(
@@ -163,10 +177,13 @@ class RunLifecycle:
                 context=self.context, model=self.model, base_dir=self.job.loaded.base_dir
             )
         )
+        mapper = result.mapper
+        if self.pipelined and mapper is not None:
+            mapper = _whole_model_mapper(mapper, self.context.mesh("dense")["pp"].get_group())
         save_safetensors(
             self.model,
             target,
-            mapper=result.mapper,
+            mapper=mapper,
             max_shard_size=self.job.config.export.shard_size_mb * 2**20,
         )
         if self.context.is_main_process:
@@ -178,6 +195,36 @@ class RunLifecycle:
         self.context.barrier()
         _log.info("exported", dir=str(target), files=sorted(result.extra_files))
         return Path(target)
+
+
+def _whole_model_mapper(mapper: StateMapper, pp_group: dist.ProcessGroup) -> StateMapper:
+    """The export mapper over every stage's keys, the same on every rank of the pp group.
+
+    The provider's own when every pp rank returned the same groups (a mapper built from the model
+    config covers every stage already); else the stages' mappers (each over its own keys, sent to
+    every pp rank) side by side in stage order.
+
+    Raises:
+        TrainingError: the stages' mappers overlap (two map one key).
+    """
+    size = dist.get_world_size(pp_group)
+    groups: list[Any] = [None] * size
+    dist.all_gather_object(groups, mapper.groups(), group=pp_group)
+    if all(g == groups[0] for g in groups):
+        return mapper
+    mappers: list[Any] = [None] * size
+    dist.all_gather_object(mappers, mapper, group=pp_group)
+    distinct: list[StateMapper] = []
+    for stage_mapper, stage_groups in zip(mappers, groups, strict=True):
+        if stage_groups not in [m.groups() for m in distinct]:  # replicas of one stage: once
+            distinct.append(stage_mapper)
+    try:
+        return Parallel(distinct)
+    except MappingError as exc:
+        raise TrainingError(
+            f"the pipeline stages' export mappers overlap ({exc}); have prepare_export_model_stage map "
+            "only its own stage's keys, or return one mapper over the whole model on every stage"
+        ) from exc
 
 
 #: Config sections whose change on resume is worth a line each (what the run now does differently).

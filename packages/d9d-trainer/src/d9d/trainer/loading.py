@@ -300,7 +300,7 @@ def _check_rules(config: JobConfig, where: str) -> None:
     """Rules the section structs cannot check alone, as they need the lower packages' vocabularies.
 
     Raises:
-        ConfigError: a log level logging does not know, or a pipeline schedule the trainer cannot run.
+        ConfigError: a log level logging does not know, or a pipeline schedule (or stages per rank) that does not exist.
     """
     level = config.trainer.logging.level
     if not isinstance(logging.getLevelName(level.upper()), int):
@@ -315,14 +315,9 @@ def _check_rules(config: JobConfig, where: str) -> None:
             f"choose one of {', '.join(PIPELINE_SCHEDULES)}"
         )
     try:
-        schedule = PipelineConfig(pipelining.schedule, pipelining.stages_per_rank)
+        PipelineConfig(pipelining.schedule, pipelining.stages_per_rank)
     except PipelineError as exc:
         raise ConfigError(f"{where}: pipelining.stages_per_rank: {exc}") from None
-    if config.mesh.pipeline_parallel > 1 and schedule.info.multi_stage:
-        raise ConfigError(
-            f"{where}: pipelining.schedule {pipelining.schedule!r} runs several stages per rank, which "
-            "the trainer does not support yet (a checkpoint holds one model per rank); use gpipe or 1f1b"
-        )
 
 
 def resolve_object(spec: str, base_dir: Path, *, key: str) -> Any:

@@ -19,7 +19,7 @@ import torch
 
 from d9d.ckpt import CheckpointManager
 from d9d.mesh import DistributedContext, configure_logging, get_logger
-from d9d.parallel import context_parallel_of, enable_tf32, resolve_precision
+from d9d.parallel import context_parallel_of, enable_tf32, merge_stage_modules, resolve_precision
 from d9d.trainer._fault_injection import FaultInjection
 from d9d.trainer.build import build_model, check_model_mesh
 from d9d.trainer.errors import OutOfMemoryError, TrainingError, first_line, is_out_of_memory
@@ -118,21 +118,26 @@ class Trainer:
         if ctx.device.type == "cuda":
             enable_tf32(tcfg.precision.tf32)
         pipelined = config.mesh.pipeline_parallel > 1
-        layout = stage = None
+        layout = None
+        stages: tuple[Any, ...] = (None,)
         if pipelined:
-            layout, stage, n_microbatches = plan_pipeline_stage(job, ctx, self._data)
+            layout, stages, n_microbatches = plan_pipeline_stage(job, ctx, self._data)
         _check_sequence_length(
             getattr(getattr(dataset, "dataset", None), "seq_len", None), config.mesh.context_parallel
         )
         vocab = getattr(getattr(dataset, "dataset", None), "vocab_size", None)
-        model = build_model(
-            job,
-            ctx,
-            precision,
-            layout=layout,
-            stage=stage,
-            data_vocab_size=vocab if isinstance(vocab, int) else None,
-        )
+        chunks = [
+            build_model(
+                job,
+                ctx,
+                precision,
+                layout=layout,
+                stage=stage,
+                data_vocab_size=vocab if isinstance(vocab, int) else None,
+            )
+            for stage in stages
+        ]
+        model = merge_stage_modules(chunks)  # several stages on this rank: one module, whole-model names
         self._model = model
         self._optimizer = job.optimizer_provider.build_optimizer(model.named_parameters())
         self._scheduler = job.lr_scheduler_provider.build_lr_scheduler(
@@ -171,6 +176,7 @@ class Trainer:
                 settings,
                 layout=layout,
                 n_microbatches=n_microbatches,
+                chunks=chunks,
             )
         else:
             self._train_step = MicrobatchStep(model, job.task, self._optimizer, self._scheduler, settings)

@@ -37,8 +37,10 @@ __all__ = [
 COMMIT_FILE = "commit.json"
 #: The caller's extra state inside a checkpoint directory (msgpack, written by rank 0).
 EXTRA_FILE = "extra.msgpack"
-#: Format version written into every commit marker.
-FORMAT_VERSION = 1
+#: Format version written into every commit marker. 2: the optimizer state is flattened per parameter
+#: name (each parameter's state and hyperparameters under its own key), so it loads on another
+#: pipeline degree or schedule; 1: torch's nested optimizer state dict (still read).
+FORMAT_VERSION = 2
 
 _STEP_DIR = re.compile(r"save-(\d+)")
 # Leftovers of crashed saves (`.save-<step>.tmp-<id>`) and of interrupted deletions (`.trash-...`).

@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException: caught by name
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -54,6 +55,7 @@ from d9d.ckpt.checkpoint.extra import decode_state, encode_state
 from d9d.ckpt.checkpoint.layout import (
     COMMIT_FILE,
     EXTRA_FILE,
+    FORMAT_VERSION,
     CheckpointInfo,
     CheckpointMeta,
     list_checkpoints,
@@ -515,7 +517,7 @@ class CheckpointManager:
                 damage.append(str(report.metadata_error))
             else:
                 try:
-                    state = _live_state(model, optimizer)
+                    state = _live_state(model, optimizer, info.meta.format)
                 except Exception as exc:
                     problems.append(f"the model's state dict cannot be built: {describe(exc)}")
                 else:
@@ -555,7 +557,11 @@ class CheckpointManager:
                     set_model_state_dict(model, state["model"])
                 else:
                     set_state_dict(
-                        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+                        model,
+                        optimizer,
+                        model_state_dict=state["model"],
+                        optim_state_dict=state["optimizer"],
+                        options=_options(info.meta.format),
                     )
             except Exception as exc:
                 raise CheckpointDamagedError(
@@ -608,11 +614,23 @@ def _remove_quietly(path: Path) -> None:
             remove(path)
 
 
-def _live_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+def _options(checkpoint_format: int) -> StateDictOptions:
+    """How the optimizer state is laid out: flattened per parameter name from format 2 on.
+
+    Flattened, every parameter's state and hyperparameters have keys of their own, so ranks that hold
+    other parameters (another pipeline degree or schedule) each load their own; nested (format 1),
+    the parameter groups are one object that only fits the layout that wrote it.
+    """
+    return StateDictOptions(flatten_optimizer_state_dict=checkpoint_format >= 2)
+
+
+def _live_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, checkpoint_format: int = FORMAT_VERSION
+) -> dict[str, Any]:
     """The sharded (DTensor where distributed) state dicts to write from or load into."""
     if optimizer is None:
         return {"model": get_model_state_dict(model)}
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_options(checkpoint_format))
     return {"model": model_state, "optimizer": optim_state}
 
 

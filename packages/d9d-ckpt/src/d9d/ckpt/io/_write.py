@@ -38,30 +38,42 @@ def save_safetensors(
 ) -> dict[str, str]:
     """Write a model's state (through `mapper`, e.g. into HF names) as safetensors in the HF layout.
 
-    Every rank calls it with its own shard of the model: one group of the mapper at a time, each
-    DTensor's shards are sent to rank 0 alone (the other ranks never hold a full tensor), rank 0
-    maps the group; a file is written as soon as its shard is complete, so memory stays near one
-    shard. Output is
-    `model.safetensors` when everything fits in `max_shard_size`, else `model-0000i-of-0000N.safetensors`
-    plus `model.safetensors.index.json`. Files of that layout already in `directory` are replaced.
+    Every rank calls it with its own part of the model: its shards of DTensors (FSDP, TP, EP, ...)
+    and, on a pipeline-parallel mesh, only its stages' keys (under the whole model's names). The
+    ranks first report what they hold to rank 0 (shapes, dtypes, blocks: no data), so every rank
+    plans the same files. Then, one group of the mapper at a time in file order, every piece of
+    each input tensor is sent to rank 0 alone, from the one rank chosen to send it (the other ranks
+    never hold a full tensor), rank 0 maps the group; a file is written as soon as its shard is
+    complete, so rank 0's memory stays near one shard plus one group. The files are byte-identical
+    to those one process writes from the whole model. Output is `model.safetensors` when
+    everything fits in `max_shard_size`, else `model-0000i-of-0000N.safetensors` plus
+    `model.safetensors.index.json`. Files of that layout already in `directory` are replaced.
 
     Args:
         source: a module (its `state_dict()`) or a mapping of names to tensors or DTensors.
-        mapper: maps source keys to file keys; identity when None.
+        mapper: maps source keys to file keys; identity when None. The same mapper on every rank,
+            over the keys of all ranks together (a pipeline stage's mapper covers the other stages
+            too).
         max_shard_size: bytes per file (int, or "5GB", "500MB", "2GiB").
         unused: what to do about source keys the mapper does not consume.
         metadata: extra string metadata stored in every file header (besides {"format": "pt"}).
 
     Returns:
         The weight map (file key → file name), the same on every rank.
+
+    Raises:
+        SafetensorsIOError: ranks hold one key with other shapes or dtypes.
+        MappingError: the mapper does not fit the keys of all ranks together.
     """
     state = as_state(source)
-    mapper = resolve_mapper(mapper, list(state))
-    check_mapper(mapper, state.keys(), unused=unused, source="the state to save")
+    gather = WriterGather(state)  # every rank's keys, shapes and dtypes, in one order
+    layout = gather.layout
+    mapper = resolve_mapper(mapper, list(layout))
+    check_mapper(mapper, layout.keys(), unused=unused, source="the state to save")
     groups = [g for g in mapper.groups() if g.outputs]  # a group that writes nothing needs no gather
     group_sizes = []
     for group in groups:  # dry run on meta tensors: shapes and dtypes of every output, no data
-        out = mapper.apply({k: meta_like(state[k].shape, state[k].dtype) for k in group.inputs})
+        out = mapper.apply({k: meta_like(*layout[k]) for k in group.inputs})
         group_sizes.append(sum(t.numel() * t.element_size() for t in out.values()))
     shards = plan_shards(group_sizes, parse_size(max_shard_size))
     names = [shard_file_name(i + 1, len(shards)) for i in range(len(shards))]
@@ -70,7 +82,6 @@ def save_safetensors(
     }
 
     writer = is_writer()
-    gather = WriterGather(state, sorted({k for g in groups for k in g.inputs}))
     target = Path(directory)
     file_mode = 0
     if writer:

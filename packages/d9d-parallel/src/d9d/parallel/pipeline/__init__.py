@@ -6,6 +6,7 @@ pipe = Pipeline(layout, modules, pp_group=ctx.mesh("dense")["pp"], n_microbatche
 loss = pipe.step(inputs, targets)                           # summed loss on the last stage
 """
 
+from d9d.parallel.pipeline.chunks import StageChunks, merge_stage_modules
 from d9d.parallel.pipeline.config import (
     PIPELINE_SCHEDULES,
     PipelineConfig,
@@ -39,11 +40,13 @@ __all__ = [
     "PipelineLossFn",
     "PipelineScheduleInfo",
     "PipelineStageModule",
+    "StageChunks",
     "StageSpec",
     "StageToRankStyle",
     "check_pipeline_microbatches",
     "fsdp_reshard_after_forward",
     "keep_stage_layers",
+    "merge_stage_modules",
     "pipeline_schedule_info",
     "plan_pipeline",
     "prepare_fsdp_for_schedule",

@@ -1,4 +1,4 @@
-"""The pipeline step: the step's microbatches through a pipeline schedule (one stage per rank)."""
+"""The pipeline step: the step's microbatches through a pipeline schedule (one or several stages per rank)."""
 
 from collections.abc import Sequence
 from typing import Any
@@ -27,13 +27,18 @@ class PipelineStep(StepBase):
         *,
         layout: PipelineLayout,
         n_microbatches: int,
+        chunks: Sequence[nn.Module] | None = None,
     ) -> None:
+        """`model` holds all of this rank's parameters (a `StageChunks` over `chunks` when the schedule
+        gives the rank several stages); `chunks` are the stage modules the schedule runs."""
         super().__init__(model, task, optimizer, scheduler, settings)
         self._scale = torch.ones((), device=settings.device)
-        autocast_forward(model, settings.precision, settings.device)  # the forward only, not backward
+        chunks = list(chunks) if chunks is not None else [model]
+        for chunk in chunks:
+            autocast_forward(chunk, settings.precision, settings.device)  # the forward only, not backward
         self.pipeline = Pipeline(
             layout,
-            [model],
+            chunks,
             pp_group=settings.pp_group,
             n_microbatches=n_microbatches,
             loss_fn=self._loss,
@@ -61,10 +66,11 @@ class PipelineStep(StepBase):
         return self.finish(loss, weight, step)
 
 
-def plan_pipeline_stage(job: Any, context: Any, data: Any) -> tuple[PipelineLayout, Any, int]:
-    """(layout, this rank's stage, microbatches per step) for `mesh.pipeline_parallel` > 1.
+def plan_pipeline_stage(job: Any, context: Any, data: Any) -> tuple[PipelineLayout, tuple[Any, ...], int]:
+    """(layout, this rank's stages, microbatches per step) for `mesh.pipeline_parallel` > 1.
 
-    The trainer runs one stage per rank for now.
+    Single-stage schedules (gpipe, 1f1b) give one stage per rank; the multi-stage ones
+    (`pipelining.stages_per_rank`, V-shaped for zbv and dualpipev) several, built as separate chunks.
 
     Raises:
         TrainingError: the schedule, model provider, task or data provider cannot run a pipeline.
@@ -75,11 +81,6 @@ def plan_pipeline_stage(job: Any, context: Any, data: Any) -> tuple[PipelineLayo
 
     pcfg = job.config.pipelining
     config = PipelineConfig(pcfg.schedule, pcfg.stages_per_rank)
-    if config.info.multi_stage:
-        raise TrainingError(
-            f"pipelining.schedule {pcfg.schedule!r} runs several stages per rank, which the trainer does "
-            "not support yet (a checkpoint holds one model per rank); use gpipe or 1f1b"
-        )
     count = getattr(job.model_provider, "pipeline_num_layers", None)
     if count is None:
         raise TrainingError(
@@ -102,8 +103,11 @@ def plan_pipeline_stage(job: Any, context: Any, data: Any) -> tuple[PipelineLayo
         head_weight=pcfg.head_weight,
         n_microbatches=int(n),
     )
-    (stage,) = layout.stages_of_rank(context.coordinate("pp"))
+    stages = layout.stages_of_rank(context.coordinate("pp"))
     get_logger("d9d.trainer").info(
-        "pipeline stage", stage=stage.index, layers=f"{stage.layers.start}..{stage.layers.stop - 1}"
+        "pipeline stages",
+        schedule=pcfg.schedule,
+        stages=[s.index for s in stages],
+        layers=[f"{s.layers.start}..{s.layers.stop - 1}" for s in stages],
     )
-    return layout, stage, int(n)
+    return layout, stages, int(n)
