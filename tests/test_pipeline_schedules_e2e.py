@@ -10,7 +10,7 @@ grad norm <= 4.1e-7, weights <= 2.1e-7 for every case below; REL is 1e-5 as the 
 import shutil
 
 import pytest
-from _quickstart import NO_CLIP, SGD, compare_runs, overrides, train
+from _quickstart import MOE, NO_CLIP, SGD, compare_runs, overrides, train
 
 REL = 1e-5
 STEPS = 3
@@ -51,6 +51,14 @@ def test_every_schedule_through_the_trainer_equals_one_process(tmp_path, referen
 def test_multi_stage_schedules_compose_with_fsdp_and_tp(tmp_path, reference, name, extra):
     got = train(4, _args(tmp_path, name, STEPS, "mesh.pipeline_parallel=2", *extra))
     compare_runs(got, reference, rel=REL)
+
+
+def test_interleaved_pipeline_with_fsdp_and_expert_parallel_on_the_moe_variant_equals_one_process(tmp_path):
+    """A chunk may hold no MoE layer (the embedding-only stage): expert parallelism skips it."""
+    expected = train(1, _args(tmp_path, "one-moe", STEPS, *MOE))
+    extra = ["mesh.data_parallel_shard=2", "mesh.expert_parallel=2", "pipelining.schedule=interleaved_1f1b"]
+    got = train(4, _args(tmp_path, "interleaved-fsdp2-ep2", STEPS, *MOE, "mesh.pipeline_parallel=2", *extra))
+    compare_runs(got, expected, rel=REL)
 
 
 @pytest.mark.parametrize(

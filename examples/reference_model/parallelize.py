@@ -9,6 +9,7 @@ from torch.distributed.tensor import Shard
 from d9d.mesh import DistributedContext, MeshConfig
 from d9d.parallel import (
     MixedPrecision,
+    MoE,
     ReplicateParallel,
     StageSpec,
     TensorParallelPlan,
@@ -121,7 +122,9 @@ def apply_expert_parallel(
     model: ReferenceForCausalLM, context: DistributedContext, precision: MixedPrecision | None = None
 ) -> None:
     """Shard the experts of every MoE layer over ep_shard (a no-op for a dense model or ep 1)."""
-    if model.config.moe is not None and context.config.expert_parallel > 1:
+    if model.config.moe is None or context.config.expert_parallel == 1:
+        return
+    if any(isinstance(module, MoE) for module in model.modules()):  # a pipeline stage may hold none
         parallelize_expert_parallel(model, context, precision=precision)
 
 
