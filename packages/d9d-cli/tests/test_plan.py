@@ -1,10 +1,11 @@
-"""`d9d plan`: layout, microbatches, context parallelism, memory estimate and launch command; every
-way it refuses."""
+"""`d9d plan`: layout, microbatches, context parallelism, pipeline stages and bubble, memory estimate
+and launch command; every way it refuses."""
 
 import os
 import shlex
 import subprocess
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from d9d.cli.commands.plan import (
     estimate_activations,
     estimate_memory,
     launch_command,
+    pipeline_bubble,
     sequence_length_error,
 )
 from d9d.mesh import MeshConfig, axis_groups
@@ -562,3 +564,229 @@ def test_printed_single_process_command_runs_from_a_shell_without_the_environmen
     ran = subprocess.run([*command, "--help"], env=env, capture_output=True, text=True, timeout=120)
     assert ran.returncode == 0, ran.stderr
     assert "Run the job in CONFIG" in ran.stdout
+
+
+# ------------------------------------------------------------------------------ pipeline parallelism
+
+#: Appended to tiny_job.py: a model provider whose layers the trainer may split into stages, a task
+#: without the pipeline methods and a data provider of its own (it decides the microbatch count).
+PIPELINE_PROVIDERS = """
+
+class PipelineModelProvider(TinyModelProvider):
+    def pipeline_num_layers(self) -> int:
+        return self.config.layers
+
+
+class PlainTask:
+    config_type = None
+
+    def __init__(self, config: Any = None) -> None:
+        del config
+
+    def batch_weight(self, batch: Any) -> Any:
+        return batch["labels"].numel()
+
+    def compute_loss(self, context: Any) -> Any:
+        raise NotImplementedError
+
+
+class OwnData:
+    config_type = None
+
+    def __init__(self, config: Any = None) -> None:
+        del config
+
+    def build_data_provider(self, context: Any) -> Any:
+        raise NotImplementedError
+"""
+
+
+@pytest.fixture(scope="module")
+def pp_config(tmp_path_factory):
+    """The tiny job with 4 layers, a model provider with pipeline_num_layers() and 8 samples in
+    microbatches of 2 per step (4 microbatches per pipeline at dp 1)."""
+    directory = tmp_path_factory.mktemp("plan_pp")
+    providers = {"model": "tiny_job.py:PipelineModelProvider", "dataset": "tiny_job.py:TokensProvider"}
+    path = write_job(directory, providers=providers, model={"layers": 4})
+    with (directory / "tiny_job.py").open("a", encoding="utf-8") as file:
+        file.write(PIPELINE_PROVIDERS)
+    return path
+
+
+def _pp_plan(runner, config: Path, schedule: str, *args: str):
+    sets = ["--set", "mesh.pipeline_parallel=2", "--set", f"pipelining.schedule={schedule}", *args]
+    return runner.invoke(cli, ["plan", str(config), "--world-size", "2", *sets])
+
+
+def _trainer_layout_error(config: Path, *overrides: str, microbatches: int = 4) -> str:
+    """The message the trainer's own `plan_pipeline_stage` refuses this job with (rank 0's view)."""
+    from types import SimpleNamespace
+
+    from d9d.trainer.step import plan_pipeline_stage
+
+    job = _resolved(config, *overrides)
+    pp = job.config.mesh.pipeline_parallel
+    context = SimpleNamespace(axis_size=lambda axis: pp, coordinate=lambda axis: 0)
+    with pytest.raises(Exception) as refused:
+        plan_pipeline_stage(job, context, SimpleNamespace(microbatches_per_step=microbatches))
+    return str(refused.value)
+
+
+def test_interleaved_1f1b_gives_each_pp_rank_two_looped_chunks_on_world_2(runner, pp_config):
+    result = _pp_plan(runner, pp_config, "interleaved_1f1b")
+    assert result.exit_code == 0, result.output
+    out = result.output
+    (head,) = _lines(out, "pipeline parallel:")
+    assert head.startswith(
+        "pipeline parallel: pp 2, schedule interleaved_1f1b, 2 × 2 = 4 stages, looped (stage s on pp rank s mod 2); "
+        "4 layers split with the embedding and the head counted as 1 and 1 layers"
+    )
+    # the trainer's split (embedding and head weigh a layer each): stages hold 0, 1, 2, 1 layers
+    assert _lines(out, "pp rank") == [
+        "pp rank 0 (ranks [0]): stage 0: embedding; stage 2: layers 1..2",
+        "pp rank 1 (ranks [1]): stage 1: layer 0; stage 3: layer 3 + head",
+    ]
+    from d9d.parallel import PipelineConfig, plan_pipeline
+
+    layout = plan_pipeline(4, 2, PipelineConfig("interleaved_1f1b"), n_microbatches=4)
+    assert [[s.index for s in layout.stages_of_rank(r)] for r in (0, 1)] == [[0, 2], [1, 3]]
+    assert "(1F1B; the interleaved_1f1b schedule keeps another number in flight)" in out
+
+
+def test_zbv_is_v_shaped_the_first_rank_holds_the_embedding_and_the_head(runner, pp_config):
+    result = _pp_plan(runner, pp_config, "zbv", "--set", "mesh.data_parallel_shard=2", "--world-size", "4")
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "4 stages, V-shaped (stages r and 3−r on pp rank r)" in _lines(out, "pipeline parallel:")[0]
+    # pp is the outermost axis: pp rank 0 is global ranks 0 and 1
+    assert _lines(out, "pp rank") == [
+        "pp rank 0 (ranks [0,1]): stage 0: embedding; stage 3: layer 3 + head",
+        "pp rank 1 (ranks [2,3]): stage 1: layer 0; stage 2: layers 1..2",
+    ]
+    # 8 samples over 2 dp ranks in microbatches of 2: m = 2 < 4 stages, too few for zero bubble
+    (bubble,) = _lines(out, "bubble:")
+    assert bubble.startswith("bubble: not ≈ 0: m=2 microbatches < 4 stages")
+
+
+def test_single_stage_schedules_hold_one_chunk_per_rank(runner, pp_config):
+    result = _pp_plan(runner, pp_config, "1f1b")
+    assert result.exit_code == 0, result.output
+    assert "2 stages, one per pp rank" in _lines(result.output, "pipeline parallel:")[0]
+    assert _lines(result.output, "pp rank") == [
+        "pp rank 0 (ranks [0]): stage 0: embedding + layers 0..1",
+        "pp rank 1 (ranks [1]): stage 1: layers 2..3 + head",
+    ]
+
+
+def test_bubble_of_1f1b_and_interleaved_1f1b(runner, pp_config):
+    # p = 2 ranks, m = 4 microbatches: 1F1B (p−1)/(m+p−1) = 1/5; interleaved, v = 2: (p−1)/(v·m+p−1) = 1/9
+    bubbles = {
+        schedule: _lines(_pp_plan(runner, pp_config, schedule).output, "bubble:")[0]
+        for schedule in ("1f1b", "interleaved_1f1b")
+    }
+    assert bubbles["1f1b"].startswith(
+        "bubble: 1/5 = 20.0% of the step's forward and backward time ((p−1)/(m+p−1) with p=2, v=1, m=4; 1F1B"
+    )
+    assert bubbles["interleaved_1f1b"].startswith(
+        "bubble: 1/9 = 11.1% of the step's forward and backward time ((p−1)/(v·m+p−1) with p=2, v=2, m=4; "
+        "interleaved 1F1B"
+    )
+    assert pipeline_bubble("1f1b", 4, 1, 8).fraction == Fraction(3, 11)
+    assert pipeline_bubble("gpipe", 4, 1, 8).fraction == Fraction(3, 11)
+    assert pipeline_bubble("interleaved_1f1b", 4, 2, 8).fraction == Fraction(3, 19)
+    assert pipeline_bubble("interleaved_1f1b", 4, 4, 8).fraction == Fraction(3, 35)
+
+
+def _looped_forward_span(p: int, v: int, m: int) -> int:
+    """Time units of looped BFS's forward pass, simulated: a stage takes 1 unit per microbatch, stage s
+    runs on rank s mod p, and each rank runs all microbatches of one of its stages before its next."""
+    done: dict[tuple[int, int], int] = {}
+    free = [0] * p
+    for stage in range(p * v):
+        rank = stage % p
+        for mb in range(m):
+            start = max(free[rank], done.get((stage - 1, mb), 0))
+            done[stage, mb] = free[rank] = start + 1
+    return max(done.values())
+
+
+@pytest.mark.parametrize(("p", "v", "m"), [(2, 1, 4), (4, 1, 2), (2, 2, 4), (4, 2, 8), (4, 3, 2), (3, 2, 1)])
+def test_looped_bubble_matches_a_simulated_schedule(p, v, m):
+    span = _looped_forward_span(p, v, m)  # the forward; the backward mirrors it
+    simulated = Fraction(span - v * m, span)  # every rank works v · m units
+    assert pipeline_bubble("looped_bfs", p, v, m).fraction == simulated
+    if v == 1:
+        assert pipeline_bubble("gpipe", p, 1, m).fraction == simulated
+
+
+def test_zero_bubble_schedules_need_a_microbatch_per_stage():
+    for schedule in ("interleaved_zero_bubble", "zbv", "dualpipev"):
+        assert pipeline_bubble(schedule, 4, 2, 8).fraction == 0
+        assert pipeline_bubble(schedule, 4, 2, 7).fraction is None
+
+
+def test_zbv_with_enough_microbatches_has_no_bubble(runner, pp_config):
+    result = _pp_plan(runner, pp_config, "zbv")
+    assert result.exit_code == 0, result.output
+    assert _lines(result.output, "pp rank") == [
+        "pp rank 0 (ranks [0]): stage 0: embedding; stage 3: layer 3 + head",
+        "pp rank 1 (ranks [1]): stage 1: layer 0; stage 2: layers 1..2",
+    ]
+    (bubble,) = _lines(result.output, "bubble:")
+    assert bubble.startswith("bubble: ≈ 0 of the step (m=4 ≥ p·v = 4 stages; ZB-V")
+    (assumes,) = _lines(result.output, "bubble assumes:")
+    assert "same time" in assumes and "input- and weight-gradient parts" in assumes
+
+
+def test_a_data_provider_of_its_own_leaves_m_open(runner, pp_config):
+    result = _pp_plan(runner, pp_config, "interleaved_1f1b", "--set", "providers.data=tiny_job.py:OwnData")
+    assert result.exit_code == 0, result.output
+    (bubble,) = _lines(result.output, "bubble:")
+    assert bubble.startswith("bubble: (p−1)/(v·m+p−1) with p=2, v=2 and m the microbatches per step")
+    assert len(_lines(result.output, "pp rank")) == 2
+
+
+@pytest.mark.parametrize(
+    ("sets", "microbatches", "start"),
+    [
+        (
+            ["pipelining.schedule=interleaved_1f1b", "pipelining.stages_per_rank=4"],
+            4,
+            "cannot split 4 layers into 8 pipeline stages",
+        ),
+        (
+            ["pipelining.schedule=dualpipev", "data.global_batch_size=4"],
+            2,
+            "pipeline schedule 'dualpipev' needs",
+        ),
+        (
+            ["pipelining.schedule=interleaved_1f1b", "data.global_batch_size=10"],
+            5,
+            "pipeline schedule 'interleaved_1f1b' on 2 pipeline ranks needs a microbatch count divisible",
+        ),
+        (
+            ["pipelining.schedule=1f1b", "providers.task=tiny_job.py:PlainTask"],
+            4,
+            "mesh.pipeline_parallel > 1 needs a task",
+        ),
+    ],
+    ids=["more-stages-than-layers", "dualpipev-too-few-microbatches", "interleaved-indivisible", "task"],
+)
+def test_a_layout_the_trainer_refuses_is_refused_with_its_message(
+    runner, pp_config, sets, microbatches, start
+):
+    overrides = ["mesh.pipeline_parallel=2", *sets]
+    result = runner.invoke(cli, ["plan", str(pp_config), *[a for s in overrides for a in ("--set", s)]])
+    assert result.exit_code == 2
+    assert result.stdout == ""  # before any line of the plan
+    expected = _trainer_layout_error(pp_config, *overrides, microbatches=microbatches)
+    assert expected.startswith(start)
+    assert result.stderr.strip().splitlines() == [f"error: {expected}"]
+
+
+def test_a_model_provider_without_pipeline_num_layers_is_refused_like_the_trainer(runner, config):
+    result = runner.invoke(cli, ["plan", str(config), *_mesh_sets(pipeline_parallel=2)])
+    assert result.exit_code == 2 and result.stdout == ""
+    expected = _trainer_layout_error(config, "mesh.pipeline_parallel=2")
+    assert "needs a model provider with pipeline_num_layers()" in expected
+    assert result.stderr.strip().splitlines() == [f"error: {expected}"]

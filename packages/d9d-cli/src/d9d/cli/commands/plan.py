@@ -4,13 +4,16 @@ The memory figure is a deliberately simple estimate of the persistent training s
 temporary buffers, no allocator slack), see `estimate_memory`, plus the activations one microbatch
 keeps for backward, counted from a forward on the meta device (`estimate_activations`) in the job's
 compute dtype, with and without activation checkpointing. Under context parallelism that forward
-runs one rank's share of the sequence with the planned cp group, as the trainer will.
+runs one rank's share of the sequence with the planned cp group, as the trainer will. Under pipeline
+parallelism it prints the trainer's layout (each pp rank's stages and their layers) and the
+schedule's theoretical bubble, see `pipeline_bubble`.
 """
 
 import itertools
 import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,14 +26,17 @@ from d9d.cli.errors import CliError, reports_errors
 
 if TYPE_CHECKING:  # the trainer imports torch: only inside the command at run time
     from d9d.mesh import MeshConfig
-    from d9d.trainer import OptimizerConfig, ResolvedJob
+    from d9d.parallel import PipelineLayout, StageSpec
+    from d9d.trainer import OptimizerConfig, PipeliningConfig, ResolvedJob
 
 __all__ = [
     "ActivationEstimate",
     "MemoryEstimate",
+    "PipelineBubble",
     "estimate_activations",
     "estimate_memory",
     "launch_command",
+    "pipeline_bubble",
     "plan",
     "sequence_length_error",
 ]
@@ -88,6 +94,65 @@ def estimate_memory(
         optimizer=grads * optimizer_states,
         shard_factor=shard,
         optimizer_states=optimizer_states,
+    )
+
+
+@dataclass(frozen=True)
+class PipelineBubble:
+    """A schedule's theoretical bubble: the share of a step's forward + backward time a pp rank idles.
+
+    Attributes:
+        fraction: idle time / step time (every rank alike); None where the formula does not apply.
+        formula: the formula in p (pp ranks), v (stages per rank) and m (microbatches per step).
+        source: the schedule family and where the formula comes from.
+    """
+
+    fraction: Fraction | None
+    formula: str
+    source: str
+
+
+_ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv", "dualpipev")
+
+
+def pipeline_bubble(schedule: str, pp_size: int, stages_per_rank: int, n_microbatches: int) -> PipelineBubble:
+    """The bubble of `schedule` on `pp_size` ranks of `stages_per_rank` stages, for m microbatches per step.
+
+    Every stage is assumed to take the same time per microbatch (a rank's v stages each 1/v of its
+    share) and communication to be free. GPipe and 1F1B fill and drain the pipeline once per pass:
+    (p−1)/(m+p−1). Interleaved 1F1B and looped BFS run v stages of 1/v the time per rank, which cuts
+    the fill and drain to (p−1)/v stage times: (p−1)/(v·m+p−1); with m < p the microbatches do not
+    cover a round over the ranks and each of the v−1 later rounds idles another p−m stage times.
+    Zero-bubble schedules split the backward into input- and weight-gradient parts and run the weight
+    part where the others would leave the pipeline's fill and drain idle: ≈ 0 when forward, input
+    and weight gradient take equal time and m ≥ p·v (fewer microbatches than stages leave the
+    warm-up uncovered: no figure).
+    """
+    p, v, m = pp_size, stages_per_rank, n_microbatches
+    if schedule in _ZERO_BUBBLE:
+        source = {
+            "interleaved_zero_bubble": "interleaved zero bubble (Qi et al., Zero Bubble Pipeline Parallelism, 2024)",
+            "zbv": "ZB-V (Qi et al., Zero Bubble Pipeline Parallelism, 2024)",
+            "dualpipev": "DualPipeV (DeepSeek-V3's DualPipe cut to a V, Sea AI Lab 2025)",
+        }[schedule]
+        if m >= p * v:
+            return PipelineBubble(Fraction(0), "≈ 0 for m ≥ p·v", source)
+        return PipelineBubble(None, "≈ 0 only for m ≥ p·v", source)
+    if schedule in ("gpipe", "1f1b"):
+        source = {
+            "gpipe": "GPipe (Huang et al. 2019)",
+            "1f1b": "1F1B (PipeDream-Flush; Narayanan et al. 2021)",
+        }[schedule]
+        return PipelineBubble(Fraction(p - 1, m + p - 1), "(p−1)/(m+p−1)", source)
+    source = {
+        "interleaved_1f1b": "interleaved 1F1B (Narayanan et al., Megatron-LM, 2021)",
+        "looped_bfs": "looped BFS (Lamy-Poirier, Breadth-First Pipeline Parallelism, 2023)",
+    }[schedule]
+    if m >= p:
+        return PipelineBubble(Fraction(p - 1, v * m + p - 1), "(p−1)/(v·m+p−1)", source)
+    idle = (p - 1) + (v - 1) * (p - m)
+    return PipelineBubble(
+        Fraction(idle, v * m + idle), "((p−1)+(v−1)(p−m))/(v·m+(p−1)+(v−1)(p−m)) for m < p", source
     )
 
 
@@ -312,9 +377,10 @@ def plan(
     Loads and validates the config, builds the mesh in one process (a fake process group of any
     size), and prints: which global ranks share each mesh axis, the microbatches each data-parallel
     rank runs per step, under context parallelism the cp groups and each rank's share of a
-    sequence, the precision and activation checkpointing, a per-rank estimate of parameter +
-    gradient + optimizer memory and of one microbatch's activations (from the model built on the
-    meta device), and the launch command.
+    sequence, under pipeline parallelism each pp rank's stages (their layers, the embedding, the
+    head) and the schedule's theoretical bubble, the precision and activation checkpointing, a
+    per-rank estimate of parameter + gradient + optimizer memory and of one microbatch's activations
+    (from the model built on the meta device), and the launch command.
     Without a size, plans for the size the mesh needs.
 
     \b
@@ -325,6 +391,8 @@ def plan(
           --set mesh.tensor_parallel=2
       d9d plan config.yaml --world-size 8 --set mesh.data_parallel_shard=2 \\
           --set mesh.context_parallel=2 --set mesh.tensor_parallel=2
+      d9d plan config.yaml --world-size 2 --set mesh.pipeline_parallel=2 \\
+          --set pipelining.schedule=zbv
     """
     shape = _launch_shape(world_size, nnodes, nproc_per_node)
     check_config_path(config)
@@ -353,6 +421,10 @@ def plan(
         check_model_mesh(resolved)  # the model provider's own check of the degrees
     except TrainingError as exc:
         raise CliError(f"{config}: {exc}") from None
+    layout, n_microbatches = None, None
+    if mesh.pipeline_parallel > 1:  # the trainer plans the stages before it checks sequence lengths
+        n_microbatches = _microbatches_per_step(job.providers.data, job.data, mesh.data_parallel)
+        layout = _pipeline_layout(resolved, n_microbatches)
     cp = mesh.context_parallel
     dataset_seq, source = _dataset_seq_len(resolved)
     for length, option in ((dataset_seq, None), (seq_len, "--seq-len")):
@@ -366,6 +438,8 @@ def plan(
     ]
     if cp > 1:
         lines += _context_parallel_lines(mesh, *seq)
+    if layout is not None:
+        lines += _pipeline_lines(mesh, layout, n_microbatches, job.pipelining)
     param_bytes, trainable_bytes, n_params = _model_size(resolved, config)
     states, what = _optimizer_states(job.providers.optimizer, job.optimizer)
     est = estimate_memory(
@@ -411,7 +485,9 @@ def plan(
         lines.append(f"  activations {'?':>10}  ({acts_note})")
     lines.append(f"  total       {format_size(total):>10}")
     if acts is not None:
-        lines.append(f"  activation estimate assumes: {_activation_assumptions(mesh)}")
+        lines.append(
+            f"  activation estimate assumes: {_activation_assumptions(mesh, job.pipelining.schedule)}"
+        )
     where = "on every node: " if nodes > 1 else ""
     command = launch_command(config, overrides, nnodes=nodes, nproc_per_node=per_node, d9d=d9d_invocation())
     lines += [
@@ -503,7 +579,127 @@ def _format_group(group: list[int]) -> str:
     return "[" + ",".join(map(str, group)) + "]"
 
 
-def _activation_assumptions(mesh: "MeshConfig") -> str:
+def _pipeline_layout(job: "ResolvedJob", n_microbatches: int | None) -> "PipelineLayout":
+    """The layout the trainer will run (`d9d.trainer.step.plan_pipeline_stage`'s checks, with its
+    messages, and its `plan_pipeline` call), without building the data provider.
+
+    `n_microbatches` None (a custom data provider decides them) skips the schedule's microbatch check,
+    which the trainer makes at start.
+
+    Raises:
+        TrainingError: the model provider or the task cannot run a pipeline.
+        PipelineError: the schedule, stage, layer or microbatch counts do not fit.
+    """
+    from d9d.parallel import PipelineConfig, plan_pipeline
+    from d9d.trainer import TrainingError
+
+    pcfg = job.config.pipelining
+    config = PipelineConfig(pcfg.schedule, pcfg.stages_per_rank)
+    count = getattr(job.model_provider, "pipeline_num_layers", None)
+    if count is None:
+        raise TrainingError(
+            "mesh.pipeline_parallel > 1 needs a model provider with pipeline_num_layers() and stage "
+            "support in initialize_model_stage (context.stage); see docs/parallelism.md"
+        )
+    task = job.task
+    if not (hasattr(task, "pipeline_inputs") and hasattr(task, "pipeline_loss")):
+        raise TrainingError(
+            "mesh.pipeline_parallel > 1 needs a task with pipeline_inputs() and pipeline_loss()"
+        )
+    return plan_pipeline(
+        int(count()),
+        job.config.mesh.pipeline_parallel,
+        config,
+        embedding_weight=pcfg.embedding_weight,
+        head_weight=pcfg.head_weight,
+        n_microbatches=n_microbatches,
+    )
+
+
+def _pipeline_lines(
+    mesh: "MeshConfig", layout: "PipelineLayout", n_microbatches: int | None, pipelining: "PipeliningConfig"
+) -> list[str]:
+    """The schedule, each pp rank's stages (global ranks, layers, embedding and head) and the bubble."""
+    from d9d.mesh import axis_groups
+
+    p, v, n = layout.pp_size, layout.stages_per_rank, layout.num_stages
+    num_layers = sum(len(s.layers) for s in layout.stages)
+    if v == 1:
+        shape = f"{n} stages, one per pp rank"
+    elif layout.config.info.style == "v":
+        shape = f"{p} × {v} = {n} stages, V-shaped (stages r and {n - 1}−r on pp rank r)"
+    else:
+        shape = f"{p} × {v} = {n} stages, looped (stage s on pp rank s mod {p})"
+    lines = [
+        f"pipeline parallel: pp {p}, schedule {layout.config.schedule}, {shape}; {num_layers} layers split "
+        f"with the embedding and the head counted as {pipelining.embedding_weight:g} and "
+        f"{pipelining.head_weight:g} layers (pipelining.embedding_weight, head_weight)"
+    ]
+    groups = axis_groups(mesh, "dense", "pp")
+    for rank in range(p):
+        ranks = _format_ranks(sorted(g[rank] for g in groups))
+        chunks = "; ".join(f"stage {s.index}: {_stage_content(s)}" for s in layout.stages_of_rank(rank))
+        lines.append(f"  pp rank {rank} (ranks {ranks}): {chunks}")
+    lines += _bubble_lines(layout, n_microbatches)
+    return lines
+
+
+def _stage_content(stage: "StageSpec") -> str:
+    """What a stage holds: `embedding + layers 0..3 + head`, `layer 4`."""
+    parts = ["embedding"] if stage.is_first else []
+    layers = stage.layers
+    if len(layers) == 1:
+        parts.append(f"layer {layers.start}")
+    elif len(layers) > 1:
+        parts.append(f"layers {layers.start}..{layers.stop - 1}")
+    if stage.is_last:
+        parts.append("head")
+    return " + ".join(parts) or "no layers"
+
+
+def _format_ranks(ranks: list[int]) -> str:
+    """Global ranks as the mesh table writes them (`[0..3]`), at most 8 listed one by one."""
+    if len(ranks) <= 8 or len({b - a for a, b in itertools.pairwise(ranks)}) == 1:
+        return _format_group(ranks)
+    return "[" + ",".join(map(str, ranks[:4])) + f",…] ({len(ranks)} ranks)"
+
+
+def _bubble_lines(layout: "PipelineLayout", n_microbatches: int | None) -> list[str]:
+    """The schedule's theoretical bubble for this layout, the formula and what it assumes."""
+    p, v, n = layout.pp_size, layout.stages_per_rank, layout.num_stages
+    schedule = layout.config.schedule
+    assumes = (
+        "every stage takes the same time per microbatch; communication is free; theory, not a measurement"
+    )
+    if schedule in _ZERO_BUBBLE:
+        assumes += "; the backward's input- and weight-gradient parts take as long as the forward"
+    if n_microbatches is None:
+        probe = pipeline_bubble(schedule, p, v, max(p, n))  # the formula for enough microbatches
+        return [
+            f"  bubble: {probe.formula} with p={p}, v={v} and m the microbatches per step, which "
+            f"providers.data decides ({probe.source}); the trainer checks m against the schedule at start",
+            f"  bubble assumes: {assumes}",
+        ]
+    m = n_microbatches
+    bubble = pipeline_bubble(schedule, p, v, m)
+    symbols = f"p={p}, v={v}, m={m}"
+    if bubble.fraction is None:
+        head = (
+            f"not ≈ 0: m={m} microbatches < {n} stages leave the warm-up and cool-down uncovered "
+            f"({bubble.formula}; {bubble.source}); give each pipeline at least {n} microbatches per step"
+        )
+    elif bubble.fraction == 0:
+        head = f"≈ 0 of the step (m={m} ≥ p·v = {n} stages; {bubble.source})"
+    else:
+        f = bubble.fraction
+        head = (
+            f"{f.numerator}/{f.denominator} = {float(f):.1%} of the step's forward and backward time "
+            f"({bubble.formula} with {symbols}; {bubble.source})"
+        )
+    return [f"  bubble: {head}", f"  bubble assumes: {assumes}"]
+
+
+def _activation_assumptions(mesh: "MeshConfig", schedule: str) -> str:
     """What the activation figure assumes, in one line (see `estimate_activations`)."""
     parts = ["attention saves what a fused (flash) kernel saves"]
     if mesh.context_parallel > 1:
@@ -514,7 +710,10 @@ def _activation_assumptions(mesh: "MeshConfig") -> str:
     if mesh.tensor_parallel > 1:
         parts.append(f"divided by tp {mesh.tensor_parallel}")
     if mesh.pipeline_parallel > 1:
-        parts.append(f"all the layers with up to pp {mesh.pipeline_parallel} microbatches in flight (1F1B)")
+        other = "" if schedule == "1f1b" else f"; the {schedule} schedule keeps another number in flight"
+        parts.append(
+            f"all the layers with up to pp {mesh.pipeline_parallel} microbatches in flight (1F1B{other})"
+        )
     return "; ".join(parts)
 
 
@@ -540,15 +739,32 @@ def _activations(
     return estimate, ""
 
 
-def _data_line(provider: str, data: dict[str, object], dp: int) -> str:
+def _microbatches_per_step(provider: str, data: dict[str, object], dp: int) -> int | None:
+    """Microbatches each data-parallel rank runs per step (as the built-in data provider will count
+    them), or None under a custom data provider, which decides them itself.
+
+    Raises:
+        BatchSizeError: the global batch does not split into dp × microbatches.
+    """
     if provider != _AUTO_DATA:
-        return f"data: batching is decided by providers.data ({provider})"
+        return None
     import msgspec
 
     from d9d.data import AutoDataConfig, microbatches_per_rank
 
     cfg = msgspec.convert(data, AutoDataConfig)  # validated when the job was resolved
-    n = microbatches_per_rank(cfg.global_batch_size, cfg.microbatch_size, dp)
+    return microbatches_per_rank(cfg.global_batch_size, cfg.microbatch_size, dp)
+
+
+def _data_line(provider: str, data: dict[str, object], dp: int) -> str:
+    n = _microbatches_per_step(provider, data, dp)
+    if n is None:
+        return f"data: batching is decided by providers.data ({provider})"
+    import msgspec
+
+    from d9d.data import AutoDataConfig
+
+    cfg = msgspec.convert(data, AutoDataConfig)
     return (
         f"data: global batch {cfg.global_batch_size} = {dp} data-parallel rank{'s' if dp > 1 else ''} × "
         f"{n} microbatch{'es' if n > 1 else ''} of {cfg.microbatch_size} per step"
