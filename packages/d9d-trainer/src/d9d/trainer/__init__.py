@@ -67,7 +67,14 @@ from d9d.trainer.records import METRICS_FILE, StepRecords, read_metrics, truncat
 from d9d.trainer.reporting import PEER_ERROR_GRACE_S, is_shared_by_every_rank, report_error
 from d9d.trainer.run_lock import LOCK_FILE, RunLock
 from d9d.trainer.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED, INTERRUPTED_MESSAGE, StopRequests
-from d9d.trainer.step import MicrobatchStep, PipelineStep, StepOutput, StepSettings, TrainStep
+from d9d.trainer.step import (
+    MicrobatchStep,
+    PipelineStep,
+    StepOutput,
+    StepSettings,
+    TrainStep,
+    pipeline_layout,
+)
 from d9d.trainer.trainer import Trainer, TrainResult
 from d9d.trainer.watchdog import EXIT_STEP_TIMEOUT
 
@@ -148,6 +155,7 @@ __all__ = [
     "materialize_and_initialize",
     "model_flops_per_token",
     "optimizer_kernels",
+    "pipeline_layout",
     "read_metrics",
     "report_error",
     "resolve_job",

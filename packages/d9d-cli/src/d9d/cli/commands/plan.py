@@ -590,30 +590,9 @@ def _pipeline_layout(job: "ResolvedJob", n_microbatches: int | None) -> "Pipelin
         TrainingError: the model provider or the task cannot run a pipeline.
         PipelineError: the schedule, stage, layer or microbatch counts do not fit.
     """
-    from d9d.parallel import PipelineConfig, plan_pipeline
-    from d9d.trainer import TrainingError
+    from d9d.trainer import pipeline_layout
 
-    pcfg = job.config.pipelining
-    config = PipelineConfig(pcfg.schedule, pcfg.stages_per_rank)
-    count = getattr(job.model_provider, "pipeline_num_layers", None)
-    if count is None:
-        raise TrainingError(
-            "mesh.pipeline_parallel > 1 needs a model provider with pipeline_num_layers() and stage "
-            "support in initialize_model_stage (context.stage); see docs/parallelism.md"
-        )
-    task = job.task
-    if not (hasattr(task, "pipeline_inputs") and hasattr(task, "pipeline_loss")):
-        raise TrainingError(
-            "mesh.pipeline_parallel > 1 needs a task with pipeline_inputs() and pipeline_loss()"
-        )
-    return plan_pipeline(
-        int(count()),
-        job.config.mesh.pipeline_parallel,
-        config,
-        embedding_weight=pcfg.embedding_weight,
-        head_weight=pcfg.head_weight,
-        n_microbatches=n_microbatches,
-    )
+    return pipeline_layout(job, job.config.mesh.pipeline_parallel, n_microbatches)
 
 
 def _pipeline_lines(

@@ -7,6 +7,14 @@ device and make one host sync per step (the non-finite check), so the loop decid
 
 from d9d.trainer.step.base import StepOutput, StepSettings, TrainStep
 from d9d.trainer.step.microbatches import MicrobatchStep
-from d9d.trainer.step.pipeline import PipelineStep, plan_pipeline_stage
+from d9d.trainer.step.pipeline import PipelineStep, pipeline_layout, plan_pipeline_stage
 
-__all__ = ["MicrobatchStep", "PipelineStep", "StepOutput", "StepSettings", "TrainStep", "plan_pipeline_stage"]
+__all__ = [
+    "MicrobatchStep",
+    "PipelineStep",
+    "StepOutput",
+    "StepSettings",
+    "TrainStep",
+    "pipeline_layout",
+    "plan_pipeline_stage",
+]
