@@ -36,6 +36,7 @@ BENCHMARKS: list[tuple[str, list[str]]] = [
     ("init_time", ["--hidden", "1024", "--layers", "8"]),
     ("host_syncs", []),
     ("grad_accumulation", []),
+    ("context_parallel", ["--seq", "1024", "4096"]),
 ]
 
 
