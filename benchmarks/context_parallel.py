@@ -204,10 +204,10 @@ def main() -> None:
     )
     print(
         "#   kv: the full-sequence K and V each rank saves (the all-gather design: does not shrink with cp)\n"
-        "#   mask: the float [q_len, kv_len] mask SDPA's CPU kernel saves for each non-square query chunk\n"
-        "#     (the CPU path; also built on CUDA for GQA where flash cannot run, not measured; otherwise\n"
-        "#     CUDA gets a CausalBias and no mask)\n"
-        "#   attn: the rest attention saves (q, outputs, log-sum-exp), ideal 1/cp\n"
+        "#   mask: a float [q_len, kv_len] attention mask saved for backward (0 on CPU: its path pads the\n"
+        "#     queries to a square instead; CUDA builds one only for GQA where flash cannot run)\n"
+        "#   attn: the rest attention saves (q, outputs, log-sum-exp): 1/cp on CUDA, more on CPU, which\n"
+        "#     saves q and outputs of each non-square chunk at its padded length\n"
         "#   rest: everything outside attention, ideal 1/cp; at cp > 1 it also holds o_proj's input, a copy\n"
         "#     of the joined chunk outputs (at cp 1 a view of SDPA's saved output): one more\n"
         "#     [seq/cp, heads·head_dim] tensor per layer (and the sharded labels, 8 B a token)\n"
