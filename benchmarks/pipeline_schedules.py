@@ -1,8 +1,11 @@
 """Step time of every pipeline schedule against its theoretical bubble fraction, same stages and microbatches.
 
     uv run python benchmarks/pipeline_schedules.py [--pp 2] [--microbatches 8] [--layers 8] [--dim 256]
+        [--through runtime|trainer|both]
 
-Each schedule trains an MLP-block language model for a few steps on `--pp` forked CPU ranks (gloo).
+Each schedule trains an MLP-block language model for a few steps on `--pp` forked CPU ranks (gloo)
+through the bare `d9d.parallel.Pipeline`, and (`--through trainer`) the quickstart job through the
+d9d Trainer's whole step (`Trainer.train_step.run`: forward, backward, clipping, optimizer).
 "theory" is the idle fraction of the schedule's own action order (torch's for the multi-stage
 schedules, torch's warm-up rule for gpipe/1f1b) replayed with unit costs F = 1, I = W = 1 (B = 2) and
 free communication. "measured" is 1 - (one-process step time / pp) / pipelined step time: bubble plus
@@ -13,8 +16,10 @@ measured column is meaningless: keep --pp at the core count.
 
 import argparse
 import statistics
+import tempfile
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -120,6 +125,47 @@ def pipelined(args: argparse.Namespace, name: str) -> tuple[float, dict[int, lis
         return seconds, order
 
 
+#: The quickstart job, small: 8 layers so that 2 ranks × 2 chunks each get layers.
+_QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart" / "config.yaml"
+
+
+def _trainer_overrides(args: argparse.Namespace, save_dir: str, pp: int, name: str) -> list[str]:
+    return [
+        f"model.num_layers={args.layers}",
+        f"model.hidden_size={args.trainer_hidden}",
+        f"model.intermediate_size={4 * args.trainer_hidden}",
+        "model.num_attention_heads=4",
+        "model.num_key_value_heads=2",
+        f"dataset.seq_len={args.seq}",
+        f"data.microbatch_size={args.microbatch_size}",
+        f"data.global_batch_size={args.microbatches * args.microbatch_size}",
+        f"mesh.pipeline_parallel={pp}",
+        f"pipelining.schedule={name}",
+        f"trainer.checkpointing.save_dir={save_dir}",
+        "trainer.logging.level=WARNING",
+        "trainer.logging.progress_bar=false",
+    ]
+
+
+def through_trainer(args: argparse.Namespace, pp: int, name: str) -> float:
+    """Median seconds of `Trainer.train_step.run` (forward, backward, clip, optimizer) of the quickstart."""
+    from d9d.trainer import Trainer
+
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        Trainer.from_config(_QUICKSTART, _trainer_overrides(args, tmp, pp, name)) as trainer,
+    ):
+        batches = iter(trainer.data)
+        count = 0
+
+        def step() -> None:
+            nonlocal count
+            count += 1
+            float(trainer.train_step.run(next(batches), count).loss)  # wait for the step
+
+        return _time(step, args)
+
+
 def _plain(action) -> tuple:
     """(kind, stage, microbatch, sub-actions) of a torch schedule action, picklable."""
     subs = tuple(_plain(a) for a in (action.sub_actions or ()))
@@ -203,6 +249,15 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--schedules", nargs="+", default=list(PIPELINE_SCHEDULES))
+    parser.add_argument(
+        "--through",
+        choices=["runtime", "trainer", "both"],
+        default="both",
+        help="time the bare d9d.parallel.Pipeline on an MLP model, the d9d Trainer's step on the quickstart, or both",
+    )
+    parser.add_argument(
+        "--trainer-hidden", type=int, default=128, help="the quickstart's hidden size (--through trainer)"
+    )
     parser.add_argument("--json", help="also write the ratios here (for run_all.py)")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -215,7 +270,7 @@ def main() -> None:
         f"{'schedule':<24}{'stages':>7}{'ms/step':>10}{'1 proc ms':>10}{'vs ideal':>10}{'measured':>10}{'theory':>9}"
     )
     rows: list[Row] = []
-    for name in args.schedules:
+    for name in args.schedules if args.through != "trainer" else []:
         # re-measured next to each schedule, so both see the same load on a shared machine
         single = run_distributed(one_process, 1, args, timeout=600)[0]
         ideal = single / args.pp
@@ -236,7 +291,39 @@ def main() -> None:
                 f"pp {args.pp}, {num_stages} stages",
             )
         )
+    if args.through != "runtime":
+        print(
+            f"\nthrough the trainer (quickstart, hidden {args.trainer_hidden}, the whole step: forward, backward, "
+            "clipping, optimizer); one process = the same job with pipeline_parallel 1"
+        )
+        print(f"{'schedule':<24}{'stages':>7}{'ms/step':>10}{'1 proc ms':>10}{'vs ideal':>10}{'theory':>9}")
+        for name in args.schedules:
+            single = run_distributed(through_trainer, 1, args, 1, "1f1b", timeout=600)[0]
+            ideal = single / args.pp
+            seconds = max(run_distributed(through_trainer, args.pp, args, args.pp, name, timeout=600))
+            num_stages = args.pp * PipelineConfig(name).resolved_stages_per_rank
+            theory = bubble_fraction(_order(args, name), num_stages)
+            print(
+                f"{name:<24}{num_stages:>7}{seconds * 1e3:>10.1f}{single * 1e3:>10.1f}{seconds / ideal:>10.2f}"
+                f"{theory:>9.1%}"
+            )
+            rows.append(
+                row(
+                    f"trainer pipeline {name}: step / (1 process / pp)",
+                    seconds / ideal,
+                    f"{1 / (1 - theory):.2f} (bubble only)",
+                    f"pp {args.pp}, {num_stages} stages, quickstart",
+                )
+            )
     write_rows(args.json, rows)
+
+
+def _order(args: argparse.Namespace, name: str) -> dict[int, list[tuple]]:
+    """The schedule's action order (for the theoretical bubble), from a bare pipeline run when multi-stage."""
+    if not PIPELINE_SCHEDULES[name].multi_stage:
+        return single_stage_order(name, args.pp, args.microbatches)
+    quick = argparse.Namespace(**{**vars(args), "warmup": 0, "steps": 1})
+    return run_distributed(pipelined, args.pp, quick, name, timeout=600)[0][1]
 
 
 if __name__ == "__main__":
