@@ -4,7 +4,8 @@
     parallelize_hsdp(model, mesh, shard_axis="dp_shard")   # DDP, FSDP or HSDP, by the mesh
 
 Also the per-block training mechanisms any loop can use: mixed precision (`precision_autocast`,
-`precision=` of the parallelize functions), activation checkpointing and in-place `torch.compile`.
+`precision=` of the parallelize functions), activation checkpointing, in-place `torch.compile`, and
+LoRA adapters (`apply_lora`, exported in PEFT's layout).
 
 See packages/d9d-parallel/README.md for the gradient-reduction contract.
 """
@@ -46,6 +47,21 @@ from d9d.parallel.expert import (
     parallelize_expert_parallel,
 )
 from d9d.parallel.grad_norm import clip_grad_norm_, grad_norm
+from d9d.parallel.lora import (
+    LoraA,
+    LoraB,
+    LoraConfig,
+    LoraError,
+    apply_lora,
+    lora_detached,
+    lora_parameter_names,
+    lora_parameters,
+    lora_state_dict,
+    merge_lora,
+    peft_adapter_config,
+    peft_key,
+    peft_state_dict,
+)
 from d9d.parallel.precision import (
     MixedPrecision,
     PrecisionConfig,
@@ -77,6 +93,10 @@ __all__ = [
     "GroupedExperts",
     "LoadBalanceStats",
     "LocalDispatcher",
+    "LoraA",
+    "LoraB",
+    "LoraConfig",
+    "LoraError",
     "MixedPrecision",
     "MoE",
     "ParallelizeError",
@@ -88,6 +108,7 @@ __all__ = [
     "TopKRouter",
     "UnsupportedParallelismError",
     "apply_activation_checkpointing",
+    "apply_lora",
     "attention_plan",
     "autocast_forward",
     "checkpointed_blocks",
@@ -101,7 +122,12 @@ __all__ = [
     "grad_norm",
     "lm_head_plan",
     "load_balance_stats",
+    "lora_detached",
+    "lora_parameter_names",
+    "lora_parameters",
+    "lora_state_dict",
     "loss_parallel",
+    "merge_lora",
     "mlp_plan",
     "moe_aux_loss",
     "norm_plan",
@@ -111,6 +137,9 @@ __all__ = [
     "parallelize_hsdp",
     "parallelize_replicate",
     "parallelize_tensor_parallel",
+    "peft_adapter_config",
+    "peft_key",
+    "peft_state_dict",
     "precision_autocast",
     "resolve_precision",
     "saved_activation_bytes",
