@@ -10,7 +10,7 @@ REPO = PACKAGE.parents[1]
 
 def test_readme_examples_run_from_the_repository_root(monkeypatch):
     blocks = re.findall(r"```python\n(.*?)```", (PACKAGE / "README.md").read_text(), flags=re.S)
-    assert len(blocks) == 2
+    assert len(blocks) == 3
     monkeypatch.chdir(REPO)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
@@ -21,7 +21,11 @@ def test_readme_examples_run_from_the_repository_root(monkeypatch):
     assert "8 microbatches per step" in out.getvalue()
     resumed, state = namespace["resumed"], namespace["state"]
     assert (state["epoch"], state["position"]) == (0, 96) and resumed.position == 96
-    exec(compile(blocks[1], "README.md", "exec"), namespace)
+    with contextlib.redirect_stdout(out):
+        exec(compile(blocks[1], "README.md", "exec"), namespace)
+    assert "400 of 400 records kept" in out.getvalue() and namespace["dataset"].packing_efficiency > 0.9
+    assert namespace["out"].shape == (1, 1, 64, 8)
+    exec(compile(blocks[2], "README.md", "exec"), namespace)
     from d9d.data import DataProvider
 
     assert isinstance(namespace["RepeatProvider"](None), DataProvider)

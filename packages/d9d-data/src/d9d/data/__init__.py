@@ -24,10 +24,11 @@ from d9d.data.batching import (
     steps_per_epoch,
 )
 from d9d.data.config import AutoDataConfig
-from d9d.data.datasets.packed import CausalLMSample, PackedTokens
+from d9d.data.datasets.packed import IGNORE_INDEX, CausalLMSample, PackedTokens
+from d9d.data.datasets.sft import SFTDataset, SFTStats
 from d9d.data.datasets.text import TextDataset
 from d9d.data.datasets.token_file import TokenFileDataset, TokenFileInfo, write_token_file
-from d9d.data.datasets.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from d9d.data.datasets.tokenizer import ByteTokenizer, ChatTokenizer, Tokenizer, load_tokenizer
 from d9d.data.device import pin_memory_enabled, to_device
 from d9d.data.errors import (
     BatchSizeError,
@@ -38,15 +39,25 @@ from d9d.data.errors import (
     TokenizerError,
 )
 from d9d.data.order import EpochOrder, epoch_order
+from d9d.data.packing import (
+    PADDING_DOCUMENT_ID,
+    block_causal_mask,
+    document_positions,
+    eos_document_ids,
+    pack_lengths,
+)
 from d9d.data.placement import DataPlacement
 from d9d.data.protocol import DataProvider, SizedDataProvider
 
 __all__ = [
+    "IGNORE_INDEX",
+    "PADDING_DOCUMENT_ID",
     "AutoDataConfig",
     "AutoDataProvider",
     "BatchSizeError",
     "ByteTokenizer",
     "CausalLMSample",
+    "ChatTokenizer",
     "DataConfigError",
     "DataError",
     "DataPlacement",
@@ -57,6 +68,8 @@ __all__ = [
     "MapDataset",
     "PackedTokens",
     "PipelineStages",
+    "SFTDataset",
+    "SFTStats",
     "SizedDataProvider",
     "TextDataset",
     "TokenFileDataset",
@@ -65,12 +78,16 @@ __all__ = [
     "TokenizerError",
     "advance_position",
     "batch_size_choices",
+    "block_causal_mask",
     "check_batch_sizes",
     "check_dataset_size",
+    "document_positions",
+    "eos_document_ids",
     "epoch_order",
     "is_step_start",
     "load_tokenizer",
     "microbatches_per_rank",
+    "pack_lengths",
     "pin_memory_enabled",
     "rank_slice",
     "step_sample_indices",

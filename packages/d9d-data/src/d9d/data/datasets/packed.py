@@ -8,11 +8,16 @@ import numpy as np
 import torch
 
 from d9d.data.errors import DatasetError
+from d9d.data.packing import document_positions, eos_document_ids
 
-__all__ = ["CausalLMSample", "PackedTokens", "find_text_files", "token_dtype"]
+__all__ = ["IGNORE_INDEX", "CausalLMSample", "PackedTokens", "find_text_files", "token_dtype"]
 
-#: One sample: `input_ids` and `labels` (the same tokens shifted by one), both int64 of length seq_len.
+#: One sample: `input_ids` and `labels` (the same tokens shifted by one), both int64 of length seq_len;
+#: with document masking also `position_ids` and `document_ids` (see `d9d.data.block_causal_mask`).
 CausalLMSample = dict[str, torch.Tensor]
+
+#: Label value that carries no loss (torch's cross-entropy default; d9d.trainer uses the same value).
+IGNORE_INDEX = -100
 
 _DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
@@ -22,17 +27,34 @@ class PackedTokens:
 
     Consecutive samples share one boundary token (sample i's last label is sample i+1's first input),
     so no token is wasted and every token but the first is a label exactly once.
+
+    With `document_masking`, each sample also holds `position_ids` (restarting at 0 after every
+    end-of-document token) and `document_ids` (0, 1, ... per document in the window; an EOS belongs to
+    the document it ends), so a model can build a block-causal mask (`d9d.data.block_causal_mask`)
+    instead of attending across documents. The labels are unchanged: an EOS still predicts the first
+    token of the next document.
     """
 
-    def __init__(self, seq_len: int) -> None:
+    def __init__(self, seq_len: int, *, document_masking: bool = False) -> None:
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
             raise DatasetError(f"seq_len must be an integer >= 1, got {seq_len!r}")
         self._seq_len = seq_len
+        self._document_masking = bool(document_masking)
 
     @property
     def seq_len(self) -> int:
         """Tokens per sample."""
         return self._seq_len
+
+    @property
+    def document_masking(self) -> bool:
+        """Whether samples carry `position_ids` and `document_ids` from the end-of-document tokens."""
+        return self._document_masking
+
+    @property
+    def eos_id(self) -> int | None:
+        """The end-of-document token that separates documents, None when unknown (overridden)."""
+        return None
 
     @property
     def tokens(self) -> np.ndarray:
@@ -56,15 +78,30 @@ class PackedTokens:
         return max(0, (self.num_tokens - 1) // self._seq_len)
 
     def __getitem__(self, index: int) -> CausalLMSample:
-        """Sample `index`: {"input_ids": int64[seq_len], "labels": int64[seq_len]}."""
+        """Sample `index`: {"input_ids": int64[seq_len], "labels": int64[seq_len]} (+ document ids)."""
         n = len(self)
         if index < 0:
             index += n
         if not 0 <= index < n:
             raise IndexError(f"sample {index} out of range for a dataset of {n} samples")
         start = index * self._seq_len
-        window = torch.from_numpy(np.asarray(self.tokens[start : start + self._seq_len + 1], dtype=np.int64))
-        return {"input_ids": window[:-1], "labels": window[1:]}
+        window = np.asarray(self.tokens[start : start + self._seq_len + 1], dtype=np.int64)
+        tensor = torch.from_numpy(window)
+        sample = {"input_ids": tensor[:-1], "labels": tensor[1:]}
+        if self._document_masking:
+            assert self.eos_id is not None  # checked when the dataset was built
+            document_ids = eos_document_ids(window[:-1], self.eos_id)
+            sample["position_ids"] = torch.from_numpy(document_positions(document_ids))
+            sample["document_ids"] = torch.from_numpy(document_ids)
+        return sample
+
+    def _check_document_masking(self, where: str) -> None:
+        if self._document_masking and self.eos_id is None:
+            raise DatasetError(
+                f"document_masking needs the end-of-document token id of {where}, which is unknown; use a "
+                "tokenizer with an EOS token (or a token file whose sidecar records eos_id), or "
+                "document_masking=False"
+            )
 
     def _check_enough_tokens(self, where: str) -> None:
         if self.num_tokens < self._seq_len + 1:

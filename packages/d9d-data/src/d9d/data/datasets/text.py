@@ -24,6 +24,7 @@ class TextDataset(PackedTokens):
         seq_len: tokens per sample.
         tokenizer: None for the built-in byte-level tokenizer, a local tokenizer.json path (needs the
             optional `tokenizers` package), or any `Tokenizer`.
+        document_masking: add `position_ids` and `document_ids` to every sample (see `PackedTokens`).
     """
 
     def __init__(
@@ -32,8 +33,9 @@ class TextDataset(PackedTokens):
         seq_len: int,
         *,
         tokenizer: Tokenizer | str | os.PathLike[str] | None = None,
+        document_masking: bool = False,
     ) -> None:
-        super().__init__(seq_len)
+        super().__init__(seq_len, document_masking=document_masking)
         self._files = find_text_files(sources)
         self._tokenizer = resolve_tokenizer(tokenizer)
         dtype = token_dtype(None, self._tokenizer.vocab_size)
@@ -47,11 +49,17 @@ class TextDataset(PackedTokens):
                 pieces.append(np.asarray([eos]))
         self._tokens = np.concatenate(pieces).astype(dtype) if pieces else np.empty(0, dtype=dtype)
         self._check_enough_tokens(f"the text in {[str(f) for f in self._files]}")
+        self._check_document_masking(f"the tokenizer {self._tokenizer.name}")
 
     @property
     def tokens(self) -> np.ndarray:
         """All token ids, documents joined by the end-of-document token."""
         return self._tokens
+
+    @property
+    def eos_id(self) -> int | None:
+        """The tokenizer's end-of-document token, which joins the files."""
+        return self._tokenizer.eos_id
 
     @property
     def vocab_size(self) -> int:

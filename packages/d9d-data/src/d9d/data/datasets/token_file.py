@@ -46,10 +46,19 @@ class TokenFileDataset(PackedTokens):
         path: the token file (little-endian uint16 or uint32 ids, no header).
         seq_len: tokens per sample.
         dtype: "uint16" or "uint32"; by default read from the sidecar that `write_token_file` writes.
+        document_masking: add `position_ids` and `document_ids` to every sample (see `PackedTokens`);
+            needs the sidecar's `eos_id`.
     """
 
-    def __init__(self, path: str | os.PathLike[str], seq_len: int, *, dtype: str | None = None) -> None:
-        super().__init__(seq_len)
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        seq_len: int,
+        *,
+        dtype: str | None = None,
+        document_masking: bool = False,
+    ) -> None:
+        super().__init__(seq_len, document_masking=document_masking)
         self._path = Path(path)
         if not self._path.is_file():
             raise DatasetError(
@@ -79,6 +88,7 @@ class TokenFileDataset(PackedTokens):
         self._num_tokens = size // self._dtype.itemsize
         self._tokens: np.ndarray | None = None
         self._check_enough_tokens(str(self._path))
+        self._check_document_masking(str(self._path))
 
     @property
     def path(self) -> Path:
@@ -94,6 +104,11 @@ class TokenFileDataset(PackedTokens):
     def vocab_size(self) -> int | None:
         """The vocabulary size recorded in the sidecar (`write_token_file`), None without one."""
         return self._info.vocab_size if self._info is not None else None
+
+    @property
+    def eos_id(self) -> int | None:
+        """The end-of-document token recorded in the sidecar, None without one."""
+        return self._info.eos_id if self._info is not None else None
 
     @property
     def num_tokens(self) -> int:

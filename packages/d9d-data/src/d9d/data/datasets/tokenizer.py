@@ -1,15 +1,29 @@
-"""Tokenizers: the built-in byte-level one, and a local `tokenizer.json` when `tokenizers` is installed."""
+"""Tokenizers: the built-in byte-level one, and a local Hugging Face tokenizer (`tokenizer.json`, with
+its `tokenizer_config.json` special tokens and chat template) when `tokenizers` is installed."""
 
+import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from d9d.data.datasets.chat_template import CHAT_INSTALL_HINT, Message, assistant_spans, render_chat
 from d9d.data.errors import TokenizerError
 
-__all__ = ["ByteTokenizer", "Tokenizer", "load_tokenizer"]
+__all__ = ["ByteTokenizer", "ChatTokenizer", "Tokenizer", "load_tokenizer"]
+
+#: The named special tokens of a tokenizer_config.json, as transformers' `special_tokens_map` has them.
+_SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 
 _EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
 
@@ -39,6 +53,26 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         """Text of `ids`."""
+        ...
+
+
+@runtime_checkable
+class ChatTokenizer(Tokenizer, Protocol):
+    """A `Tokenizer` with a chat template: what `SFTDataset` needs for `{"messages": [...]}` samples."""
+
+    @property
+    def chat_template(self) -> str | None:
+        """The jinja2 chat template, None when the tokenizer has none."""
+        ...
+
+    def apply_chat_template(
+        self, messages: Sequence[Message], *, add_generation_prompt: bool = False
+    ) -> list[int]:
+        """Token ids of the rendered conversation (as transformers' `apply_chat_template`)."""
+        ...
+
+    def encode_chat(self, messages: Sequence[Message]) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids of the conversation and a bool mask of the tokens in assistant turns."""
         ...
 
 
@@ -75,14 +109,33 @@ class ByteTokenizer:
 
 
 class _HFTokenizer:
-    """A `tokenizers.Tokenizer` loaded from a local tokenizer.json, behind the `Tokenizer` protocol."""
+    """A local Hugging Face tokenizer behind the `ChatTokenizer` protocol.
 
-    def __init__(self, path: Path, tokenizer: Any) -> None:
+    The vocabulary comes from tokenizer.json; the named special tokens and the chat template from the
+    tokenizer_config.json next to it (and chat_template.jinja, which wins, as in transformers). Without
+    a config the end-of-document token is guessed from common names (`<|endoftext|>`, `</s>`, ...).
+    """
+
+    def __init__(
+        self, path: Path, tokenizer: Any, special_tokens: dict[str, str], chat_template: str | None
+    ) -> None:
         self._path = path
         self._tokenizer = tokenizer
-        self._eos_id: int | None = next(
-            (i for t in _EOS_CANDIDATES if (i := tokenizer.token_to_id(t)) is not None), None
-        )
+        self._special_tokens = special_tokens
+        self._chat_template = chat_template
+        for name, token in special_tokens.items():
+            if tokenizer.token_to_id(token) is None:
+                raise TokenizerError(
+                    f"{path.parent / 'tokenizer_config.json'} names {name}={token!r}, which {path} does not hold; "
+                    "add it to tokenizer.json's added_tokens or fix the config"
+                )
+        eos = special_tokens.get("eos_token")
+        if eos is not None:
+            self._eos_id: int | None = tokenizer.token_to_id(eos)
+        else:
+            self._eos_id = next(
+                (i for t in _EOS_CANDIDATES if (i := tokenizer.token_to_id(t)) is not None), None
+            )
 
     @property
     def name(self) -> str:
@@ -96,11 +149,74 @@ class _HFTokenizer:
     def eos_id(self) -> int | None:
         return self._eos_id
 
+    @property
+    def bos_id(self) -> int | None:
+        """Id of the config's `bos_token`, None without one."""
+        return self._special_id("bos_token")
+
+    @property
+    def pad_id(self) -> int | None:
+        """Id of the config's `pad_token`, None without one."""
+        return self._special_id("pad_token")
+
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """The named special tokens of the config ({"eos_token": "<|im_end|>", ...}); templates see them."""
+        return dict(self._special_tokens)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
+
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         return str(self._tokenizer.decode([int(i) for i in ids]))
+
+    def render_chat(self, messages: Sequence[Message], *, add_generation_prompt: bool = False) -> str:
+        """The conversation as text under the chat template."""
+        return render_chat(
+            self._require_template(),
+            messages,
+            self._special_tokens,
+            add_generation_prompt=add_generation_prompt,
+        )
+
+    def apply_chat_template(
+        self, messages: Sequence[Message], *, add_generation_prompt: bool = False
+    ) -> list[int]:
+        """Token ids of the rendered conversation, without added special tokens (as transformers)."""
+        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
+        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def encode_chat(self, messages: Sequence[Message]) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids of the conversation and a mask of the tokens that overlap an assistant turn.
+
+        The ids equal `apply_chat_template(messages)`; a token counts as assistant when its characters
+        overlap the text that an assistant message adds (see `assistant_spans`).
+        """
+        text, spans = assistant_spans(self._require_template(), messages, self._special_tokens)
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        ids = np.asarray(encoding.ids, dtype=np.int64)
+        mask = np.zeros(len(ids), dtype=bool)
+        if spans:
+            offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+            for start, end in spans:
+                mask |= (offsets[:, 0] < end) & (offsets[:, 1] > start)
+        return ids, mask
+
+    def _special_id(self, name: str) -> int | None:
+        token = self._special_tokens.get(name)
+        return None if token is None else self._tokenizer.token_to_id(token)
+
+    def _require_template(self) -> str:
+        if self._chat_template is None:
+            raise TokenizerError(
+                f"the tokenizer {self._path.parent} has no chat template (no chat_template in "
+                "tokenizer_config.json, no chat_template.jinja); add one, or use prompt/completion samples"
+            )
+        return self._chat_template
 
     def __getstate__(self) -> dict[str, Any]:
         return {"path": self._path}
@@ -115,12 +231,16 @@ class _HFTokenizer:
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
-    """Load a local Hugging Face `tokenizer.json` (a file, or a folder that holds one).
+    """Load a local Hugging Face tokenizer: a folder with tokenizer.json (or that file itself).
 
-    Needs the optional `tokenizers` package; d9d-data does not depend on it.
+    A tokenizer_config.json in the same folder supplies the special tokens (`bos_token`,
+    `eos_token`, `pad_token`, ...) and the `chat_template`; a chat_template.jinja file there takes
+    precedence over the config's template, as in transformers. The result is a `ChatTokenizer`.
+    Needs the optional `tokenizers` package (and `jinja2` to render chat templates); d9d-data does
+    not depend on them.
 
     Raises:
-        TokenizerError: the file is missing or `tokenizers` is not installed.
+        TokenizerError: a file is missing or malformed, or `tokenizers` is not installed.
     """
     file = Path(path)
     if file.is_dir():
@@ -134,18 +254,56 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
         import tokenizers
     except ImportError:
         raise TokenizerError(
-            f"reading {file} needs the optional `tokenizers` package, which is not installed; install it "
-            "(`uv pip install tokenizers`) or use the built-in byte-level tokenizer (tokenizer=None)"
+            f"reading {file} needs the optional `tokenizers` package, which is not installed; "
+            f"{CHAT_INSTALL_HINT}, or use the built-in byte-level tokenizer (tokenizer=None)"
         ) from None
     try:
         loaded = tokenizers.Tokenizer.from_file(str(file))
     except Exception as exc:
         raise TokenizerError(f"{file} is not a valid tokenizer.json: {exc}") from exc
-    return _HFTokenizer(file, loaded)
+    special_tokens, chat_template = _read_config(file.parent)
+    return _HFTokenizer(file, loaded, special_tokens, chat_template)
+
+
+def _read_config(folder: Path) -> tuple[dict[str, str], str | None]:
+    """Named special tokens and chat template of a tokenizer folder (empty and None without a config)."""
+    config: dict[str, Any] = {}
+    config_file = folder / "tokenizer_config.json"
+    if config_file.is_file():
+        try:
+            config = json.loads(config_file.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise TokenizerError(f"{config_file} is not valid JSON: {exc}") from exc
+        if not isinstance(config, dict):
+            raise TokenizerError(f"{config_file} must hold a JSON object, got {type(config).__name__}")
+    special_tokens: dict[str, str] = {}
+    for name in _SPECIAL_TOKEN_NAMES:
+        value = config.get(name)
+        if isinstance(value, Mapping):  # a serialized AddedToken: {"content": "<|im_end|>", ...}
+            value = value.get("content")
+        if value is not None:
+            if not isinstance(value, str):
+                raise TokenizerError(f"{config_file}: {name} must be a string, got {value!r}")
+            special_tokens[name] = value
+    template: Any = config.get("chat_template")
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        template = jinja_file.read_text(encoding="utf-8")
+    elif isinstance(template, list):  # named templates: [{"name": "default", "template": "..."}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+        if "default" not in named:
+            raise TokenizerError(
+                f"{config_file} has named chat templates {sorted(map(str, named))} but none called 'default'; "
+                "name one 'default' (or write it to chat_template.jinja)"
+            )
+        template = named["default"]
+    if template is not None and not isinstance(template, str):
+        raise TokenizerError(f"{config_file}: chat_template must be a string, got {type(template).__name__}")
+    return special_tokens, template
 
 
 def resolve_tokenizer(tokenizer: "Tokenizer | str | os.PathLike[str] | None") -> Tokenizer:
-    """A tokenizer object from None (byte-level), a path (tokenizer.json) or a tokenizer itself."""
+    """A tokenizer object from None (byte-level), a path (a tokenizer folder or tokenizer.json) or itself."""
     if tokenizer is None:
         return ByteTokenizer()
     if isinstance(tokenizer, str | os.PathLike):
