@@ -217,11 +217,12 @@ def test_missing_optional_packages_name_what_to_install(qwen_folder, monkeypatch
     monkeypatch.setitem(sys.modules, "jinja2", None)
     tokenizer._chat_template += "{# another template: not in the compile cache #}"
     with pytest.raises(
-        TokenizerError, match=r"needs jinja2, which is not installed; install .*tokenizers jinja2"
+        TokenizerError,
+        match=r"needs jinja2, which is not installed; install the `chat` extra: .*d9d-data\[chat\]",
     ):
         tokenizer.apply_chat_template(CONVERSATIONS[0])
     monkeypatch.setitem(sys.modules, "tokenizers", None)
-    with pytest.raises(TokenizerError, match=r"needs the optional `tokenizers` package.*tokenizers jinja2"):
+    with pytest.raises(TokenizerError, match=r"needs the optional `tokenizers` package.*d9d-data\[chat\]"):
         load_tokenizer(qwen_folder)
 
 

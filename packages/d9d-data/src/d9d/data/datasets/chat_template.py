@@ -23,7 +23,8 @@ Message = Mapping[str, Any]
 
 #: What to install for chat templates and Hugging Face tokenizer folders.
 CHAT_INSTALL_HINT = (
-    "install the optional packages `tokenizers` and `jinja2` (`uv pip install tokenizers jinja2`)"
+    "install the `chat` extra: `pip install 'd9d-data[chat]'` (in the d9d workspace: "
+    "`uv sync --all-packages --extra chat`)"
 )
 
 _MIN_JINJA = (3, 1, 6)  # older releases have known sandbox escapes (transformers refuses them too)
