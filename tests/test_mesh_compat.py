@@ -31,10 +31,6 @@ CASES = {
         "mesh.pipeline_parallel=4 is more than model.num_layers=2",
     ),
     "ep2-dense-model": (["mesh.data_parallel_shard=2", "mesh.expert_parallel=2"], "the model has no experts"),
-    "pp2-tied-embeddings": (
-        ["mesh.pipeline_parallel=2", "model.tie_word_embeddings=true"],
-        "mesh.pipeline_parallel > 1 with model.tie_word_embeddings: true is not supported yet",
-    ),
 }
 
 

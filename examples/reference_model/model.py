@@ -199,8 +199,9 @@ class DecoderLayer(nn.Module):
 class ReferenceModel(nn.Module):
     """The decoder stack without the LM head (HF's `Qwen3Model`): tokens → final hidden states.
 
-    For pipeline stages, `embed_tokens` may be None (the input is then hidden states [batch, seq,
-    hidden]) and `norm` may be None (the output is the un-normalized hidden states).
+    For pipeline stages, `embeds_inputs` may be False (the input is then hidden states [batch, seq,
+    hidden]; `embed_tokens` is None, or only holds the table a tied LM head shares) and `norm` may be
+    None (the output is the un-normalized hidden states).
     """
 
     def __init__(self, config: ReferenceModelConfig) -> None:
@@ -212,6 +213,7 @@ class ReferenceModel(nn.Module):
         self.embed_tokens: nn.Embedding | None = nn.Embedding(
             config.vocab_size, config.hidden_size, _weight=table
         )
+        self.embeds_inputs = True  # False on every pipeline stage but the first
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i) for i in range(config.num_layers)})
         self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.attention_head_dim, config.rope_theta)
@@ -221,18 +223,19 @@ class ReferenceModel(nn.Module):
         self.sequence_parallel: int = 1
 
     def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """`inputs`: token ids [batch, seq] (or hidden states when `embed_tokens` is None) → [batch, seq, hidden].
+        """`inputs`: token ids [batch, seq] (hidden states when not `embeds_inputs`) → [batch, seq, hidden].
 
         Args:
             position_ids: [batch, seq] or [seq] positions for RoPE; default 0..seq-1. They only move
                 the rotation: attention stays causal over the sequence order (no document masking).
                 Pass them on a pipeline stage whose incoming hidden states are sequence-sharded.
         """
-        hidden_states = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs
+        embedding = self.embed_tokens if self.embeds_inputs else None
+        hidden_states = embedding(inputs) if embedding is not None else inputs
         # The sequence length comes from `inputs`: under sequence parallelism the embedding's output
         # holds only this rank's slice of the sequence, while attention sees all of it.
         batch, seq = inputs.shape[:2]
-        if self.embed_tokens is None:  # hidden states from the previous stage, sequence-sharded under tp
+        if embedding is None:  # hidden states from the previous stage, sequence-sharded under tp
             seq *= self.sequence_parallel
         if position_ids is None and self.context_parallel is not None:  # this rank's part of the sequence
             position_ids = self.context_parallel.position_ids(seq * self.context_parallel.size, inputs.device)
@@ -271,6 +274,16 @@ class ReferenceForCausalLM(nn.Module):
             and self.model.embed_tokens is not None
         ):
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def tied_parameters(self) -> list[tuple[str, ...]]:
+        """Names of parameters that are one tensor in the whole model (`[]` when untied).
+
+        d9d's pipeline reads it: a stage holding only the head keeps the table too (`trim_to_stage`),
+        and the stages' copies are kept one parameter (gradients summed, the norm counted once).
+        """
+        if not self.config.tie_word_embeddings:
+            return []
+        return [("model.embed_tokens.weight", "lm_head.weight")]
 
     @torch.no_grad()
     def init_weights(self) -> None:

@@ -69,12 +69,6 @@ def check_mesh(config: ReferenceModelConfig, mesh: MeshConfig) -> None:
                 f"model.moe.num_experts={config.moe.num_experts} is not divisible by mesh.expert_parallel={ep}; "
                 f"choose an expert_parallel that divides {config.moe.num_experts}"
             )
-    if pp > 1 and config.tie_word_embeddings:
-        raise ValueError(
-            "mesh.pipeline_parallel > 1 with model.tie_word_embeddings: true is not supported yet (the first "
-            "stage's embedding and the last stage's head would train as two tables, not one); set "
-            "model.tie_word_embeddings: false or mesh.pipeline_parallel: 1"
-        )
     if pp > config.num_layers:
         raise ValueError(
             f"mesh.pipeline_parallel={pp} is more than model.num_layers={config.num_layers}: every stage needs "
@@ -130,10 +124,18 @@ def apply_expert_parallel(
 
 def trim_to_stage(model: ReferenceForCausalLM, stage: StageSpec) -> None:
     """Keep only a pipeline stage's part of the model: its layers (whole-model names), the embedding on
-    the first stage, the final norm and LM head on the last. Call it on the meta device."""
+    the first stage, the final norm and LM head on the last. Call it on the meta device.
+
+    With tied embeddings the last stage keeps `model.embed_tokens` too, unused in its forward, as the
+    owner of the table its head shares (as in one process): its checkpoint and optimizer keys are then
+    the whole model's, and `d9d.parallel.Pipeline` keeps the stages' copies one parameter
+    (`model.tied_parameters()`).
+    """
     keep_stage_layers(model.model.layers, stage)
     if not stage.is_first:
-        model.model.embed_tokens = None
+        model.model.embeds_inputs = False
+        if not (stage.is_last and model.config.tie_word_embeddings):
+            model.model.embed_tokens = None
     if not stage.is_last:
         model.model.norm = None
         model.lm_head = None

@@ -48,3 +48,37 @@ def test_one_chunk_is_itself_and_overlapping_chunks_are_refused():
         merge_stage_modules([_Model([0, 1]), _Model([1, 2])])
     with pytest.raises(PipelineError, match="at least one"):
         merge_stage_modules([])
+
+
+class _TiedModel(_Model):
+    """A stage of a model whose head shares the embedding: the last stage keeps both (tied)."""
+
+    def __init__(self, layers: list[int], *, embed: bool = False, head: bool = False) -> None:
+        super().__init__(layers, embed=embed or head, head=head)
+        if head:
+            self.head = nn.Linear(4, 10, bias=False)
+            self.head.weight = self.embed.weight  # type: ignore[union-attr]
+
+    def tied_parameters(self) -> list[tuple[str, ...]]:
+        return [("embed.weight", "head.weight")]
+
+
+def test_tied_copies_of_two_chunks_merge_into_one_parameter_as_in_one_process():
+    first, last = _TiedModel([0], embed=True), _TiedModel([3], head=True)  # V: stages 0 and 3
+    assert last.embed is not None and last.embed.weight is not first.embed.weight  # type: ignore[union-attr]
+    merged = merge_stage_modules([first, last])
+    names = dict(merged.named_parameters())
+    assert sorted(names) == [
+        "embed.weight",
+        "layers.0.bias",
+        "layers.0.weight",
+        "layers.3.bias",
+        "layers.3.weight",
+    ]
+    assert names["embed.weight"] is first.embed.weight  # type: ignore[union-attr]
+    state = merged.state_dict(keep_vars=True)
+    assert set(state) == set(first.state_dict()) | set(last.state_dict())  # head.weight too, as one process
+    assert state["head.weight"] is first.embed.weight  # type: ignore[union-attr]
+    assert last.head.weight is last.embed.weight  # type: ignore[union-attr]  (the chunk itself is untouched)
+    with pytest.raises(PipelineError, match=r"both hold 'embed'"):
+        merge_stage_modules([first, last], tied=[])  # undeclared, the copies collide

@@ -46,7 +46,7 @@ from d9d.parallel.expert import (
     moe_aux_loss,
     parallelize_expert_parallel,
 )
-from d9d.parallel.grad_norm import clip_grad_norm_, grad_norm
+from d9d.parallel.grad_norm import clip_grad_norm_, grad_norm, is_tied_copy, register_tied_copy
 from d9d.parallel.lora import (
     LoraA,
     LoraB,
@@ -120,6 +120,7 @@ __all__ = [
     "embedding_plan",
     "enable_tf32",
     "grad_norm",
+    "is_tied_copy",
     "lm_head_plan",
     "load_balance_stats",
     "lora_detached",
@@ -190,6 +191,7 @@ __all__ += [
     "pipeline_schedule_info",
     "plan_pipeline",
     "prepare_fsdp_for_schedule",
+    "register_tied_copy",
     "split_layers",
     "stage_to_rank",
 ]

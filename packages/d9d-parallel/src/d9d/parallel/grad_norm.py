@@ -5,9 +5,15 @@ exactly the mesh axes the group is sharded on, so replicated copies count once. 
 combined, and pipeline stages (which hold disjoint parameters) are summed over the pp group. Plain
 tensors count as replicated: they add their own norm once. Partial (unreduced) gradients are reduced
 first. The result equals the norm of the full gradients in one process. Every rank must call it.
+
+A parameter tied across pipeline stages (tied embeddings: the first stage's table, the last stage's
+head) has one copy per holding rank, with equal gradients after the pipeline sums them; the copies
+other than the first stage's are registered with `register_tied_copy` and left out of the norm, so
+the shared parameter counts once. Clipping still scales them, so the copies stay equal.
 """
 
 import math
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -15,9 +21,28 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-__all__ = ["clip_grad_norm_", "grad_norm"]
+__all__ = ["clip_grad_norm_", "grad_norm", "is_tied_copy", "register_tied_copy"]
 
 _GroupKey = tuple[DeviceMesh, tuple[object, ...]] | None
+
+#: id → weak reference of the parameters whose gradient another pipeline rank counts (by id: a
+#: WeakSet would compare tensors with `==`).
+_TIED_COPIES: dict[int, "weakref.ref[torch.Tensor]"] = {}
+
+
+def register_tied_copy(param: torch.Tensor) -> None:
+    """Leave `param` out of `grad_norm`: its gradient equals that of a parameter counted elsewhere.
+
+    `d9d.parallel.Pipeline` registers the copies of a tied parameter it keeps in sync.
+    """
+    key = id(param)
+    _TIED_COPIES[key] = weakref.ref(param, lambda _: _TIED_COPIES.pop(key, None))
+
+
+def is_tied_copy(param: torch.Tensor) -> bool:
+    """Whether `param` was registered with `register_tied_copy`."""
+    ref = _TIED_COPIES.get(id(param))
+    return ref is not None and ref() is param
 
 
 def grad_norm(
@@ -32,14 +57,15 @@ def grad_norm(
     all-reduce over the default group), so replicas scale their gradients identically.
 
     Args:
-        parameters: this rank's parameters (DTensors or plain tensors); those without grad are skipped.
+        parameters: this rank's parameters (DTensors or plain tensors); those without grad, and tied
+            copies (`register_tied_copy`), are skipped.
         norm_type: p of the p-norm; `math.inf` for the max-abs norm.
         pp_group: the pipeline axis (a process group or a 1-D mesh, e.g. `dense["pp"]`) whose ranks
             hold the other stages; None when the model is not split into stages.
     """
     norm_type = float(norm_type)
     is_inf = math.isinf(norm_type)
-    grads = [p.grad for p in parameters if p.grad is not None]
+    grads = [p.grad for p in parameters if p.grad is not None and not is_tied_copy(p)]
     device = grads[0].device if grads else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float32, device=device)
     for key, group in _group_by_spec(grads).items():

@@ -32,7 +32,9 @@ def materialize_and_initialize(
 ) -> None:
     """Allocate `model`'s (local) parameters on `device` and initialize them deterministically.
 
-    Parameters shared by several modules (tied embeddings) stay shared.
+    Parameters shared by several modules (tied embeddings) stay shared and are initialized once, by
+    the first module (in `named_modules` order) that holds them, so a pipeline stage holding only
+    one of the users (seeded by the same module path) starts from the same values as one process.
 
     Args:
         init_device: where the unsharded copies are initialized; default `device`.
@@ -43,11 +45,14 @@ def materialize_and_initialize(
     for (module, name), (owner, owner_name) in ties.items():  # to_empty gives each user its own copy
         module._parameters[name] = owner._parameters[owner_name]
     hook = getattr(model, "initialize_module", None)
+    done: set[int] = set()  # ids of tensors already initialized (a shared parameter: by its first user)
     with torch.no_grad():
         for path, module in model.named_modules():
             own = dict(module.named_parameters(recurse=False)) | dict(module.named_buffers(recurse=False))
+            own = {name: t for name, t in own.items() if id(t) not in done}
             if not own:
                 continue
+            done.update(id(t) for t in own.values())
             if hook is None and not callable(getattr(module, "reset_parameters", None)):
                 raise ModelInitError(
                     f"module {path or '<root>'} ({type(module).__name__}) owns {sorted(own)} but has no "

@@ -30,6 +30,7 @@ from d9d.parallel.pipeline.runtime import (
     prepare_fsdp_for_schedule,
 )
 from d9d.parallel.pipeline.stage import PipelineStageModule, keep_stage_layers
+from d9d.parallel.pipeline.tied import TiedParameters, declared_ties
 
 __all__ = [
     "PIPELINE_SCHEDULES",
@@ -43,7 +44,9 @@ __all__ = [
     "StageChunks",
     "StageSpec",
     "StageToRankStyle",
+    "TiedParameters",
     "check_pipeline_microbatches",
+    "declared_ties",
     "fsdp_reshard_after_forward",
     "keep_stage_layers",
     "merge_stage_modules",

@@ -19,6 +19,7 @@ from torch.distributed.pipelining import PipelineStage
 from d9d.parallel.pipeline.config import PipelineConfig, check_pipeline_microbatches
 from d9d.parallel.pipeline.errors import PipelineError
 from d9d.parallel.pipeline.layout import PipelineLayout
+from d9d.parallel.pipeline.tied import TiedParameters
 
 __all__ = [
     "Pipeline",
@@ -76,6 +77,10 @@ class Pipeline:
         n_microbatches: microbatches per step on this rank.
         loss_fn: see `PipelineLossFn`.
         device: where the stages run (default: the device of the first module's parameters).
+        tied: names of parameters that are one parameter of the whole model although several stages
+            hold a copy (tied embeddings); None reads the stage modules' `tied_parameters()`. Their
+            copies are made equal here and their gradients summed after every step (see
+            `d9d.parallel.pipeline.tied`).
     """
 
     def __init__(
@@ -87,6 +92,7 @@ class Pipeline:
         n_microbatches: int,
         loss_fn: PipelineLossFn,
         device: torch.device | str | None = None,
+        tied: Sequence[Sequence[str]] | None = None,
     ) -> None:
         group = pp_group.get_group() if isinstance(pp_group, DeviceMesh) else pp_group
         size = dist.get_world_size(group)
@@ -114,6 +120,7 @@ class Pipeline:
         if device is None:
             first = next((p for m in modules for p in m.parameters()), None)
             device = first.device if first is not None else torch.device("cpu")
+        self.tied = TiedParameters(modules, [s.index for s in self.specs], group, ties=tied)
         mapping = {s.index: s.rank for s in layout.stages}
         self.stages: list[PipelineStage] = []
         for spec, module in zip(self.specs, modules, strict=True):
@@ -154,6 +161,9 @@ class Pipeline:
     ) -> torch.Tensor | None:
         """Run forward and backward of one training step over all microbatches; gradients accumulate.
 
+        The gradients of tied parameters' copies are summed over their holders at the end of every
+        call, so zero the gradients between calls (as an optimizer step does).
+
         Args:
             inputs: per microbatch, the first stage's input (a tensor, or a tuple of positional
                 tensors), of the same shapes every step; read only on the rank with the first stage
@@ -182,9 +192,11 @@ class Pipeline:
         if arg_mbs is None and (kwarg_mbs is not None or target_mbs is not None):
             arg_mbs = [() for _ in range(n)]
         losses: list[torch.Tensor] = []
+        self.tied.copy_values()  # a later chunk's copy of a tied parameter: the updated (or loaded) value
         self.schedule.step(
             arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs, losses=losses, return_outputs=False
         )
+        self.tied.sum_grads()  # before any clipping or update: every copy gets the whole gradient
         total = torch.stack([loss.detach() for loss in losses]).sum() if self.has_last_stage else None
         if broadcast_loss:
             group = self.stages[0].group

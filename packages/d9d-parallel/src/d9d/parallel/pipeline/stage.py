@@ -26,6 +26,11 @@ class PipelineStageModule(Protocol):
     Build a stage with the embedding only when `StageSpec.is_first`, the layers in `StageSpec.layers`
     (keeping their whole-model names, so checkpoints stay stage-agnostic), and the final norm and head
     only when `StageSpec.is_last`.
+
+    Optionally `tied_parameters() -> [("model.embed_tokens.weight", "lm_head.weight")]`: whole-model
+    names that are one parameter (a tied head). A stage holding any of them keeps it under the first
+    name too (as one process names it), and `Pipeline` keeps the stages' copies one parameter (see
+    `d9d.parallel.pipeline.tied`).
     """
 
     def forward(self, inputs: Any, /, **kwargs: Any) -> Any:
