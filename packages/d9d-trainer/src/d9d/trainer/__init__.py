@@ -23,6 +23,7 @@ from d9d.trainer.config import (
     CheckpointingConfig,
     CompileConfig,
     DeterminismConfig,
+    EvalConfig,
     ExportConfig,
     GradientClippingConfig,
     JobConfig,
@@ -39,6 +40,7 @@ from d9d.trainer.config import (
 )
 from d9d.trainer.entry import main, run_job
 from d9d.trainer.errors import PeerFailedError, RunLockedError, TrainingError
+from d9d.trainer.evaluation import EvalResult
 from d9d.trainer.failures import ErrorVerdict, verdict_of
 from d9d.trainer.job import ResolvedJob, resolve_job
 from d9d.trainer.loading import ConfigError, LoadedJob, apply_overrides, load_job_config, resolve_object
@@ -102,6 +104,8 @@ __all__ = [
     "DatasetProvider",
     "DeterminismConfig",
     "ErrorVerdict",
+    "EvalConfig",
+    "EvalResult",
     "ExportConfig",
     "GradientClippingConfig",
     "InitializeModelStageContext",

@@ -1,7 +1,7 @@
 """The job config: one YAML file read into frozen msgspec structs.
 
 Sections owned by lower packages keep their own structs (`mesh:` is `d9d.mesh.MeshConfig`); the
-sections a provider owns (`model:`, `dataset:`, and `data:` for a custom data provider) stay raw here
+sections a provider owns (`model:`, `dataset:`, `eval_dataset:`, and `data:` for a custom data provider) stay raw here
 and are converted into the provider's own `config_type` when the providers are resolved, so every
 unknown key and wrong type still fails before anything starts, with its key path.
 """
@@ -19,6 +19,7 @@ __all__ = [
     "CheckpointingConfig",
     "CompileConfig",
     "DeterminismConfig",
+    "EvalConfig",
     "ExportConfig",
     "GradientClippingConfig",
     "JobConfig",
@@ -47,6 +48,8 @@ class ProvidersConfig(_Section):
 
     model: str
     dataset: str | None = None
+    eval_dataset: str | None = None
+    """The validation set's dataset provider (its config is the `eval_dataset:` section); see `eval:`."""
     task: str = "d9d.trainer:CausalLMTask"
     data: str = "d9d.trainer:AutoDataProviderFactory"
     optimizer: str = "d9d.trainer:BuiltinOptimizerProvider"
@@ -272,6 +275,31 @@ class ExportConfig(_Section):
             )
 
 
+class EvalConfig(_Section):
+    """The validation loop: the mean token loss over `providers.eval_dataset`'s set (`d9d.trainer.evaluation`).
+
+    `period_steps`: evaluate every N steps, and always after the last one (0: only after the last).
+    `steps`: evaluate the first K microbatches of the set, in order (null: the whole set).
+    `microbatch_size`: samples per eval forward on one rank (null: `data.microbatch_size`, else 1).
+    """
+
+    period_steps: int = 0
+    steps: int | None = None
+    microbatch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.period_steps < 0:
+            raise ValueError(
+                f"eval.period_steps must be >= 0 (0: evaluate only after the last step), got {self.period_steps}"
+            )
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"eval.steps must be >= 1, or null for the whole eval set, got {self.steps}")
+        if self.microbatch_size is not None and self.microbatch_size < 1:
+            raise ValueError(
+                f"eval.microbatch_size must be >= 1, or null for data.microbatch_size, got {self.microbatch_size}"
+            )
+
+
 class JobConfig(_Section):
     """A whole job, as written in its YAML file."""
 
@@ -284,4 +312,6 @@ class JobConfig(_Section):
     pipelining: PipeliningConfig = PipeliningConfig()
     model: dict[str, Any] = {}
     dataset: dict[str, Any] = {}
+    eval: EvalConfig | None = None
+    eval_dataset: dict[str, Any] = {}
     export: ExportConfig = ExportConfig()

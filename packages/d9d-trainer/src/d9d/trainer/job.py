@@ -38,6 +38,8 @@ class ResolvedJob:
     task: Task
     optimizer_provider: OptimizerProvider
     lr_scheduler_provider: LRSchedulerProvider
+    eval_dataset_provider: DatasetProvider | None = None
+    """The validation set's provider (`providers.eval_dataset`), None without an `eval:` section."""
 
     @property
     def config(self) -> JobConfig:
@@ -56,6 +58,7 @@ def resolve_job(loaded: LoadedJob) -> ResolvedJob:
     where = str(loaded.path) if loaded.path is not None else "config"
     _check_directories(loaded, where)
     _check_combinations(config, where)
+    _check_eval(config, where)
     providers = config.providers
     sections: dict[str, Any] = {
         "model": (
@@ -81,6 +84,13 @@ def resolve_job(loaded: LoadedJob) -> ResolvedJob:
             f"{where}: providers.dataset is missing; the built-in AutoDataProvider needs a dataset provider "
             "(e.g. providers.dataset: train.py:MyDataset), or set providers.data to your own data provider"
         )
+    if providers.eval_dataset is not None:
+        sections["eval_dataset"] = (
+            providers.eval_dataset,
+            config.eval_dataset,
+            "eval_dataset",
+            ("build_dataset",),
+        )
     built: dict[str, Any] = {}
     for role, (spec, section, section_key, methods) in sections.items():
         cls = resolve_object(spec, loaded.base_dir, key=f"{where}: providers.{role}")
@@ -89,6 +99,10 @@ def resolve_job(loaded: LoadedJob) -> ResolvedJob:
         )
     if "dataset" in built:
         built["dataset"] = _GuardedDatasetProvider(built["dataset"], spec=providers.dataset or "")
+    if "eval_dataset" in built:
+        built["eval_dataset"] = _GuardedDatasetProvider(
+            built["eval_dataset"], spec=providers.eval_dataset or "", role="eval_dataset"
+        )
     if providers.data == _BUILTIN_DATA:
         _check_batch(config, where)
     return ResolvedJob(
@@ -99,6 +113,7 @@ def resolve_job(loaded: LoadedJob) -> ResolvedJob:
         task=built["task"],
         optimizer_provider=built["optimizer"],
         lr_scheduler_provider=built["lr_scheduler"],
+        eval_dataset_provider=built.get("eval_dataset"),
     )
 
 
@@ -152,9 +167,10 @@ class _GuardedDatasetProvider:
     d9d's own errors (a missing dataset file, ...) pass unchanged: they already say what to do.
     """
 
-    def __init__(self, provider: Any, *, spec: str) -> None:
+    def __init__(self, provider: Any, *, spec: str, role: str = "dataset") -> None:
         self._provider = provider
         self._spec = spec
+        self._role = role
 
     def build_dataset(self, context: Any) -> Any:
         try:
@@ -163,8 +179,8 @@ class _GuardedDatasetProvider:
             raise
         except Exception as exc:
             raise ConfigError(
-                f"providers.dataset ({self._spec}).build_dataset failed: {type(exc).__name__}: "
-                f"{one_line_text(exc)}; fix the dataset provider or its dataset: section"
+                f"providers.{self._role} ({self._spec}).build_dataset failed: {type(exc).__name__}: "
+                f"{one_line_text(exc)}; fix the dataset provider or its {self._role}: section"
             ) from exc
 
     def __getattr__(self, name: str) -> Any:
@@ -189,6 +205,28 @@ def _check_combinations(config: JobConfig, where: str) -> None:
             f"{where}: trainer.compile.enabled with mesh.tensor_parallel={config.mesh.tensor_parallel} is not "
             "supported yet (torch 2.15 fails in the backward of compiled tensor-parallel blocks); set "
             "trainer.compile.enabled: false or mesh.tensor_parallel: 1"
+        )
+
+
+def _check_eval(config: JobConfig, where: str) -> None:
+    """The `eval:` section and `providers.eval_dataset` come together, and not with pipeline stages (yet)."""
+    providers = config.providers
+    if config.eval is not None and providers.eval_dataset is None:
+        raise ConfigError(
+            f"{where}: eval: needs providers.eval_dataset, the validation set's dataset provider "
+            "(e.g. providers.eval_dataset: train.py:MyDataset, configured by an eval_dataset: section); "
+            "add it or remove the eval: section"
+        )
+    if config.eval is None and providers.eval_dataset is not None:
+        raise ConfigError(
+            f"{where}: providers.eval_dataset is set but there is no eval: section, so it would never be "
+            "used; add eval: {period_steps: N} (0: only after the last step) or remove providers.eval_dataset"
+        )
+    if config.eval is not None and config.mesh.pipeline_parallel > 1:
+        raise ConfigError(
+            f"{where}: eval: with mesh.pipeline_parallel={config.mesh.pipeline_parallel} is not supported yet "
+            "(the pipeline schedules run training steps only); remove the eval: section or set "
+            "mesh.pipeline_parallel: 1"
         )
 
 

@@ -4,6 +4,9 @@ Step results arrive as device tensors. They are read (one host sync for all of t
 records are flushed: at logging steps, before a checkpoint and at the end. So a crash loses at most
 the records since the last log line, never those of a committed checkpoint, and an ordinary step
 never waits for the device to report its loss. Rank 0 writes; every rank flushes at the same steps.
+
+A step that ran an eval (`d9d.trainer.evaluation`) carries its numbers as `eval_loss`,
+`eval_perplexity` and `eval_tokens` on its record, is flushed at once and logs an `eval` line.
 """
 
 import json
@@ -16,6 +19,7 @@ from typing import Any
 import torch
 
 from d9d.mesh import get_logger
+from d9d.trainer.evaluation import EvalResult
 from d9d.trainer.metrics import ProgressLine, mfu
 from d9d.trainer.step import StepOutput
 
@@ -33,6 +37,7 @@ class _Pending:
     output: StepOutput
     lr: float
     step_time_s: float
+    evaluation: EvalResult | None = None
 
 
 class StepRecords:
@@ -82,12 +87,23 @@ class StepRecords:
         self.losses: list[float] = []
         self.tokens = 0.0
 
-    def add(self, step: int, output: StepOutput, *, lr: float, step_time_s: float) -> None:
-        """Record step `step`; flushes (and logs) when it is a logging step or the last one."""
-        self._pending.append(_Pending(step, output, lr, step_time_s))
+    def add(
+        self,
+        step: int,
+        output: StepOutput,
+        *,
+        lr: float,
+        step_time_s: float,
+        evaluation: EvalResult | None = None,
+    ) -> None:
+        """Record step `step` (and the eval that ran after it); flushes (and logs) when it is a logging
+        step, the last one, or has an eval (whose host sync has happened anyway)."""
+        self._pending.append(_Pending(step, output, lr, step_time_s, evaluation))
+        if evaluation is not None:
+            self._last_log += evaluation.wall_s  # tokens/s counts training time only
         if self._progress is not None:
             self._progress.update(step, self._last_loss)
-        if step % self._period == 0 or step == self._total or step == self._first:
+        if step % self._period == 0 or step == self._total or step == self._first or evaluation is not None:
             self.flush(log=True)
 
     def flush(self, *, log: bool = False) -> None:
@@ -111,6 +127,7 @@ class StepRecords:
                     "step_time_s": p.step_time_s,
                     "skipped": not p.output.applied,
                     "launch": self._launch,
+                    **(p.evaluation.record() if p.evaluation is not None else {}),
                 }
             )
         self.losses += [r["loss"] for r in records]
@@ -123,6 +140,9 @@ class StepRecords:
             fh.write("".join(json.dumps(r) + "\n" for r in records))
         if log:
             self._log_line(records)
+        for p in pending:
+            if p.evaluation is not None:
+                _log_eval(p.evaluation)
 
     def close(self) -> None:
         """Flush what is left and end the progress line."""
@@ -146,6 +166,17 @@ class StepRecords:
             **mfu(tokens_per_s, self.flops_per_token, self._peak, self._world_size),
             **_memory(self._device),
         )
+
+
+def _log_eval(result: EvalResult) -> None:
+    _log.info(
+        "eval",
+        step=result.step,
+        loss=round(result.loss, 5),
+        perplexity=round(result.perplexity, 3),
+        tokens=int(result.tokens),
+        wall_s=round(result.wall_s, 2),
+    )
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

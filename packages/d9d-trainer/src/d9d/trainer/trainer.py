@@ -1,9 +1,10 @@
 """`Trainer`: the one place where the lower packages are wired into a training job.
 
-build (mesh → logging → data → model: meta → parallelize → materialize → optimizer, LR schedule,
-checkpoints, step strategy) → resume → loop (step → records → checkpoint) → export. Each concern
-lives in its own module: `build` (the model), `step/` (one optimizer step), `records` (metrics file,
-log line, progress), `lifecycle` (resume, save, export); this file only wires them.
+build (mesh → logging → data, eval set → model: meta → parallelize → materialize → optimizer, LR
+schedule, checkpoints, step strategy) → resume → loop (step → eval → records → checkpoint) → export.
+Each concern lives in its own module: `build` (the model), `step/` (one optimizer step), `records`
+(metrics file, log line, progress), `evaluation` (the validation loop), `lifecycle` (resume, save,
+export); this file only wires them.
 """
 
 import contextlib
@@ -23,6 +24,7 @@ from d9d.parallel import context_parallel_of, enable_tf32, merge_stage_modules, 
 from d9d.trainer._fault_injection import FaultInjection
 from d9d.trainer.build import build_model, check_model_mesh
 from d9d.trainer.errors import OutOfMemoryError, TrainingError, first_line, is_out_of_memory
+from d9d.trainer.evaluation import EvalResult, Evaluator, load_eval_set
 from d9d.trainer.failures import FailureBoard, job_store
 from d9d.trainer.job import ResolvedJob, resolve_job
 from d9d.trainer.lifecycle import RunLifecycle
@@ -114,6 +116,7 @@ class Trainer:
         self._data = job.data_factory.build_data_provider(
             BuildDataProviderContext(context=ctx, dataset=dataset)
         )
+        eval_set = load_eval_set(job, ctx)  # None without eval:; a set too small fails before any write
         precision = resolve_precision(tcfg.precision, ctx.device)
         if ctx.device.type == "cuda":
             enable_tf32(tcfg.precision.tf32)
@@ -166,6 +169,7 @@ class Trainer:
             context_parallel=context_parallel_of(model),
         )
         self._stops = StopRequests()
+        self._evaluator = Evaluator(eval_set, model, job.task, settings)
         self._train_step: TrainStep
         if layout is not None:
             self._train_step = PipelineStep(
@@ -281,6 +285,10 @@ class Trainer:
         if self._read_only:
             raise TrainingError(f"cannot {what}: this Trainer was built read_only (no run lock)")
 
+    def evaluate(self) -> EvalResult:
+        """The eval of the `eval:` section on the current weights, now (`train()` runs it when due)."""
+        return self._evaluator.run(self._step)
+
     def export(self, out_dir: str | Path | None = None) -> Path:
         """Write the model as safetensors through the model provider's export mapper."""
         return self._lifecycle.export(out_dir)
@@ -332,7 +340,9 @@ class Trainer:
                         lr = self._scheduler.get_last_lr()[0]  # the learning rate this step uses
                         output = self._train_step.run(microbatches, self._step + 1)
                     self._step += 1
-                    records.add(self._step, output, lr=lr, step_time_s=time.perf_counter() - step_start)
+                    step_time_s = time.perf_counter() - step_start
+                    evaluation = self._evaluator.after_step(self._step, total, stopping=output.stop)
+                    records.add(self._step, output, lr=lr, step_time_s=step_time_s, evaluation=evaluation)
                     periodic = bool(period) and self._step % period == 0
                     if self._step == total or periodic or (output.stop and cfg.checkpointing.save_on_signal):
                         records.flush()  # a committed checkpoint never has fewer records than steps

@@ -1,0 +1,230 @@
+"""The validation loop (`eval:`): the mean token loss and perplexity over a held-out set, on any mesh.
+
+The eval set (`providers.eval_dataset`) is cut in index order, never shuffled, into microbatches of
+`eval.microbatch_size` samples (the last one may hold fewer); `eval.steps` keeps the first K of them.
+Global microbatch `i` goes to data-parallel rank `i mod dp` and is split over the context-parallel
+ranks exactly like a training microbatch (`ContextParallel.shard_batch`). Every rank runs the same
+number of forwards: a rank with one microbatch fewer repeats its first one and discards the result,
+since FSDP gathers and expert dispatch are collectives of every forward. Summed token losses and
+token counts stay on the device, are all-reduced over dp × cp once, and are read once (the eval's one
+host sync); so the numbers depend on the weights and the eval set only, not on the mesh.
+
+An eval runs after every `eval.period_steps`-th step and after the last one, before that step's
+records are flushed and its checkpoint is saved, so a committed step always has its eval recorded and
+a resumed run never repeats it.
+"""
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import default_collate
+
+from d9d.mesh import DistributedContext
+from d9d.parallel import precision_autocast
+from d9d.trainer.config import EvalConfig
+from d9d.trainer.errors import TrainingError
+from d9d.trainer.job import ResolvedJob
+from d9d.trainer.loading import ConfigError
+from d9d.trainer.providers import BuildDatasetContext, LossContext, Task
+from d9d.trainer.step import StepSettings
+
+__all__ = ["EvalResult", "EvalSet", "Evaluator", "eval_microbatches", "load_eval_set"]
+
+
+def eval_microbatches(
+    num_samples: int, microbatch_size: int, steps: int | None, dp_size: int, dp_rank: int
+) -> tuple[list[range], int]:
+    """This rank's eval microbatches (sample index ranges, in order) and the forwards every rank runs.
+
+    The set is cut into `ceil(num_samples / microbatch_size)` microbatches (the first `steps` of them
+    when given); microbatch `i` belongs to dp rank `i mod dp_size`. The forward count is the largest
+    share, the same on every rank.
+    """
+    total = math.ceil(num_samples / microbatch_size)
+    if steps is not None:
+        total = min(total, steps)
+    mine = [
+        range(i * microbatch_size, min((i + 1) * microbatch_size, num_samples))
+        for i in range(dp_rank, total, dp_size)
+    ]
+    return mine, math.ceil(total / dp_size)
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    """The validation set as this rank sees it: the dataset, its collate function and its share."""
+
+    config: EvalConfig
+    dataset: Any
+    collate_fn: Any
+    microbatches: list[range]
+    forwards: int
+
+    def batch(self, samples: range) -> Any:
+        """The collated microbatch of the samples at `samples`."""
+        return self.collate_fn([self.dataset[i] for i in samples])
+
+
+def load_eval_set(job: ResolvedJob, ctx: DistributedContext) -> EvalSet | None:
+    """Build the `eval_dataset` and this rank's share of it (None without an `eval:` section).
+
+    Called while the job is built, before anything is written, so a set that cannot be evaluated on
+    this mesh fails first.
+
+    Raises:
+        ConfigError: the set is not sized, holds fewer samples than one eval microbatch per
+            data-parallel rank, or has sequences context parallelism cannot cut.
+    """
+    config = job.config
+    if config.eval is None or job.eval_dataset_provider is None:
+        return None
+    built = job.eval_dataset_provider.build_dataset(
+        BuildDatasetContext(context=ctx, base_dir=job.loaded.base_dir)
+    )
+    dataset = built.dataset
+    spec = config.providers.eval_dataset
+    try:
+        num_samples = len(dataset)
+    except TypeError:
+        raise ConfigError(
+            f"providers.eval_dataset ({spec}) built a {type(dataset).__name__} without len(); the eval set "
+            "must be a map-style dataset (len and integer indexing)"
+        ) from None
+    microbatch_size = config.eval.microbatch_size or _data_microbatch_size(config.data)
+    dp_size = ctx.axis_size("dp")
+    if num_samples < dp_size * microbatch_size:
+        key = (
+            "eval.microbatch_size"
+            if config.eval.microbatch_size
+            else "eval.microbatch_size (default: data.microbatch_size)"
+        )
+        raise ConfigError(
+            f"eval_dataset: the eval set has {num_samples} sample{'s' if num_samples != 1 else ''}, fewer than one eval microbatch per "
+            f"data-parallel rank ({key}={microbatch_size} × {dp_size} ranks = {dp_size * microbatch_size}); "
+            f"lower eval.microbatch_size to at most {max(1, num_samples // dp_size)} or use a larger eval set"
+        )
+    cp = config.mesh.context_parallel
+    seq_len = getattr(dataset, "seq_len", None)
+    if cp > 1 and isinstance(seq_len, int) and seq_len % (2 * cp):
+        raise ConfigError(
+            f"eval_dataset: the eval set's sequences have {seq_len} tokens, not divisible by 2 × "
+            f"mesh.context_parallel = {2 * cp}; set eval_dataset.seq_len to a multiple of {2 * cp}"
+        )
+    mine, forwards = eval_microbatches(
+        num_samples, microbatch_size, config.eval.steps, dp_size, ctx.coordinate("dp")
+    )
+    return EvalSet(config.eval, dataset, built.collate_fn or default_collate, mine, forwards)
+
+
+def _data_microbatch_size(data: dict[str, Any]) -> int:
+    value = data.get("microbatch_size", 1)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else 1
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """One eval's numbers, the same on every rank.
+
+    Attributes:
+        step: the optimizer step after which it ran.
+        loss: mean token loss over the evaluated set (sum of token losses / tokens).
+        perplexity: exp(loss) (inf where that overflows).
+        tokens: labelled tokens evaluated.
+        wall_s: how long it took.
+    """
+
+    step: int
+    loss: float
+    perplexity: float
+    tokens: float
+    wall_s: float
+
+    def record(self) -> dict[str, float]:
+        """The keys it adds to its step's `metrics.jsonl` record."""
+        return {"eval_loss": self.loss, "eval_perplexity": self.perplexity, "eval_tokens": self.tokens}
+
+
+class Evaluator:
+    """Runs the eval when it is due (see the module docstring); does nothing without an eval set."""
+
+    def __init__(
+        self, eval_set: EvalSet | None, model: nn.Module, task: Task, settings: StepSettings
+    ) -> None:
+        self._set = eval_set
+        self._model = model
+        self._task = task
+        self._settings = settings
+
+    def due(self, step: int, total_steps: int, *, stopping: bool = False) -> bool:
+        """After the last step, and every `period_steps` unless the run is stopping (a signal)."""
+        if self._set is None:
+            return False
+        period = self._set.config.period_steps
+        return step == total_steps or (not stopping and period > 0 and step % period == 0)
+
+    def after_step(self, step: int, total_steps: int, *, stopping: bool = False) -> EvalResult | None:
+        """The eval of step `step` when it is due, else None."""
+        if not self.due(step, total_steps, stopping=stopping):
+            return None
+        return self.run(step)
+
+    def run(self, step: int) -> EvalResult:
+        """Evaluate now (model in eval mode, no grad), whatever the period says."""
+        if self._set is None:
+            raise TrainingError(
+                "this job has no eval: section; add eval: {period_steps: N} and providers.eval_dataset"
+            )
+        began = time.perf_counter()
+        model, settings = self._model, self._settings
+        eval_set = self._set
+        mine = eval_set.microbatches
+        # a rank short of one microbatch repeats its first (discarded): every rank runs as many forwards
+        plan = [(samples, True) for samples in mine] + [(mine[0], False)] * (eval_set.forwards - len(mine))
+        loss_sum = torch.zeros((), dtype=torch.float64, device=settings.device)
+        tokens = torch.zeros((), dtype=torch.float64, device=settings.device)
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                for samples, counted in plan:
+                    batch = self._local_part(eval_set.batch(samples))
+                    with precision_autocast(settings.precision, settings.device):
+                        result = self._task.compute_loss(
+                            LossContext(model=model, batch=batch, device=settings.device)
+                        )
+                    if counted:
+                        loss_sum += result.loss_sum.detach().to(torch.float64)
+                        tokens += torch.as_tensor(result.weight, dtype=torch.float64).to(settings.device)
+        finally:
+            model.train(was_training)
+        totals = torch.stack([loss_sum, tokens])
+        group = settings.dp_group
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(totals, group=group)
+        total_loss, total_tokens = totals.tolist()  # the eval's one host sync
+        mean = total_loss / total_tokens if total_tokens > 0 else math.nan
+        return EvalResult(
+            step=step,
+            loss=mean,
+            perplexity=_exp(mean),
+            tokens=total_tokens,
+            wall_s=time.perf_counter() - began,
+        )
+
+    def _local_part(self, batch: Any) -> Any:
+        """This rank's part of a microbatch: its share of every sequence under context parallelism,
+        as `StepBase.local_part` cuts a training microbatch."""
+        cp = self._settings.context_parallel
+        return cp.shard_batch(batch) if cp is not None and cp.enabled else batch
+
+
+def _exp(value: float) -> float:
+    try:
+        return math.exp(value)
+    except OverflowError:
+        return math.inf
