@@ -338,7 +338,7 @@ def _causal_lower_right(
         # efficient branch passes K/V to the kernel as they are, so GQA goes there only with flash.
         bias = causal_lower_right(q_len, kv_len)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=gqa)
-    if q.device.type != "cuda":
+    if q.device.type == "cpu":
         # CPU: SDPA would save an explicit mask for backward as float32 [q_len, kv_len] (640 MiB per rank
         # at 16k tokens, cp 2). Pad the queries in front to a square and use the causal kernel instead:
         # the real queries sit at the end, exactly where lower-right alignment puts them, and the padded
@@ -348,7 +348,7 @@ def _causal_lower_right(
             torch.cat([pad, q], 2), k, v, is_causal=True, scale=scale, enable_gqa=gqa
         )
         return out[:, :, kv_len - q_len :]
-    # CUDA GQA without flash: an explicit boolean mask through SDPA's own dispatch.
+    # CUDA GQA without flash (or the meta device, e.g. `d9d plan`'s estimate): an explicit boolean mask.
     allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - q_len)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
 
