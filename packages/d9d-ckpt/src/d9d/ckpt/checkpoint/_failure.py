@@ -27,7 +27,25 @@ def describe(exc: BaseException) -> str:
         return f"{describe(cause)} (on rank {rank})"
     if isinstance(exc, CheckpointError):
         return str(exc)
-    return " ".join(f"{type(exc).__name__}: {exc}".split())
+    # A writer that wraps the ENOSPC (torch's zip writer: "unexpected pos ...") hides what happened:
+    # name the OSError under it instead.
+    target = _no_space_cause(exc) or exc
+    return " ".join(f"{type(target).__name__}: {target}".split())
+
+
+def _no_space_cause(exc: BaseException) -> OSError | None:
+    """The ENOSPC OSError among `exc`'s causes and contexts (not `exc` itself), if there is one."""
+    seen: set[int] = set()
+    todo = [e for e in (exc.__cause__, exc.__context__) if e is not None]
+    while todo:
+        current = todo.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno == errno.ENOSPC:
+            return current
+        todo += [e for e in (current.__cause__, current.__context__) if e is not None]
+    return None
 
 
 def is_no_space(exc: BaseException) -> bool:
