@@ -25,6 +25,7 @@ __all__ = [
     "ReferenceModel",
     "RotaryEmbedding",
     "apply_rotary",
+    "block_causal",
     "build_moe",
 ]
 
@@ -84,6 +85,14 @@ class RotaryEmbedding(nn.Module):
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+def block_causal(document_ids: torch.Tensor) -> torch.Tensor:
+    """Bool [batch, 1, seq, seq]: token q attends to token k iff k <= q and both are of one document."""
+    seq = document_ids.shape[-1]
+    same = document_ids[:, :, None] == document_ids[:, None, :]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
+    return (same & causal).unsqueeze(1)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate `x` [batch, heads, seq, head_dim] by RoPE tables [batch, seq, head_dim] (half-split pairs)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -115,9 +124,17 @@ class Attention(nn.Module):
         self.context_parallel: Any = None
 
     def forward(
-        self, hidden_states: torch.Tensor, *, position_embeddings: tuple[torch.Tensor, torch.Tensor]
+        self,
+        hidden_states: torch.Tensor,
+        *,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`hidden_states` [batch, seq, hidden] → [batch, seq, hidden]; `position_embeddings` is (cos, sin)."""
+        """`hidden_states` [batch, seq, hidden] → [batch, seq, hidden]; `position_embeddings` is (cos, sin).
+
+        `attention_mask` (bool [batch, 1, seq, seq], True = may attend) replaces the plain causal mask,
+        e.g. the block-causal mask of packed documents.
+        """
         batch, seq, _ = hidden_states.shape
         q = self.q_proj(hidden_states).view(batch, seq, -1, self.head_dim)
         k = self.k_proj(hidden_states).view(batch, seq, -1, self.head_dim)
@@ -127,7 +144,16 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         cos, sin = position_embeddings
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.context_parallel is not None:
+        if attention_mask is not None:
+            if self.context_parallel is not None:
+                raise NotImplementedError(
+                    "document masking (document_ids) with mesh.context_parallel > 1 is not supported yet; "
+                    "turn off the dataset's document masking or set mesh.context_parallel: 1"
+                )
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attention_mask, enable_gqa=q.shape[1] != k.shape[1]
+            )
+        elif self.context_parallel is not None:
             out = self.context_parallel.attention(q, k, v)
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
@@ -186,11 +212,17 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(config.hidden_size, config.intermediate_size)
 
     def forward(
-        self, hidden_states: torch.Tensor, *, position_embeddings: tuple[torch.Tensor, torch.Tensor]
+        self,
+        hidden_states: torch.Tensor,
+        *,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`hidden_states` [batch, seq, hidden] → same shape."""
         attn_out = self.self_attn(
-            self.input_layernorm(hidden_states), position_embeddings=position_embeddings
+            self.input_layernorm(hidden_states),
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
         )
         hidden_states = hidden_states + attn_out
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
@@ -222,13 +254,20 @@ class ReferenceModel(nn.Module):
         # ranks: a pipeline stage that starts from hidden states sees 1/tp of the sequence.
         self.sequence_parallel: int = 1
 
-    def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        inputs: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """`inputs`: token ids [batch, seq] (hidden states when not `embeds_inputs`) → [batch, seq, hidden].
 
         Args:
-            position_ids: [batch, seq] or [seq] positions for RoPE; default 0..seq-1. They only move
-                the rotation: attention stays causal over the sequence order (no document masking).
-                Pass them on a pipeline stage whose incoming hidden states are sequence-sharded.
+            position_ids: [batch, seq] or [seq] positions for RoPE; default 0..seq-1. Pass them on a
+                pipeline stage whose incoming hidden states are sequence-sharded, and with packed
+                documents (positions restarting at 0 per document).
+            document_ids: [batch, seq] document of each token (packed rows, e.g. d9d.data's
+                `document_masking`): attention is block-causal, never across documents.
         """
         embedding = self.embed_tokens if self.embeds_inputs else None
         hidden_states = embedding(inputs) if embedding is not None else inputs
@@ -243,8 +282,14 @@ class ReferenceModel(nn.Module):
             position_ids = torch.arange(seq, device=inputs.device)
         position_ids = position_ids.expand(batch, -1)
         position_embeddings = self.rotary_emb(position_ids, hidden_states.dtype)
+        mask = None if document_ids is None else block_causal(document_ids)
         for layer in self.layers.values():
-            hidden_states = layer(hidden_states, position_embeddings=position_embeddings)
+            if mask is None:  # the plain call keeps the layers' (compiled, checkpointed) signature
+                hidden_states = layer(hidden_states, position_embeddings=position_embeddings)
+            else:
+                hidden_states = layer(
+                    hidden_states, position_embeddings=position_embeddings, attention_mask=mask
+                )
         return self.norm(hidden_states) if self.norm is not None else hidden_states
 
 
@@ -321,12 +366,18 @@ class ReferenceForCausalLM(nn.Module):
             for param in module.parameters(recurse=False):
                 nn.init.normal_(param, mean=0.0, std=self.config.initializer_range)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """`input_ids` [batch, seq] → logits [batch, seq, vocab] (float32 when `config.fp32_logits`).
 
-        On a pipeline stage without `lm_head` the output is the hidden states instead.
+        On a pipeline stage without `lm_head` the output is the hidden states instead. `position_ids`
+        and `document_ids` as in `ReferenceModel.forward` (packed documents).
         """
-        hidden_states = self.model(input_ids, position_ids)
+        hidden_states = self.model(input_ids, position_ids, document_ids)
         if self.lm_head is None:
             return hidden_states
         logits = self.lm_head(hidden_states)

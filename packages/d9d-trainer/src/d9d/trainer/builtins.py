@@ -10,6 +10,7 @@ from torch import nn
 
 from d9d.data import AutoDataConfig, AutoDataProvider, DataProvider
 from d9d.trainer.config import LRSchedulerConfig, OptimizerConfig
+from d9d.trainer.errors import TrainingError
 from d9d.trainer.providers import BuildDataProviderContext, LossContext, LossResult
 
 __all__ = [
@@ -24,6 +25,10 @@ __all__ = [
 
 #: Label value that contributes neither loss nor weight.
 IGNORE_INDEX = -100
+
+
+#: Keys of a packed batch that the model takes besides `input_ids` (positions restart per document).
+_PACKED_KEYS = ("position_ids", "document_ids")
 
 
 class CausalLMTask:
@@ -43,13 +48,33 @@ class CausalLMTask:
         return (batch["labels"] != IGNORE_INDEX).sum()
 
     def compute_loss(self, context: LossContext) -> LossResult:
-        """Forward `input_ids` and sum the cross-entropy over every labelled token."""
-        input_ids = context.batch["input_ids"].to(context.device, non_blocking=True)
-        labels = context.batch["labels"].to(context.device, non_blocking=True)
-        return self.pipeline_loss(context.model(input_ids), labels)
+        """Forward `input_ids` and sum the cross-entropy over every labelled token.
+
+        Packed documents (a batch with `position_ids` and `document_ids`, e.g. d9d.data's
+        `document_masking` or a packed `SFTDataset`) pass them to the model as keyword arguments, so
+        attention stays within each document and positions restart per document.
+        """
+        batch = context.batch
+        input_ids = batch["input_ids"].to(context.device, non_blocking=True)
+        labels = batch["labels"].to(context.device, non_blocking=True)
+        packed = {
+            key: batch[key].to(context.device, non_blocking=True) for key in _PACKED_KEYS if key in batch
+        }
+        return self.pipeline_loss(context.model(input_ids, **packed), labels)
 
     def pipeline_inputs(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Under pipeline parallelism: the first stage gets `input_ids`, the loss gets `labels`."""
+        """Under pipeline parallelism: the first stage gets `input_ids`, the loss gets `labels`.
+
+        Raises:
+            TrainingError: the batch holds packed documents (`document_ids`), which the pipeline's
+                stages do not receive yet.
+        """
+        if "document_ids" in batch:
+            raise TrainingError(
+                "packed documents (document_ids) with mesh.pipeline_parallel > 1 are not supported yet: "
+                "the stages would attend across documents; turn off the dataset's document masking or "
+                "set mesh.pipeline_parallel: 1"
+            )
         return batch["input_ids"], batch["labels"]
 
     def pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> LossResult:
