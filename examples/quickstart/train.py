@@ -30,6 +30,7 @@ from d9d.data import TextDataset
 from d9d.mesh import MeshConfig
 from d9d.parallel import (
     apply_activation_checkpointing,
+    apply_lora,
     compile_blocks,
     parallelize_context_parallel,
     parallelize_hsdp,
@@ -77,6 +78,8 @@ class QuickstartModelProvider:
         apply_tensor_parallel(model, ctx)
         apply_expert_parallel(model, ctx, context.precision)
         parallelize_context_parallel(model, context.mesh)  # mesh.context_parallel: attention over cp ranks
+        if context.lora is not None:  # peft.lora: adapters follow the TP layout, FSDP shards them below
+            apply_lora(model, context.lora)
         apply_activation_checkpointing(
             blocks, context.activation_checkpointing
         )  # trainer.activation_checkpointing

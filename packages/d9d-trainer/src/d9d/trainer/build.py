@@ -6,13 +6,26 @@ from typing import Any
 from torch import nn
 
 from d9d.mesh import D9dError, DistributedContext
-from d9d.parallel import MixedPrecision, PipelineLayout, StageSpec, context_parallel_of
+from d9d.parallel import (
+    LoraConfig,
+    MixedPrecision,
+    PipelineLayout,
+    StageSpec,
+    context_parallel_of,
+    lora_parameters,
+)
 from d9d.trainer._materialize import materialize_and_initialize
 from d9d.trainer.errors import OutOfMemoryError, TrainingError, first_line, is_out_of_memory
 from d9d.trainer.job import ResolvedJob
 from d9d.trainer.providers import InitializeModelStageContext, ParallelizeModelStageContext
 
-__all__ = ["build_model", "check_model_mesh", "check_parallelisms_applied", "check_vocabulary"]
+__all__ = [
+    "build_model",
+    "check_lora_applied",
+    "check_model_mesh",
+    "check_parallelisms_applied",
+    "check_vocabulary",
+]
 
 
 def check_model_mesh(job: ResolvedJob) -> None:
@@ -68,6 +81,21 @@ def check_parallelisms_applied(model: nn.Module, mesh_degrees: dict[str, int]) -
             )
 
 
+def check_lora_applied(model: nn.Module, lora: LoraConfig | None) -> None:
+    """A configured `peft.lora` must have left at least one adapter on the model (stage).
+
+    Otherwise the provider ignored it and the job would train (and export) the full model.
+
+    Raises:
+        TrainingError: naming the key and the call the provider should make.
+    """
+    if lora is not None and not lora_parameters(model):
+        raise TrainingError(
+            "peft.lora is set but the model provider's parallelize_model_stage applied no adapters; "
+            "call d9d.parallel.apply_lora(model, context.lora) there"
+        )
+
+
 def build_model(
     job: ResolvedJob,
     context: DistributedContext,
@@ -110,6 +138,7 @@ def build_model(
                 precision=precision,
                 activation_checkpointing=tcfg.activation_checkpointing,
                 compile=tcfg.compile,
+                lora=config.peft.lora,
                 **where,
             )
         )
@@ -121,6 +150,7 @@ def build_model(
                 "instead of context.context.mesh('dense'), or check context.context.is_local"
             ) from exc
         raise
+    check_lora_applied(model, config.peft.lora)
     if not context.is_local:
         mesh = config.mesh
         check_parallelisms_applied(

@@ -12,7 +12,7 @@ from typing import Any, Literal
 import msgspec
 
 from d9d.mesh import MeshConfig
-from d9d.parallel import ActivationCheckpointingConfig, CompileConfig, PrecisionConfig
+from d9d.parallel import ActivationCheckpointingConfig, CompileConfig, LoraConfig, PrecisionConfig
 
 __all__ = [
     "ActivationCheckpointingConfig",
@@ -25,7 +25,9 @@ __all__ = [
     "JobConfig",
     "LRSchedulerConfig",
     "LoggingConfig",
+    "LoraConfig",
     "OptimizerConfig",
+    "PeftConfig",
     "PipeliningConfig",
     "PrecisionConfig",
     "ProvidersConfig",
@@ -300,6 +302,16 @@ class EvalConfig(_Section):
             )
 
 
+class PeftConfig(_Section):
+    """The `peft:` section: parameter-efficient fine-tuning (null `lora`: train every parameter).
+
+    `lora` is `d9d.parallel.LoraConfig`; the trainer passes it to the model provider, whose
+    `parallelize_model_stage` applies it (`d9d.parallel.apply_lora(model, context.lora)`).
+    """
+
+    lora: LoraConfig | None = None
+
+
 class JobConfig(_Section):
     """A whole job, as written in its YAML file."""
 
@@ -315,3 +327,4 @@ class JobConfig(_Section):
     eval: EvalConfig | None = None
     eval_dataset: dict[str, Any] = {}
     export: ExportConfig = ExportConfig()
+    peft: PeftConfig = PeftConfig()

@@ -1,6 +1,8 @@
 """A run's lifecycle around the loop: resume from its latest checkpoint (or import starting weights),
 save checkpoints, export. The checkpoint mechanics themselves are d9d.ckpt's."""
 
+import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from d9d.ckpt import (
     save_safetensors,
 )
 from d9d.mesh import DistributedContext, get_logger
+from d9d.parallel import lora_parameter_names, lora_state_dict, peft_adapter_config, peft_key
 from d9d.trainer.config import OptimizerConfig, ProvidersConfig
 from d9d.trainer.errors import TrainingError
 from d9d.trainer.job import ResolvedJob
@@ -135,7 +138,12 @@ class RunLifecycle:
         )
         if result.folder is None:
             return
-        load_safetensors(self.model, result.folder, mapper=result.mapper)
+        target: nn.Module | dict[str, torch.Tensor] = self.model
+        if self.job.config.peft.lora is not None:  # the folder is the base: adapters keep their init
+            adapters = set(lora_parameter_names(self.model))
+            state = self.model.state_dict(keep_vars=True)
+            target = {name: t for name, t in state.items() if name not in adapters}
+        load_safetensors(target, result.folder, mapper=result.mapper)
         _log.info("loaded starting weights", folder=str(result.folder))
 
     def save(self, step: int) -> None:
@@ -167,11 +175,15 @@ class RunLifecycle:
         (`export.shard_size_mb`) plus one mapper group; the other ranks never more than one of their
         own shards (a whole tensor only for a partial sum they reduce). When the pp ranks' mappers
         differ (each built from its own stage), their union is used, stage by stage.
+
+        A LoRA run (`peft.lora` set) exports only its adapters, in PEFT's layout (`_export_lora`).
         """
         configured = self.job.config.export.dir
         target = out_dir if out_dir is not None else configured and self.job.loaded.resolve_path(configured)
         if target is None:
             raise TrainingError("no export directory: pass one or set export.dir in the config")
+        if self.job.config.peft.lora is not None:
+            return self._export_lora(Path(target))
         result = self.job.model_provider.prepare_export_model_stage(
             PrepareExportModelStageContext(
                 context=self.context, model=self.model, base_dir=self.job.loaded.base_dir
@@ -195,6 +207,43 @@ class RunLifecycle:
         self.context.barrier()
         _log.info("exported", dir=str(target), files=sorted(result.extra_files))
         return Path(target)
+
+    def _export_lora(self, target: Path) -> Path:
+        """Write `adapter_config.json` and `adapter_model.safetensors`, as `peft.PeftModel` loads them.
+
+        Every rank passes its adapters (its shards, its pipeline stages) to `save_safetensors` under
+        PEFT's keys, which assembles them on rank 0 (all ranks call it). The base weights are frozen, so
+        the base is the run's starting point: `base_model_name_or_path` is the provider's import folder
+        when it names one, else "." (the initial weights, which a run without `peft.lora` exports).
+        The reference model's module paths are Hugging Face's, so adapter keys need no renaming.
+        """
+        lora = self.job.config.peft.lora
+        assert lora is not None
+        state = {peft_key(name): tensor for name, tensor in lora_state_dict(self.model).items()}
+        staging = target / ".adapter-export"
+        save_safetensors(state, staging, max_shard_size=2**62)  # one file, whatever its size
+        if self.context.is_main_process:
+            (staging / "model.safetensors").replace(target / "adapter_model.safetensors")
+            shutil.rmtree(staging)
+            config = peft_adapter_config(lora, base_model_name_or_path=self._lora_base())
+            tmp = target / "adapter_config.json.tmp"
+            tmp.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+            tmp.replace(target / "adapter_config.json")
+        self.context.barrier()
+        _log.info("exported LoRA adapters", dir=str(target), tensors=len(state))
+        return target
+
+    def _lora_base(self) -> str:
+        prepare = getattr(self.job.model_provider, "prepare_import_model_stage", None)
+        if prepare is not None:
+            result = prepare(
+                PrepareImportModelStageContext(
+                    context=self.context, model=self.model, base_dir=self.job.loaded.base_dir
+                )
+            )
+            if result.folder is not None:
+                return str(result.folder)
+        return "."
 
 
 def _whole_model_mapper(mapper: StateMapper, pp_group: dist.ProcessGroup) -> StateMapper:
@@ -228,7 +277,16 @@ def _whole_model_mapper(mapper: StateMapper, pp_group: dist.ProcessGroup) -> Sta
 
 
 #: Config sections whose change on resume is worth a line each (what the run now does differently).
-_WATCHED = ("mesh", "data", "optimizer", "lr_scheduler", "trainer.schedule", "trainer.precision", "model")
+_WATCHED = (
+    "mesh",
+    "data",
+    "optimizer",
+    "lr_scheduler",
+    "trainer.schedule",
+    "trainer.precision",
+    "model",
+    "peft",
+)
 
 
 def config_changes(saved: Any, current: Any) -> dict[str, tuple[Any, Any]]:

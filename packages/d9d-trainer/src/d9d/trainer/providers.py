@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from d9d.data import DataProvider
 from d9d.mesh import DistributedContext
-from d9d.parallel import ActivationCheckpointingConfig, CompileConfig, MixedPrecision
+from d9d.parallel import ActivationCheckpointingConfig, CompileConfig, LoraConfig, MixedPrecision
 
 __all__ = [
     "BuildDataProviderContext",
@@ -85,7 +85,8 @@ class ParallelizeModelStageContext:
 
     It is called on every mesh, one process included (then `mesh` is None and the `parallelize_*`
     functions of d9d.parallel leave the module as it is). The usual order, as torchtitan's:
-    tensor parallel → expert parallel → `apply_activation_checkpointing(blocks,
+    tensor parallel → expert parallel → `apply_lora(model, lora)` (when set) →
+    `apply_activation_checkpointing(blocks,
     activation_checkpointing)` → `compile_blocks(blocks, compile)` → `parallelize_hsdp(model, mesh,
     blocks=blocks, precision=precision)`.
 
@@ -96,6 +97,9 @@ class ParallelizeModelStageContext:
         activation_checkpointing: `trainer.activation_checkpointing`, for
             `d9d.parallel.apply_activation_checkpointing`.
         compile: `trainer.compile`, for `d9d.parallel.compile_blocks` (before `parallelize_*`).
+        lora: `peft.lora`, or None: when set, call `d9d.parallel.apply_lora(model, lora)` after
+            tensor/expert/context parallelism and before activation checkpointing, compile and
+            `parallelize_hsdp` (the trainer refuses a LoRA job whose model got no adapters).
     """
 
     context: DistributedContext
@@ -109,6 +113,7 @@ class ParallelizeModelStageContext:
         default_factory=ActivationCheckpointingConfig
     )
     compile: CompileConfig = field(default_factory=CompileConfig)
+    lora: LoraConfig | None = None
 
     @property
     def mesh(self) -> DeviceMesh | None:
