@@ -31,6 +31,7 @@ from reference_model import (
 from d9d.data import TextDataset
 from d9d.parallel import (
     apply_activation_checkpointing,
+    apply_lora,
     compile_blocks,
     parallelize_context_parallel,
     parallelize_hsdp,
@@ -88,6 +89,8 @@ class HFModelProvider:
         model = context.model
         blocks = list(model.model.layers.values())
         parallelize_context_parallel(model, context.mesh)  # mesh.context_parallel > 1
+        if context.lora is not None:  # peft.lora: adapters on the frozen HF weights, before FSDP
+            apply_lora(model, context.lora)
         apply_activation_checkpointing(blocks, context.activation_checkpointing)
         compile_blocks(blocks, context.compile)
         parallelize_hsdp(model, context.mesh, blocks=blocks, precision=context.precision)

@@ -100,6 +100,29 @@ class CheckpointingConfig(_Section):
             raise ValueError(f"trainer.checkpointing.num_to_keep must be >= 1, got {self.num_to_keep}")
 
 
+class ProfilingConfig(_Section):
+    """`trainer.profiling`: torch.profiler Chrome traces of steps `start_step .. start_step + active_steps - 1`.
+
+    Each rank writes `<dir>/rank-<r>-step-<n>.json.gz` (default dir: `<run_dir>/profile`; a relative
+    dir is relative to the config file). `memory_snapshot` (CUDA only): record the allocator's history
+    over those steps and write `<dir>/rank-<r>-memory.pickle`, also on an out-of-memory error.
+    `active_steps: 0` (the default) profiles nothing.
+    """
+
+    start_step: int = 1
+    active_steps: int = 0
+    dir: str | None = None
+    memory_snapshot: bool = False
+
+    def __post_init__(self) -> None:
+        if self.start_step < 1:
+            raise ValueError(
+                f"trainer.profiling.start_step must be >= 1 (steps count from 1), got {self.start_step}"
+            )
+        if self.active_steps < 0:
+            raise ValueError(f"trainer.profiling.active_steps must be >= 0, got {self.active_steps}")
+
+
 class ResumeConfig(_Section):
     """How a run resumes from its checkpoint.
 
@@ -190,6 +213,7 @@ class TrainerConfig(_Section):
     precision: PrecisionConfig = PrecisionConfig()
     activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
     compile: CompileConfig = CompileConfig()
+    profiling: ProfilingConfig = ProfilingConfig()
 
 
 class OptimizerConfig(_Section):

@@ -30,6 +30,7 @@ from d9d.trainer.job import ResolvedJob, resolve_job
 from d9d.trainer.lifecycle import RunLifecycle
 from d9d.trainer.loading import LoadedJob, load_job_config
 from d9d.trainer.metrics import ProgressLine, device_peak_flops, model_flops_per_token
+from d9d.trainer.profiling import StepProfiler
 from d9d.trainer.providers import BuildDataProviderContext, BuildDatasetContext
 from d9d.trainer.records import METRICS_FILE, StepRecords, truncate_metrics
 from d9d.trainer.run_lock import RunLock
@@ -204,6 +205,9 @@ class Trainer:
             else None
         )
         self._faults = FaultInjection.from_env(ctx.rank)
+        prof = tcfg.profiling
+        profile_dir = job.loaded.resolve_path(prof.dir) if prof.dir is not None else self.run_dir / "profile"
+        self._profiler = StepProfiler(prof, profile_dir if prof.active_steps else None, ctx.rank, ctx.device)
         _log.info(
             "job built",
             run=tcfg.run.name,
@@ -331,7 +335,7 @@ class Trainer:
             try:
                 while self._step < total:
                     step_start = time.perf_counter()
-                    with self._watching(self._step + 1):
+                    with self._watching(self._step + 1), self._profiler.step(self._step + 1):
                         microbatches = next(data_iter)
                         self._faults.before_step(self._step + 1)
                         if flops_unknown:  # the sequence length is known from the first batch on
@@ -354,10 +358,14 @@ class Trainer:
             except Exception as caught:
                 exc: Exception = caught
                 if is_out_of_memory(caught):
+                    snapshot = None
+                    with contextlib.suppress(Exception):
+                        snapshot = self._profiler.dump_snapshot()
+                    seen = f"; memory snapshot: {snapshot}" if snapshot is not None else ""
                     exc = OutOfMemoryError(
                         f"out of {self._context.device} memory in step {self._step + 1} ({first_line(caught)}); "
                         "lower data.microbatch_size, set trainer.activation_checkpointing.mode: full, or shard the "
-                        "model over more ranks"
+                        f"model over more ranks{seen}"
                     )
                 if self._watchdog is not None:
                     self._watchdog.hold_if_exiting()

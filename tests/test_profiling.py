@@ -1,0 +1,34 @@
+"""`trainer.profiling` writes a torch.profiler Chrome trace per rank for each chosen step, and only
+those steps; the traces parse and hold the step's operators."""
+
+import gzip
+import json
+
+from _quickstart import overrides, records, train
+
+PROFILE = ["trainer.profiling={start_step: 2, active_steps: 2}"]
+
+
+def _trace(path) -> dict:
+    with gzip.open(path, "rt", encoding="utf-8") as file:
+        return json.load(file)
+
+
+def test_the_chosen_steps_are_traced_on_one_process(tmp_path):
+    train(1, overrides(tmp_path, "one", 4, *PROFILE))
+    profile = tmp_path / "one" / "profile"
+    assert sorted(p.name for p in profile.iterdir()) == ["rank-0-step-2.json.gz", "rank-0-step-3.json.gz"]
+    for path in profile.iterdir():
+        events = _trace(path)["traceEvents"]
+        names = {e.get("name", "") for e in events}
+        assert any(name.startswith("aten::") for name in names), sorted(names)[:20]
+        assert any("mm" in name for name in names)  # the step's matmuls are in it
+    assert [r["step"] for r in records(tmp_path / "one")] == [1, 2, 3, 4]
+
+
+def test_every_rank_writes_its_own_trace_under_fsdp_2(tmp_path):
+    profile_dir = tmp_path / "traces"
+    train(2, overrides(tmp_path, "fsdp", 2, "mesh.data_parallel_shard=2",
+                       f"trainer.profiling={{start_step: 1, active_steps: 1, dir: {profile_dir}}}"))  # fmt: skip
+    assert sorted(p.name for p in profile_dir.iterdir()) == ["rank-0-step-1.json.gz", "rank-1-step-1.json.gz"]
+    assert all(_trace(p)["traceEvents"] for p in profile_dir.iterdir())
