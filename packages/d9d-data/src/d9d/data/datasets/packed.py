@@ -125,23 +125,35 @@ def token_dtype(name: str | None, vocab_size: int | None = None) -> np.dtype:
     return dtype
 
 
-def find_text_files(sources: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[Path]:
-    """Text files named by `sources`: files as given, folders expanded to their *.txt files (sorted)."""
+def find_files(
+    sources: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], suffix: str, kind: str
+) -> list[Path]:
+    """Files named by `sources`: files as given, folders expanded to their `*<suffix>` files (sorted).
+
+    `kind` names them in errors ("text", "JSONL").
+    """
     items = [sources] if isinstance(sources, str | os.PathLike) else list(sources)
     files: list[Path] = []
     for item in items:
         path = Path(item)
         if path.is_dir():
-            found = sorted(p for p in path.rglob("*.txt") if p.is_file())
+            found = sorted(p for p in path.rglob(f"*{suffix}") if p.is_file())
             if not found:
                 raise DatasetError(
-                    f"the folder {path} holds no *.txt files; name text files or another folder"
+                    f"the folder {path} holds no *{suffix} files; name {kind} files or another folder"
                 )
             files.extend(found)
         elif path.is_file():
             files.append(path)
         else:
-            raise DatasetError(f"no text file or folder at {path}; check the path")
+            raise DatasetError(f"no {kind} file or folder at {path}; check the path")
     if not files:
-        raise DatasetError("no text sources were given; pass a text file, a folder of *.txt files or a list")
+        raise DatasetError(
+            f"no {kind} sources were given; pass a {kind} file, a folder of *{suffix} files or a list"
+        )
     return files
+
+
+def find_text_files(sources: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[Path]:
+    """Text files named by `sources`: files as given, folders expanded to their *.txt files (sorted)."""
+    return find_files(sources, ".txt", "text")

@@ -10,7 +10,7 @@ import msgspec
 import numpy as np
 import torch
 
-from d9d.data.datasets.packed import IGNORE_INDEX, CausalLMSample
+from d9d.data.datasets.packed import IGNORE_INDEX, CausalLMSample, find_files
 from d9d.data.datasets.tokenizer import ChatTokenizer, Tokenizer, resolve_tokenizer
 from d9d.data.errors import DatasetError, TokenizerError
 from d9d.data.packing import PADDING_DOCUMENT_ID, pack_lengths
@@ -261,24 +261,7 @@ class SFTDataset:
 
 def find_jsonl_files(sources: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[Path]:
     """JSONL files named by `sources`: files as given, folders expanded to their *.jsonl files (sorted)."""
-    items = [sources] if isinstance(sources, str | os.PathLike) else list(sources)
-    files: list[Path] = []
-    for item in items:
-        path = Path(item)
-        if path.is_dir():
-            found = sorted(p for p in path.rglob("*.jsonl") if p.is_file())
-            if not found:
-                raise DatasetError(
-                    f"the folder {path} holds no *.jsonl files; name JSONL files or another folder"
-                )
-            files.extend(found)
-        elif path.is_file():
-            files.append(path)
-        else:
-            raise DatasetError(f"no JSONL file or folder at {path}; check the path")
-    if not files:
-        raise DatasetError("no JSONL sources were given; pass a .jsonl file, a folder of them or a list")
-    return files
+    return find_files(sources, ".jsonl", "JSONL")
 
 
 def _read_records(files: list[Path]) -> Iterator[tuple[Path, int, dict[str, Any]]]:
