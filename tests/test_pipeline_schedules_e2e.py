@@ -53,6 +53,13 @@ def test_multi_stage_schedules_compose_with_fsdp_and_tp(tmp_path, reference, nam
     compare_runs(got, reference, rel=REL)
 
 
+def test_pp2_fsdp2_tp2_on_8_ranks_equals_one_process(tmp_path, reference):
+    """All three at once (interleaved 1F1B, two chunks per rank): 8 forked ranks on 2 cores, ~30 s."""
+    extra = ["mesh.data_parallel_shard=2", "mesh.tensor_parallel=2", "pipelining.schedule=interleaved_1f1b"]
+    got = train(8, _args(tmp_path, "pp2-fsdp2-tp2", STEPS, "mesh.pipeline_parallel=2", *extra), timeout=600)
+    compare_runs(got, reference, rel=REL)
+
+
 def test_interleaved_pipeline_with_fsdp_and_expert_parallel_on_the_moe_variant_equals_one_process(tmp_path):
     """A chunk may hold no MoE layer (the embedding-only stage): expert parallelism skips it."""
     expected = train(1, _args(tmp_path, "one-moe", STEPS, *MOE))
