@@ -8,6 +8,7 @@ the exception's chain (DCP's per-rank failures, causes, contexts) so that the sa
 
 import errno
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,23 +34,8 @@ def describe(exc: BaseException) -> str:
     return " ".join(f"{type(target).__name__}: {target}".split())
 
 
-def _no_space_cause(exc: BaseException) -> OSError | None:
-    """The ENOSPC OSError among `exc`'s causes and contexts (not `exc` itself), if there is one."""
-    seen: set[int] = set()
-    todo = [e for e in (exc.__cause__, exc.__context__) if e is not None]
-    while todo:
-        current = todo.pop()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        if isinstance(current, OSError) and current.errno == errno.ENOSPC:
-            return current
-        todo += [e for e in (current.__cause__, current.__context__) if e is not None]
-    return None
-
-
-def is_no_space(exc: BaseException) -> bool:
-    """Whether an ENOSPC is anywhere in `exc`'s chain (an error that lost its errno: by its text)."""
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """`exc` and every error under it, once each: causes, contexts and DCP's per-rank failures."""
     seen: set[int] = set()
     todo: list[BaseException] = [exc]
     while todo:
@@ -57,17 +43,31 @@ def is_no_space(exc: BaseException) -> bool:
         if id(current) in seen:
             continue
         seen.add(id(current))
-        if isinstance(current, OSError) and current.errno == errno.ENOSPC:
-            return True
-        if isinstance(current, CheckpointDiskFullError) or _NO_SPACE_TEXT in str(current):
-            return True
+        yield current
         if isinstance(current, CheckpointException):
             for failure in current.failures.values():
                 cause = failure[0] if isinstance(failure, tuple) else failure
                 if isinstance(cause, BaseException):
                     todo.append(cause)
         todo += [e for e in (current.__cause__, current.__context__) if e is not None]
-    return False
+
+
+def _is_enospc(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno == errno.ENOSPC
+
+
+def _no_space_cause(exc: BaseException) -> OSError | None:
+    """The ENOSPC OSError under `exc` (not `exc` itself), if there is one."""
+    found = next((e for e in _chain(exc) if e is not exc and _is_enospc(e)), None)
+    return found if isinstance(found, OSError) else None
+
+
+def is_no_space(exc: BaseException) -> bool:
+    """Whether an ENOSPC is anywhere in `exc`'s chain (an error that lost its errno: by its text)."""
+    return any(
+        _is_enospc(e) or isinstance(e, CheckpointDiskFullError) or _NO_SPACE_TEXT in str(e)
+        for e in _chain(exc)
+    )
 
 
 @dataclass(frozen=True)
