@@ -466,7 +466,7 @@ def test_sequence_per_rank_says_when_the_length_is_unknown(runner, cp_config):
 
 def test_sequence_length_error_is_the_trainers_message():
     from d9d.trainer import TrainingError
-    from d9d.trainer.trainer import _check_sequence_length  # the trainer's own check, to pin the text
+    from d9d.trainer.build import check_sequence_length as _check_sequence_length  # the trainer's own check
 
     with pytest.raises(TrainingError) as refused:
         _check_sequence_length(18, 2)

@@ -8,7 +8,7 @@ mesh, then trains with loss-weighted gradient accumulation, checkpoints, resumes
 """
 
 from d9d.trainer._materialize import ModelInitError, materialize_and_initialize
-from d9d.trainer.build import check_model_mesh, check_parallelisms_applied
+from d9d.trainer.build import check_model_mesh, check_parallelisms_applied, sequence_length_problem
 from d9d.trainer.builtins import (
     IGNORE_INDEX,
     AutoDataProviderFactory,
@@ -169,6 +169,7 @@ __all__ = [
     "resolve_job",
     "resolve_object",
     "run_job",
+    "sequence_length_problem",
     "truncate_metrics",
     "verdict_of",
 ]

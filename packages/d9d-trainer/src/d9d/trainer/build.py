@@ -192,6 +192,30 @@ def build_model(
     return model
 
 
+def sequence_length_problem(seq_len: object, context_parallel: int) -> str | None:
+    """Why context parallelism cannot cut the dataset's sequences of `seq_len` tokens (it cuts each
+    into 2·cp equal chunks), or None when it can (or the length is not known)."""
+    chunks = 2 * context_parallel
+    if context_parallel <= 1 or not isinstance(seq_len, int) or seq_len % chunks == 0:
+        return None
+    return (
+        f"the dataset's sequences have {seq_len} tokens, not divisible by 2 × mesh.context_parallel = "
+        f"{chunks} (context parallelism cuts each into {chunks} equal chunks); set the dataset's seq_len "
+        f"(e.g. dataset.seq_len) to a multiple of {chunks} or change mesh.context_parallel"
+    )
+
+
+def check_sequence_length(seq_len: object, context_parallel: int) -> None:
+    """Refuse a dataset sequence length that context parallelism cannot cut.
+
+    Raises:
+        TrainingError: with `sequence_length_problem`'s message.
+    """
+    problem = sequence_length_problem(seq_len, context_parallel)
+    if problem is not None:
+        raise TrainingError(problem)
+
+
 def check_vocabulary(model: nn.Module, data_vocab_size: int) -> None:
     """The model's input embedding must have a row for every id of the data's vocabulary.
 

@@ -2,7 +2,14 @@
 
 from d9d.mesh import D9dError
 
-__all__ = ["OutOfMemoryError", "PeerFailedError", "RunLockedError", "TrainingError", "is_out_of_memory"]
+__all__ = [
+    "OutOfMemoryError",
+    "PeerFailedError",
+    "RunLockedError",
+    "TrainingError",
+    "is_out_of_memory",
+    "step_out_of_memory",
+]
 
 _OOM_TEXT = ("out of memory", "not enough memory", "can't allocate memory", "defaultcpuallocator")
 
@@ -38,6 +45,18 @@ def is_out_of_memory(exc: BaseException) -> bool:
     if isinstance(exc, torch.OutOfMemoryError | MemoryError):
         return True
     return isinstance(exc, RuntimeError) and any(text in str(exc).lower() for text in _OOM_TEXT)
+
+
+def step_out_of_memory(
+    exc: BaseException, device: object, step: int, snapshot: object = None
+) -> OutOfMemoryError:
+    """The one error of a step that ran out of `device` memory: what to change, and the memory
+    snapshot written for it (`snapshot`, a path) when there is one."""
+    seen = f"; memory snapshot: {snapshot}" if snapshot is not None else ""
+    return OutOfMemoryError(
+        f"out of {device} memory in step {step} ({first_line(exc)}); lower data.microbatch_size, set "
+        "trainer.activation_checkpointing.mode: full, or shard the model over more ranks" + seen
+    )
 
 
 def first_line(exc: BaseException) -> str:

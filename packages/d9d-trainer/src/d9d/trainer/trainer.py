@@ -22,8 +22,8 @@ from d9d.ckpt import CheckpointManager
 from d9d.mesh import DistributedContext, configure_logging, get_logger
 from d9d.parallel import context_parallel_of, enable_tf32, merge_stage_modules, resolve_precision
 from d9d.trainer._fault_injection import FaultInjection
-from d9d.trainer.build import build_model, check_model_mesh
-from d9d.trainer.errors import OutOfMemoryError, TrainingError, first_line, is_out_of_memory
+from d9d.trainer.build import build_model, check_model_mesh, check_sequence_length
+from d9d.trainer.errors import TrainingError, is_out_of_memory, step_out_of_memory
 from d9d.trainer.evaluation import EvalResult, Evaluator, load_eval_set
 from d9d.trainer.failures import FailureBoard, job_store
 from d9d.trainer.job import ResolvedJob, resolve_job
@@ -35,7 +35,14 @@ from d9d.trainer.providers import BuildDataProviderContext, BuildDatasetContext
 from d9d.trainer.records import METRICS_FILE, StepRecords, truncate_metrics
 from d9d.trainer.run_lock import RunLock
 from d9d.trainer.signals import StopRequests
-from d9d.trainer.step import MicrobatchStep, PipelineStep, StepSettings, TrainStep, plan_pipeline_stage
+from d9d.trainer.step import (
+    MicrobatchStep,
+    PipelineStep,
+    StepSettings,
+    TrainStep,
+    plan_pipeline_stage,
+    token_group,
+)
 from d9d.trainer.watchdog import REPORT_GRACE_S, StepWatchdog
 
 __all__ = ["METRICS_FILE", "TrainResult", "Trainer", "TrainingError"]
@@ -126,7 +133,7 @@ class Trainer:
         stages: tuple[Any, ...] = (None,)
         if pipelined:
             layout, stages, n_microbatches = plan_pipeline_stage(job, ctx, self._data)
-        _check_sequence_length(
+        check_sequence_length(
             getattr(getattr(dataset, "dataset", None), "seq_len", None), config.mesh.context_parallel
         )
         vocab = getattr(getattr(dataset, "dataset", None), "vocab_size", None)
@@ -164,7 +171,7 @@ class Trainer:
             precision=precision,
             max_norm=tcfg.gradient_clipping.max_norm,
             on_nonfinite=tcfg.on_nonfinite,
-            dp_group=None if ctx.is_local else _token_group(ctx),
+            dp_group=None if ctx.is_local else token_group(ctx),
             pp_group=ctx.mesh("dense")["pp"] if pipelined else None,
             stop_requested=lambda: self._stops.requested,
             context_parallel=context_parallel_of(model),
@@ -361,12 +368,7 @@ class Trainer:
                     snapshot = None
                     with contextlib.suppress(Exception):
                         snapshot = self._profiler.dump_snapshot()
-                    seen = f"; memory snapshot: {snapshot}" if snapshot is not None else ""
-                    exc = OutOfMemoryError(
-                        f"out of {self._context.device} memory in step {self._step + 1} ({first_line(caught)}); "
-                        "lower data.microbatch_size, set trainer.activation_checkpointing.mode: full, or shard the "
-                        f"model over more ranks{seen}"
-                    )
+                    exc = step_out_of_memory(caught, self._context.device, self._step + 1, snapshot)
                 if self._watchdog is not None:
                     self._watchdog.hold_if_exiting()
                 with contextlib.suppress(Exception):  # keep what was trained before the failure
@@ -445,27 +447,6 @@ def _fit_cpu_threads(device: torch.device) -> int:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
         torch.set_num_threads(max(1, cores // max(1, local_world)))
     return torch.get_num_threads()
-
-
-def _token_group(ctx: DistributedContext) -> torch.distributed.ProcessGroup:
-    """The ranks holding different tokens of one global batch: dp × cp of the batch domain."""
-    batch = ctx.mesh("batch")
-    if ctx.axis_size("cp") == 1:
-        return batch.get_group("dp")
-    if ctx.axis_size("dp") == 1:
-        return batch.get_group("cp")
-    return batch["dp", "cp"]._flatten("dp_cp").get_group()
-
-
-def _check_sequence_length(seq_len: object, context_parallel: int) -> None:
-    """Context parallelism cuts every sequence into 2·cp equal chunks: refuse a length it cannot cut."""
-    if context_parallel > 1 and isinstance(seq_len, int) and seq_len % (2 * context_parallel):
-        raise TrainingError(
-            f"the dataset's sequences have {seq_len} tokens, not divisible by 2 × mesh.context_parallel = "
-            f"{2 * context_parallel} (context parallelism cuts each into {2 * context_parallel} equal chunks); "
-            f"set the dataset's seq_len (e.g. dataset.seq_len) to a multiple of {2 * context_parallel} or "
-            "change mesh.context_parallel"
-        )
 
 
 def _local_numel(param: torch.Tensor) -> int:

@@ -504,16 +504,13 @@ def sequence_length_error(seq_len: int, context_parallel: int, *, option: str | 
     For the dataset's length it is the trainer's message, word for word; `option` names the
     command-line option the length came from instead (`--seq-len`).
     """
+    from d9d.trainer import sequence_length_problem
+
     chunks = 2 * context_parallel
     if context_parallel <= 1 or seq_len % chunks == 0:
         return None
     if option is None:
-        return (
-            f"the dataset's sequences have {seq_len} tokens, not divisible by 2 × mesh.context_parallel = "
-            f"{chunks} (context parallelism cuts each into {chunks} equal chunks); "
-            f"set the dataset's seq_len (e.g. dataset.seq_len) to a multiple of {chunks} or "
-            "change mesh.context_parallel"
-        )
+        return sequence_length_problem(seq_len, context_parallel)
     return (
         f"{option} {seq_len} is not divisible by 2 × mesh.context_parallel = {chunks} (context "
         f"parallelism cuts each sequence into {chunks} equal chunks); pass a multiple of {chunks} or "

@@ -5,7 +5,7 @@ hands them to a pipeline schedule. Both keep the loss, the gradient norm and the
 device and make one host sync per step (the non-finite check), so the loop decides when to read them.
 """
 
-from d9d.trainer.step.base import StepOutput, StepSettings, TrainStep
+from d9d.trainer.step.base import StepOutput, StepSettings, TrainStep, token_group
 from d9d.trainer.step.microbatches import MicrobatchStep
 from d9d.trainer.step.pipeline import PipelineStep, pipeline_layout, plan_pipeline_stage
 
@@ -17,4 +17,5 @@ __all__ = [
     "TrainStep",
     "pipeline_layout",
     "plan_pipeline_stage",
+    "token_group",
 ]

@@ -13,7 +13,7 @@ from d9d.parallel import ContextParallel, MixedPrecision, clip_grad_norm_, grad_
 from d9d.trainer.errors import TrainingError
 from d9d.trainer.providers import Task
 
-__all__ = ["StepOutput", "StepSettings", "TrainStep"]
+__all__ = ["StepOutput", "StepSettings", "TrainStep", "token_group"]
 
 _log = get_logger("d9d.trainer")
 
@@ -51,6 +51,17 @@ class StepSettings:
     stop_requested: Callable[[], bool] | None = None
     context_parallel: ContextParallel | None = None
     """The cp group: each microbatch's sequences are split over it before the forward."""
+
+
+def token_group(ctx: Any) -> dist.ProcessGroup:
+    """The ranks holding different tokens of one global batch (`StepSettings.dp_group`): dp × cp of
+    the `DistributedContext`'s batch domain."""
+    batch = ctx.mesh("batch")
+    if ctx.axis_size("cp") == 1:
+        return batch.get_group("dp")
+    if ctx.axis_size("dp") == 1:
+        return batch.get_group("cp")
+    return batch["dp", "cp"]._flatten("dp_cp").get_group()
 
 
 class TrainStep(Protocol):
