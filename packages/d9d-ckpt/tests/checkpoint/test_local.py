@@ -216,3 +216,37 @@ def test_async_save_snapshots_the_state_and_commits_when_written(tmp_path):
     _assert_same_params(result["loaded"], result["saved"])
     assert result["extra"] == {"step": 2}
     assert result["steps"] == [2, 5]
+
+
+def _partly_frozen(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = tiny_model(seed)
+    model[0].requires_grad_(False)  # the "base" layer: frozen, like the weights under LoRA adapters
+    return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+
+def test_trainable_only_leaves_frozen_parameters_out_and_loads_just_the_rest(tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    model, opt = _partly_frozen(0)
+    for s in range(2):
+        train_step(model, opt, s)
+    with CheckpointManager(tmp_path, "run") as manager:
+        info = manager.save(2, model, opt, extra_state={"step": 2}, trainable_only=True)
+        expected = (train_step(model, opt, 2), eval_loss(model))
+        fresh, fresh_opt = _partly_frozen(0)  # the caller rebuilds the frozen weights (same seed)
+        frozen_before = fresh[0].weight.detach().clone()
+        manager.load(info, fresh, fresh_opt)
+        stored = set(FileSystemReader(str(info.path)).read_metadata().state_dict_metadata)
+
+    assert info.meta.trainable_only
+    assert not any(key.startswith("model.0.") for key in stored), sorted(stored)
+    assert {"model.2.weight", "model.2.bias"} <= stored
+    assert not any(".0." in key for key in stored if key.startswith("optimizer."))
+    torch.testing.assert_close(fresh[0].weight, frozen_before, rtol=0, atol=0)
+    assert (train_step(fresh, fresh_opt, 2), eval_loss(fresh)) == expected
+
+
+def test_a_full_checkpoint_is_not_trainable_only(tmp_path):
+    model, opt = _trained(1)
+    with CheckpointManager(tmp_path, "run") as manager:
+        assert not manager.save(1, model, opt).meta.trainable_only

@@ -56,6 +56,7 @@ class CheckpointMeta(msgspec.Struct, frozen=True, kw_only=True):
         mesh: the mesh degrees of the job that wrote it (`MeshConfig` fields), None if unknown.
         checksums: every file's checksum (`crc32:<hex>`, see `checksum.py`), computed by the rank
             that wrote it; None in checkpoints written before d9d recorded checksums.
+        trainable_only: the model's frozen parameters were left out (`save(trainable_only=True)`).
     """
 
     step: int
@@ -68,6 +69,7 @@ class CheckpointMeta(msgspec.Struct, frozen=True, kw_only=True):
     files: dict[str, int]
     format: int = FORMAT_VERSION
     checksums: dict[str, str] | None = None
+    trainable_only: bool = False
 
 
 @dataclass(frozen=True)

@@ -245,10 +245,15 @@ class CheckpointManager:
         *,
         extra_state: Mapping[str, Any] | None = None,
         rank_state: Mapping[str, Any] | None = None,
+        trainable_only: bool = False,
     ) -> CheckpointInfo | None:
         """Save the model (and optimizer) with the caller's state as checkpoint `step` (collective).
 
         Args:
+            trainable_only: leave out the model's frozen parameters (`requires_grad=False`, e.g. the
+                base weights under LoRA adapters); the checkpoint then holds the trainable ones, the
+                buffers and the optimizer state, and loading restores only those (the caller rebuilds
+                the frozen weights, e.g. from the base model's folder). Recorded in the commit marker.
             extra_state: plain data shared by all ranks (step, data state, LR scheduler, config);
                 rank 0's copy is written.
             rank_state: plain data of this rank alone (e.g. `capture_rng_state()`).
@@ -270,7 +275,7 @@ class CheckpointManager:
         own_files: dict[str, WrittenFile] = {}  # this rank's msgpack files: (size, checksum)
         try:
             step_dir_name(step)  # validates the step
-            state = _live_state(model, optimizer)
+            state = _live_state(model, optimizer, trainable_only=trainable_only)
             extra = encode_state(extra_state or {}, "extra_state")
             own = encode_state(rank_state, "rank_state") if rank_state is not None else None
             tmp.mkdir(parents=True, exist_ok=True)
@@ -289,7 +294,11 @@ class CheckpointManager:
         if len({s for s, _ in votes}) != 1:
             raise CheckpointError(f"ranks disagree on the step to save: {[s for s, _ in votes]}")
 
-        meta = {"world_size": self._group.world_size, "has_optimizer": optimizer is not None}
+        meta = {
+            "world_size": self._group.world_size,
+            "has_optimizer": optimizer is not None,
+            "trainable_only": trainable_only,
+        }
         writer = ChecksummingWriter(tmp)
         if not self._async:
             try:
@@ -415,6 +424,7 @@ class CheckpointManager:
             world_size=meta["world_size"],
             mesh=self._mesh,
             has_optimizer=meta["has_optimizer"],
+            trainable_only=meta["trainable_only"],
             files=files,
             checksums={name: checksum for name, (_, checksum) in written.items()},
         )
@@ -517,7 +527,9 @@ class CheckpointManager:
                 damage.append(str(report.metadata_error))
             else:
                 try:
-                    state = _live_state(model, optimizer, info.meta.format)
+                    state = _live_state(
+                        model, optimizer, info.meta.format, trainable_only=info.meta.trainable_only
+                    )
                 except Exception as exc:
                     problems.append(f"the model's state dict cannot be built: {describe(exc)}")
                 else:
@@ -553,15 +565,16 @@ class CheckpointManager:
                         process_group=self._group.group,
                         no_dist=self._local,
                     )
+                options = _options(info.meta.format, trainable_only=info.meta.trainable_only)
                 if optimizer is None:
-                    set_model_state_dict(model, state["model"])
+                    set_model_state_dict(model, state["model"], options=options)
                 else:
                     set_state_dict(
                         model,
                         optimizer,
                         model_state_dict=state["model"],
                         optim_state_dict=state["optimizer"],
-                        options=_options(info.meta.format),
+                        options=options,
                     )
             except Exception as exc:
                 raise CheckpointDamagedError(
@@ -614,23 +627,33 @@ def _remove_quietly(path: Path) -> None:
             remove(path)
 
 
-def _options(checkpoint_format: int) -> StateDictOptions:
+def _options(checkpoint_format: int, *, trainable_only: bool = False) -> StateDictOptions:
     """How the optimizer state is laid out: flattened per parameter name from format 2 on.
 
     Flattened, every parameter's state and hyperparameters have keys of their own, so ranks that hold
     other parameters (another pipeline degree or schedule) each load their own; nested (format 1),
-    the parameter groups are one object that only fits the layout that wrote it.
+    the parameter groups are one object that only fits the layout that wrote it. `trainable_only`:
+    frozen parameters are neither written nor loaded (so loading is not strict about them).
     """
-    return StateDictOptions(flatten_optimizer_state_dict=checkpoint_format >= 2)
+    return StateDictOptions(
+        flatten_optimizer_state_dict=checkpoint_format >= 2,
+        ignore_frozen_params=trainable_only,
+        strict=not trainable_only,
+    )
 
 
 def _live_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None, checkpoint_format: int = FORMAT_VERSION
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    checkpoint_format: int = FORMAT_VERSION,
+    *,
+    trainable_only: bool = False,
 ) -> dict[str, Any]:
     """The sharded (DTensor where distributed) state dicts to write from or load into."""
+    options = _options(checkpoint_format, trainable_only=trainable_only)
     if optimizer is None:
-        return {"model": get_model_state_dict(model)}
-    model_state, optim_state = get_state_dict(model, optimizer, options=_options(checkpoint_format))
+        return {"model": get_model_state_dict(model, options=options)}
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
     return {"model": model_state, "optimizer": optim_state}
 
 
