@@ -27,6 +27,7 @@ from d9d.parallel import (
     lora_state_dict,
     loss_parallel,
     merge_lora,
+    merged_state_dict,
     parallelize_fsdp,
     parallelize_tensor_parallel,
     peft_adapter_config,
@@ -379,6 +380,10 @@ def _train_in(parallelize, ctx: DistributedContext | None):
         k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
         for k, v in model.state_dict().items()
     }
+    merged_state = {  # the adapters folded in, on this layout (DTensor math under FSDP / TP)
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).clone()
+        for k, v in merged_state_dict(model).items()
+    }
     merge_error = None
     if not any(isinstance(m, FSDPModule) for m in model.modules()):
         with torch.no_grad(), loss_parallel():
@@ -388,7 +393,10 @@ def _train_in(parallelize, ctx: DistributedContext | None):
         if isinstance(merged, DTensor):
             merged, unmerged = merged.full_tensor(), unmerged.full_tensor()
         merge_error = float((merged - unmerged).abs().max())
-    return losses, state, memory, placements, merge_error
+        for name, value in model.state_dict().items():  # merge_lora leaves what merged_state_dict said
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            torch.testing.assert_close(full, merged_state[name], rtol=1e-6, atol=1e-7)
+    return losses, state, memory, placements, merge_error, merged_state
 
 
 def _none(model, ctx, *, before_lora):
@@ -416,9 +424,9 @@ def _lora_first_then_tp_fsdp(model, ctx, *, before_lora):
 
 
 def _compare(config: MeshConfig, parallelize):
-    want_losses, want_state, _, _, want_merge_error = _train(_none, None)
+    want_losses, want_state, _, _, want_merge_error, want_merged = _train(_none, None)
     results = run_distributed(_train, config.world_size, parallelize, config)
-    losses, state, _, _, merge_error = results[0]
+    losses, state, _, _, merge_error, merged = results[0]
     assert want_merge_error < 1e-5
     assert merge_error is None or merge_error < 1e-5  # merge_lora on a tensor-parallel model
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=1e-6)
@@ -427,7 +435,12 @@ def _compare(config: MeshConfig, parallelize):
         torch.testing.assert_close(
             state[name], value, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
         )
-    for _, _, rank_memory, _, _ in results:
+    assert merged.keys() == want_merged.keys() and not any(".lora_" in k for k in merged)
+    for name, value in want_merged.items():
+        torch.testing.assert_close(
+            merged[name], value, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+        )
+    for _, _, rank_memory, _, _, _ in results:
         assert rank_memory["grads"] == rank_memory["adapter"] == rank_memory["state"]
         assert rank_memory["frozen_with_grad"] == 0
     return results, want_state
@@ -435,7 +448,7 @@ def _compare(config: MeshConfig, parallelize):
 
 def test_fsdp2_matches_one_process():
     results, want_state = _compare(MeshConfig(data_parallel_shard=2), _fsdp)
-    _, _, memory, placements, _ = results[0]
+    _, _, memory, placements, _, _ = results[0]
     assert placements["blocks.0.attn.q.lora_A.weight"] == (Shard(0),)
     # the adapters moved, the frozen weights did not
     assert torch.count_nonzero(want_state["blocks.0.attn.q.lora_B.weight"]) > 0

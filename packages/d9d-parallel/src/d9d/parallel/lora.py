@@ -46,6 +46,7 @@ __all__ = [
     "lora_parameters",
     "lora_state_dict",
     "merge_lora",
+    "merged_state_dict",
     "peft_adapter_config",
     "peft_key",
     "peft_state_dict",
@@ -390,6 +391,34 @@ def peft_adapter_config(
     }
 
 
+def _merged_weight(module: nn.Module) -> torch.Tensor:
+    """W + B @ A * scale of one adapted Linear, in W's dtype and (DTensor) placements."""
+    weight = module.weight.detach()
+    delta = (module.lora_B.weight.detach() @ module.lora_A.weight.detach()) * getattr(module, _SCALE_ATTR)
+    if isinstance(weight, DTensor) and isinstance(delta, DTensor):
+        delta = delta.redistribute(weight.device_mesh, weight.placements)
+    return weight + delta.to(weight.dtype)
+
+
+@torch.no_grad()
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict with every adapter folded into its base weight, the adapters left out.
+
+    What `merge_lora` would leave, without changing the model, and on any layout: under FSDP2 and
+    tensor parallelism the merged weights are DTensors with their base weight's placements (each
+    `B @ A` gathers only the small factors), so an exporter streams them shard by shard. Keys are the
+    base model's (`<path>.weight`), ready for the provider's export mapper.
+    """
+    state = dict(model.state_dict())
+    for path, module in model.named_modules():
+        if isinstance(getattr(module, "lora_A", None), LoraA):
+            prefix = f"{path}." if path else ""
+            state[f"{prefix}weight"] = _merged_weight(module)
+            for key in (f"{prefix}lora_A.weight", f"{prefix}lora_B.weight"):
+                state.pop(key, None)
+    return state
+
+
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> list[str]:
     """Fold each adapter into its base weight (W += B @ A * scale) and remove it; returns the paths.
@@ -408,11 +437,7 @@ def merge_lora(model: nn.Module) -> list[str]:
         lora_a = getattr(module, "lora_A", None)
         if not isinstance(lora_a, LoraA):
             continue
-        weight = module.weight
-        delta = (module.lora_B.weight @ lora_a.weight) * getattr(module, _SCALE_ATTR)
-        if isinstance(weight, DTensor) and isinstance(delta, DTensor):
-            delta = delta.redistribute(weight.device_mesh, weight.placements)
-        weight.add_(delta.to(weight.dtype))
+        module.weight.copy_(_merged_weight(module))
         del module.lora_A, module.lora_B, module.lora_dropout
         merged.append(path)
     return merged
