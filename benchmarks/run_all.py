@@ -37,6 +37,7 @@ BENCHMARKS: list[tuple[str, list[str]]] = [
     ("host_syncs", []),
     ("grad_accumulation", []),
     ("context_parallel", ["--seq", "1024", "4096"]),
+    ("lora_memory", []),
 ]
 
 

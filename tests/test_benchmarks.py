@@ -9,29 +9,42 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_gpu_throughput_tiny_mode_runs_every_cpu_phase(tmp_path):
+def _run(tmp_path: Path, script: str, *args: str, timeout: int) -> tuple[str, list[dict]]:
+    """Run benchmarks/<script> with `--json`; its stdout and its rows (fails on a non-zero exit)."""
     out = tmp_path / "rows.json"
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_throughput.py"), "--tiny", "--json", str(out)],
-        capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"),
+        [sys.executable, str(ROOT / "benchmarks" / script), *args, "--json", str(out)],
+        capture_output=True, text=True, timeout=timeout, env=dict(os.environ, OMP_NUM_THREADS="1"),
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    return done.stdout, json.loads(out.read_text())
+
+
+def test_gpu_throughput_tiny_mode_runs_every_cpu_phase(tmp_path):
+    stdout, rows = _run(tmp_path, "gpu_throughput.py", "--tiny", timeout=600)
     for phase in ("fp32", "bf16", "bf16+full-ac", "plain-bf16"):
-        assert any(line.startswith(phase + " ") for line in done.stdout.splitlines()), (phase, done.stdout)
-    rows = json.loads(out.read_text())
+        assert any(line.startswith(phase + " ") for line in stdout.splitlines()), (phase, stdout)
     assert [r["name"] for r in rows] == ["gpu step: d9d bf16 / plain bf16 loop"]
     assert rows[0]["ratio"] > 0
 
 
 def test_context_parallel_small_mode_counts_every_part_at_cp_1_2_4(tmp_path):
-    out = tmp_path / "rows.json"
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "context_parallel.py"), "--seq", "64", "--cp", "1", "2", "4",
-         "--repeats", "1", "--warmup", "0", "--json", str(out)],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"),
+    stdout, rows = _run(
+        tmp_path, "context_parallel.py", "--seq", "64", "--cp", "1", "2", "4", "--repeats", "1", "--warmup", "0",
+        timeout=300,
     )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    table = [cells for cells in map(str.split, done.stdout.splitlines()) if cells and cells[0].isdigit()]
-    assert [(cells[0], cells[1]) for cells in table] == [("64", "1"), ("64", "2"), ("64", "4")], done.stdout
-    rows = json.loads(out.read_text())
+    table = [cells for cells in map(str.split, stdout.splitlines()) if cells and cells[0].isdigit()]
+    assert [(cells[0], cells[1]) for cells in table] == [("64", "1"), ("64", "2"), ("64", "4")], stdout
     assert len(rows) == 8 and all(r["ratio"] > 0 for r in rows), rows
+
+
+def test_lora_memory_tiny_mode_counts_grads_and_state_for_adapters_only(tmp_path):
+    stdout, rows = _run(tmp_path, "lora_memory.py", "--tiny", timeout=300)  # it asserts: adapters only
+    for label in ("gradient bytes", "optimizer state bytes", "trainable parameters"):
+        assert any(line.startswith(label + " ") for line in stdout.splitlines()), (label, stdout)
+    assert [r["name"] for r in rows] == [
+        "LoRA / full: gradient bytes",
+        "LoRA / full: optimizer state bytes",
+        "LoRA / full: parameter bytes",
+    ]
+    assert 0 < rows[0]["ratio"] < 1 and 0 < rows[1]["ratio"] < 1, rows
