@@ -12,6 +12,7 @@ from d9d.mesh import get_logger
 from d9d.parallel import ContextParallel, MixedPrecision, clip_grad_norm_, grad_norm
 from d9d.trainer.errors import TrainingError
 from d9d.trainer.providers import Task
+from d9d.trainer.timing import StepTimer
 
 __all__ = ["StepOutput", "StepSettings", "TrainStep", "token_group"]
 
@@ -51,6 +52,8 @@ class StepSettings:
     stop_requested: Callable[[], bool] | None = None
     context_parallel: ContextParallel | None = None
     """The cp group: each microbatch's sequences are split over it before the forward."""
+    timer: StepTimer | None = None
+    """Where the step marks the end of its forward+backward and optimizer phases (None: nowhere)."""
 
 
 def token_group(ctx: Any) -> dist.ProcessGroup:
@@ -111,12 +114,24 @@ class StepBase:
         dist.all_reduce(value, group=group)
         return value
 
+    def mark(self, phase: str) -> None:
+        """End the step's `phase` (see `d9d.trainer.timing`) on the settings' timer, if any; never syncs."""
+        if self.settings.timer is not None:
+            self.settings.timer.mark(phase)
+
     def finish(self, loss: torch.Tensor, weight: torch.Tensor, step: int) -> StepOutput:
         """Clip (or measure) the global grad norm, then update, unless the loss or norm is not finite.
 
         The finiteness check is the step's one host sync; a global batch without weight shows here
-        too (its loss is 0/0).
+        too (its loss is 0/0). Marks the end of the "forward_backward" phase on entry and of
+        "optimizer" (clip, step, LR step) on return.
         """
+        self.mark("forward_backward")
+        output = self._update(loss, weight, step)
+        self.mark("optimizer")
+        return output
+
+    def _update(self, loss: torch.Tensor, weight: torch.Tensor, step: int) -> StepOutput:
         settings = self.settings
         params = [p for p in self.model.parameters() if p.grad is not None]
         if settings.max_norm is not None:

@@ -50,7 +50,8 @@ class PipelineStep(StepBase):
         return result.loss_sum / self._scale
 
     def run(self, microbatches: Sequence[Any], step: int) -> StepOutput:
-        """One optimizer step: the schedule's forward/backward, then the shared update."""
+        """One optimizer step: the schedule's forward/backward (one "forward_backward" phase of the
+        step-time breakdown: the schedule interleaves them), then the shared update."""
         device = self.settings.device
         microbatches = self.local_part(microbatches)
         weight = self.global_weight(microbatches)
