@@ -9,7 +9,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from _quickstart import CONFIG, NO_CLIP, SGD, compare_runs, overrides, run_forked, train
+from _quickstart import CONFIG, NO_CLIP, SGD, compare_runs, exported_weights, overrides, run_forked, train
 
 LORA = r"peft.lora={rank: 4, alpha: 8, target_modules: ['.*\.(q_proj|v_proj)']}"
 STEPS = 3
@@ -61,10 +61,10 @@ def _export_base(args: list[str]) -> None:
         trainer.export()
 
 
-def test_lora_fsdp2_equals_one_process(tmp_path):
+def test_lora_fsdp2_equals_one_process_and_exports_adapter_and_merged(tmp_path):
     from safetensors.torch import load_file
 
-    args = [*SGD, *NO_CLIP, LORA, "trainer.checkpointing.period_steps=0"]
+    args = [*SGD, *NO_CLIP, LORA, "trainer.checkpointing.period_steps=0", "export.lora=both"]
     one = train(1, overrides(tmp_path, "one", STEPS, *args, f"export.dir={tmp_path / 'x1'}"))
     fsdp = train(
         2,
@@ -74,15 +74,25 @@ def test_lora_fsdp2_equals_one_process(tmp_path):
     )
     assert any(_is_adapter(n) for n in one.weights)
     compare_runs(fsdp, one, rel=1e-5)
-    # the adapter export of the sharded run is gathered whole, and equals the one-process one
-    a, b = (load_file(tmp_path / x / "adapter_model.safetensors") for x in ("x1", "x2"))
+    # the exports of the sharded run are gathered whole, and equal the one-process ones
+    a, b = (load_file(tmp_path / x / "adapter" / "adapter_model.safetensors") for x in ("x1", "x2"))
     assert sorted(a) == sorted(b) and len(a) == 8
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-7)
-    assert sorted(p.name for p in (tmp_path / "x2").iterdir()) == [
+    assert sorted(p.name for p in (tmp_path / "x2" / "adapter").iterdir()) == [
         "adapter_config.json",
         "adapter_model.safetensors",
     ]
+    merged_one, merged_fsdp = (exported_weights(tmp_path / x / "merged") for x in ("x1", "x2"))
+    assert sorted(merged_one) == sorted(merged_fsdp) and not any("lora" in k for k in merged_one)
+    for key in merged_one:
+        torch.testing.assert_close(merged_fsdp[key], merged_one[key], rtol=1e-5, atol=1e-7)
+    # merged = base + B @ A * alpha / rank, the adapters from the adapter export
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    delta = a[f"{prefix}.lora_B.weight"] @ a[f"{prefix}.lora_A.weight"] * (8 / 4)
+    assert float(delta.abs().max()) > 0
+    q = "model.layers.0.self_attn.q_proj.weight"
+    torch.testing.assert_close(merged_one[q], one.weights[q] + delta, rtol=1e-5, atol=1e-6)
 
 
 def test_lora_trains_only_adapters_and_exports_what_peft_loads(tmp_path):
@@ -180,11 +190,34 @@ def test_lora_starts_from_the_imported_base_and_names_it(tmp_path):
     for name, tensor in imported.items():
         assert torch.equal(result["weights"][name], tensor), f"{name} is not the imported base's"
     assert json.loads((export / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
+    # its checkpoint names that base; a folder that now holds other tensors is refused on resume
+    from safetensors.torch import save_file
+
+    save_file({"extra": torch.zeros(2)}, base / "extra.safetensors")
+    lora = overrides(
+        tmp_path, "lora", STEPS + 1, *common, LORA, f"providers.model={provider}:ImportingProvider"
+    )
+    with pytest.raises(AssertionError, match=r"the base folder of LoRA checkpoint .* changed"):
+        train(1, lora)
 
 
-def test_lora_resumes_from_its_full_checkpoint(tmp_path):
+def test_lora_checkpoints_hold_only_the_adapters_and_resume_on_their_base(tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
     args = [*SGD, "optimizer.momentum=0.9", *NO_CLIP, LORA, "trainer.checkpointing.period_steps=2"]
     straight = train(1, overrides(tmp_path, "straight", 4, *args))
     train(1, overrides(tmp_path, "resumed", 2, *args))
+    stored = FileSystemReader(str(tmp_path / "resumed" / "save-2")).read_metadata().state_dict_metadata
+    model_keys = sorted(k.removeprefix("model.") for k in stored if k.startswith("model."))
+    assert len(model_keys) == 8 and all(_is_adapter(k) for k in model_keys), model_keys
+    assert all(_is_adapter(k) for k in stored if k.startswith("optimizer.state."))
     resumed = train(1, overrides(tmp_path, "resumed", 4, *args))
-    compare_runs(resumed, straight, rel=0)
+    compare_runs(resumed, straight, rel=0)  # the base was rebuilt as it was: bit-exact
+    # the adapters only fit the base they were trained on: another seed's initialization is refused
+    with pytest.raises(
+        AssertionError, match=r"the base of LoRA checkpoint .* was the initialization of seed 0"
+    ):
+        train(1, overrides(tmp_path, "resumed", 6, *args, "trainer.determinism.seed=1"))
+    without = [a for a in args if a != LORA]
+    with pytest.raises(AssertionError, match=r"holds only LoRA adapters .* has no peft.lora"):
+        train(1, overrides(tmp_path, "resumed", 6, *without))

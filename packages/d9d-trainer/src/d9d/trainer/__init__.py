@@ -38,6 +38,7 @@ from d9d.trainer.config import (
     RunConfig,
     ScheduleConfig,
     TimeoutsConfig,
+    TrackingConfig,
     TrainerConfig,
 )
 from d9d.trainer.entry import main, run_job
@@ -147,6 +148,7 @@ __all__ = [
     "StopRequests",
     "Task",
     "TimeoutsConfig",
+    "TrackingConfig",
     "TrainResult",
     "TrainStep",
     "Trainer",

@@ -34,6 +34,7 @@ __all__ = [
     "RunConfig",
     "ScheduleConfig",
     "TimeoutsConfig",
+    "TrackingConfig",
     "TrainerConfig",
 ]
 
@@ -121,6 +122,35 @@ class ProfilingConfig(_Section):
             )
         if self.active_steps < 0:
             raise ValueError(f"trainer.profiling.active_steps must be >= 0, got {self.active_steps}")
+
+
+class TrackingConfig(_Section):
+    """`trainer.tracking`: experiment trackers that receive every metrics.jsonl record (`d9d.trainer.tracking`).
+
+    `backends`: any of `jsonl` (metrics.jsonl, always written, listed or not), `tensorboard`, `wandb`
+    and `mlflow`; each of the last three is an extra of d9d-trainer (`d9d-trainer[wandb]`). Rank 0
+    writes. `project`: the W&B project and the MLflow experiment. `tensorboard_dir`: the event files
+    (default `<run_dir>/tensorboard`). `wandb_mode`: `online`, `offline` (files only, `wandb sync`
+    later) or null (W&B's own default: `WANDB_MODE`, else online); `wandb_entity`: the W&B team or
+    user (null: the default one); `wandb_dir`: where W&B keeps its files (default `<run_dir>`).
+    `mlflow_tracking_uri`: the MLflow store (default `file:<run_dir>/mlruns`). Relative dirs are
+    relative to the config file.
+    """
+
+    backends: tuple[Literal["jsonl", "tensorboard", "wandb", "mlflow"], ...] = ("jsonl",)
+    project: str = "d9d"
+    tensorboard_dir: str | None = None
+    wandb_mode: Literal["online", "offline"] | None = None
+    wandb_entity: str | None = None
+    wandb_dir: str | None = None
+    mlflow_tracking_uri: str | None = None
+
+    def __post_init__(self) -> None:
+        repeated = sorted({b for b in self.backends if self.backends.count(b) > 1})
+        if repeated:
+            raise ValueError(f"trainer.tracking.backends names {', '.join(repeated)} more than once")
+        if not self.project.strip():
+            raise ValueError("trainer.tracking.project must not be empty")
 
 
 class ResumeConfig(_Section):
@@ -214,6 +244,7 @@ class TrainerConfig(_Section):
     activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
     compile: CompileConfig = CompileConfig()
     profiling: ProfilingConfig = ProfilingConfig()
+    tracking: TrackingConfig = TrackingConfig()
 
 
 class OptimizerConfig(_Section):
@@ -289,10 +320,16 @@ class PipeliningConfig(_Section):
 
 
 class ExportConfig(_Section):
-    """Where `Trainer.export()` writes safetensors at the end of training (null: no export)."""
+    """Where `Trainer.export()` writes safetensors at the end of training (null: no export).
+
+    `lora` (a run with `peft.lora`): "adapter" writes the adapters alone in PEFT's layout, "merged"
+    the base model with the adapters folded in, through the provider's export mapper (e.g. a
+    Hugging Face folder), "both" the two side by side in `dir/adapter` and `dir/merged`.
+    """
 
     dir: str | None = None
     shard_size_mb: int = 2048
+    lora: Literal["adapter", "merged", "both"] = "adapter"
 
     def __post_init__(self) -> None:
         if self.shard_size_mb <= 0:

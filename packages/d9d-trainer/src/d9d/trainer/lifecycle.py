@@ -1,8 +1,10 @@
 """A run's lifecycle around the loop: resume from its latest checkpoint (or import starting weights),
 save checkpoints, export. The checkpoint mechanics themselves are d9d.ckpt's."""
 
+import hashlib
 import json
 import shutil
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,11 +25,21 @@ from d9d.ckpt import (
     save_safetensors,
 )
 from d9d.mesh import DistributedContext, get_logger
-from d9d.parallel import lora_parameter_names, lora_state_dict, peft_adapter_config, peft_key
+from d9d.parallel import (
+    lora_parameter_names,
+    lora_state_dict,
+    merged_state_dict,
+    peft_adapter_config,
+    peft_key,
+)
 from d9d.trainer.config import OptimizerConfig, ProvidersConfig
 from d9d.trainer.errors import TrainingError
 from d9d.trainer.job import ResolvedJob
-from d9d.trainer.providers import PrepareExportModelStageContext, PrepareImportModelStageContext
+from d9d.trainer.providers import (
+    PrepareExportModelStageContext,
+    PrepareImportModelStageContext,
+    PrepareImportModelStageResult,
+)
 
 __all__ = ["RunLifecycle", "config_changes", "optimizer_change"]
 
@@ -46,6 +58,8 @@ class RunLifecycle:
     data: Any
     checkpoints: CheckpointManager
     pipelined: bool = False
+    _import: PrepareImportModelStageResult | None = None
+    _base: dict[str, Any] | None = None
 
     @property
     def run_dir(self) -> Path:
@@ -74,7 +88,11 @@ class RunLifecycle:
         if latest is None:
             self._import_source_weights()
             return None
-        saved_config = self.checkpoints.read_extra_state(latest).get("config")
+        saved = self.checkpoints.read_extra_state(latest)
+        saved_config = saved.get("config")
+        if latest.meta.trainable_only:  # a LoRA checkpoint: the frozen base comes from where it came
+            self._check_base(latest.path, saved.get("lora_base"))
+            self._import_source_weights()
         changed = optimizer_change(saved_config, self.job.loaded.raw)
         reset = changed is not None
         if reset and not self.job.config.trainer.resume.reset_optimizer:
@@ -127,16 +145,68 @@ class RunLifecycle:
                 now=new[0],
             )
 
-    def _import_source_weights(self) -> None:
-        prepare = getattr(self.job.model_provider, "prepare_import_model_stage", None)
-        if prepare is None:
-            return
-        result = prepare(
-            PrepareImportModelStageContext(
-                context=self.context, model=self.model, base_dir=self.job.loaded.base_dir
+    def _import_source(self) -> PrepareImportModelStageResult | None:
+        """The provider's import folder and mapper (asked once), or None when it names none."""
+        if self._import is None:
+            prepare = getattr(self.job.model_provider, "prepare_import_model_stage", None)
+            if prepare is None:
+                return None
+            self._import = prepare(
+                PrepareImportModelStageContext(
+                    context=self.context, model=self.model, base_dir=self.job.loaded.base_dir
+                )
             )
-        )
-        if result.folder is None:
+        return self._import if self._import.folder is not None else None
+
+    def _base_reference(self) -> dict[str, Any]:
+        """What a LoRA checkpoint records of its frozen base: the import folder and a fingerprint of
+        its safetensors (names, sizes, headers: which tensors, shapes and dtypes), or, without a
+        folder, the seed and `model:` section that initialize it."""
+        if self._base is None:
+            source = self._import_source()
+            if source is None:
+                raw = self.job.loaded.raw
+                self._base = {
+                    "folder": None,
+                    "seed": self.job.config.trainer.determinism.seed,
+                    "model": raw.get("model") if isinstance(raw, dict) else None,
+                }
+            else:
+                folder = Path(source.folder)
+                self._base = {"folder": str(folder.resolve()), "fingerprint": _fingerprint(folder)}
+        return self._base
+
+    def _check_base(self, checkpoint: Path, saved: Any) -> None:
+        """Refuse to put a LoRA checkpoint's adapters on another base than the one they were trained on."""
+        if self.job.config.peft.lora is None:
+            raise TrainingError(
+                f"checkpoint {checkpoint} holds only LoRA adapters (its run had peft.lora) but this config has "
+                "no peft.lora; restore the peft section, or start a new run (another trainer.run.name)"
+            )
+        now = self._base_reference()
+        if not isinstance(saved, dict):
+            raise TrainingError(f"LoRA checkpoint {checkpoint} records no base model; start a new run")
+        if saved.get("folder") is None or now["folder"] is None:
+            if saved != now:
+                raise TrainingError(
+                    f"the base of LoRA checkpoint {checkpoint} was {_describe_base(saved)}, this run's is "
+                    f"{_describe_base(now)}; its adapters only fit that base: restore it, or start a new run"
+                )
+            return
+        if saved.get("fingerprint") != now["fingerprint"]:
+            raise TrainingError(
+                f"the base folder of LoRA checkpoint {checkpoint} changed: it was {saved['folder']}, and "
+                f"{now['folder']} now holds other tensors (names, shapes or dtypes); its adapters only fit "
+                "the base they were trained on: restore that folder, or start a new run"
+            )
+        if saved["folder"] != now["folder"]:
+            _log.warning(
+                "LoRA base folder moved (same tensors)", checkpoint=saved["folder"], now=now["folder"]
+            )
+
+    def _import_source_weights(self) -> None:
+        result = self._import_source()
+        if result is None:
             return
         target: nn.Module | dict[str, torch.Tensor] = self.model
         if self.job.config.peft.lora is not None:  # the folder is the base: adapters keep their init
@@ -148,15 +218,23 @@ class RunLifecycle:
 
     def save(self, step: int) -> None:
         """Save model, optimizer, data position, LR schedule, RNG and config as `save-<step>`."""
+        lora = self.job.config.peft.lora is not None
         extra = {
             "step": step,
             "data": self.data.state_dict(),
             "lr_scheduler": _plain(self.scheduler.state_dict()),
             "config": self.job.loaded.raw,
             "config_dir": str(self.job.loaded.base_dir.resolve()),
+            **({"lora_base": self._base_reference()} if lora else {}),
         }
+        # A LoRA run's checkpoint holds the adapters (and their optimizer state), not the frozen base.
         self.checkpoints.save(
-            step, self.model, self.optimizer, extra_state=extra, rank_state=capture_rng_state()
+            step,
+            self.model,
+            self.optimizer,
+            extra_state=extra,
+            rank_state=capture_rng_state(),
+            trainable_only=lora,
         )
         _log.info("checkpoint saved", step=step, run_dir=str(self.run_dir))
 
@@ -176,14 +254,28 @@ class RunLifecycle:
         own shards (a whole tensor only for a partial sum they reduce). When the pp ranks' mappers
         differ (each built from its own stage), their union is used, stage by stage.
 
-        A LoRA run (`peft.lora` set) exports only its adapters, in PEFT's layout (`_export_lora`).
+        A LoRA run (`peft.lora` set) exports as `export.lora` says: its adapters in PEFT's layout
+        (`_export_lora`), the merged model (`merged_state_dict` through the provider's mapper), or both
+        in `adapter/` and `merged/`.
         """
         configured = self.job.config.export.dir
         target = out_dir if out_dir is not None else configured and self.job.loaded.resolve_path(configured)
         if target is None:
             raise TrainingError("no export directory: pass one or set export.dir in the config")
-        if self.job.config.peft.lora is not None:
-            return self._export_lora(Path(target))
+        target = Path(target)
+        if self.job.config.peft.lora is None:
+            return self._export_model(target, self.model)
+        mode = self.job.config.export.lora
+        if mode == "adapter":
+            return self._export_lora(target)
+        if mode == "merged":
+            return self._export_model(target, merged_state_dict(self.model))
+        self._export_lora(target / "adapter")
+        self._export_model(target / "merged", merged_state_dict(self.model))
+        return target
+
+    def _export_model(self, target: Path, source: nn.Module | dict[str, torch.Tensor]) -> Path:
+        """`source` (the model, or a state dict under its names) through the provider's export mapper."""
         result = self.job.model_provider.prepare_export_model_stage(
             PrepareExportModelStageContext(
                 context=self.context, model=self.model, base_dir=self.job.loaded.base_dir
@@ -193,7 +285,7 @@ class RunLifecycle:
         if self.pipelined and mapper is not None:
             mapper = _whole_model_mapper(mapper, self.context.mesh("dense")["pp"].get_group())
         save_safetensors(
-            self.model,
+            source,
             target,
             mapper=mapper,
             max_shard_size=self.job.config.export.shard_size_mb * 2**20,
@@ -234,16 +326,29 @@ class RunLifecycle:
         return target
 
     def _lora_base(self) -> str:
-        prepare = getattr(self.job.model_provider, "prepare_import_model_stage", None)
-        if prepare is not None:
-            result = prepare(
-                PrepareImportModelStageContext(
-                    context=self.context, model=self.model, base_dir=self.job.loaded.base_dir
-                )
-            )
-            if result.folder is not None:
-                return str(result.folder)
-        return "."
+        source = self._import_source()
+        return str(source.folder) if source is not None else "."
+
+
+def _fingerprint(folder: Path) -> str:
+    """sha256 over the folder's safetensors files: each one's name, size and header (tensor names,
+    dtypes, shapes, offsets), which tells another model or another save of it apart without reading
+    the weights."""
+    digest = hashlib.sha256()
+    for path in sorted(folder.glob("*.safetensors")):
+        with path.open("rb") as fh:
+            head = fh.read(8)
+            length = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+            header = fh.read(min(length, 100 * 2**20))
+        digest.update(f"{path.name}\0{path.stat().st_size}\0".encode())
+        digest.update(header)
+    return digest.hexdigest()[:16]
+
+
+def _describe_base(reference: dict[str, Any]) -> str:
+    if reference.get("folder") is not None:
+        return f"folder {reference['folder']}"
+    return f"the initialization of seed {reference.get('seed')} and model {reference.get('model')}"
 
 
 def _whole_model_mapper(mapper: StateMapper, pp_group: dist.ProcessGroup) -> StateMapper:
