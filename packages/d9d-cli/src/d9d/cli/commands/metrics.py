@@ -28,6 +28,13 @@ PLOT_INSTALL_HINT = (
     "or `pip install 'd9d-cli[plot]'`"
 )
 
+#: The step phases of a record's step-time breakdown (d9d.trainer.timing), as the summary names them.
+_STEP_PHASES = {
+    "time_data_s": "data",
+    "time_forward_backward_s": "forward+backward",
+    "time_optimizer_s": "optimizer",
+}
+
 
 @dataclass(frozen=True)
 class MetricsSummary:
@@ -43,6 +50,10 @@ class MetricsSummary:
     tokens_per_s: float | None
     skipped: int
     restarts: list[tuple[int, int]]  # (step before, step after) of every restart
+    breakdown: dict[str, float] | None = None
+    """Share of the step time per phase of `_STEP_PHASES`, over the steps that record them (None: none do)."""
+    checkpoint_stall_s: float = 0.0
+    """The recorded checkpoint stalls (`time_checkpoint_s`) added up."""
 
 
 def read_metrics(path: Path) -> tuple[list[dict[str, Any]], int]:
@@ -101,7 +112,17 @@ def summarize(records: Sequence[dict[str, Any]]) -> MetricsSummary:
         tokens_per_s=tokens / seconds if seconds > 0 and tokens > 0 else None,
         skipped=sum(1 for s in steps if by_step[s].get("skipped")),
         restarts=find_restarts(records),
+        breakdown=_breakdown([by_step[s] for s in steps]),
+        checkpoint_stall_s=sum(float(by_step[s].get("time_checkpoint_s", 0.0)) for s in steps),
     )
+
+
+def _breakdown(records: Sequence[dict[str, Any]]) -> dict[str, float] | None:
+    timed = [r for r in records if all(_finite(r.get(key)) for key in (*_STEP_PHASES, "step_time_s"))]
+    total = sum(float(r["step_time_s"]) for r in timed)
+    if not timed or total <= 0:
+        return None
+    return {name: sum(r[key] for r in timed) / total for key, name in _STEP_PHASES.items()}
 
 
 def _finite(value: Any) -> bool:
@@ -122,11 +143,19 @@ def _format(summary: MetricsSummary, path: Path, bad: int) -> str:
             if s.tokens_per_s is not None
             else "unknown"
         ),
+        *_breakdown_lines(s),
         f"skipped steps: {s.skipped}",
         f"restarts: {len(s.restarts)}"
         + (" (" + ", ".join(f"step {a} → {b}" for a, b in s.restarts) + ")" if s.restarts else ""),
     ]
     return "\n".join(lines)
+
+
+def _breakdown_lines(s: MetricsSummary) -> list[str]:
+    if s.breakdown is None:  # records of a trainer before the breakdown
+        return []
+    shares = ", ".join(f"{name} {share:.1%}" for name, share in s.breakdown.items())
+    return [f"step time: {shares}; checkpoint stalls {s.checkpoint_stall_s:.2f} s"]
 
 
 def plot_metrics(records: Sequence[dict[str, Any]], restarts: Iterable[tuple[int, int]], out: Path) -> None:
@@ -183,8 +212,9 @@ def plot_metrics(records: Sequence[dict[str, Any]], restarts: Iterable[tuple[int
 def metrics(run_dir: str, plot_path: str | None) -> None:
     """Summarize RUN_DIR's metrics file (save_dir/run.name/metrics.jsonl).
 
-    Prints the steps, the first, last and lowest loss, mean throughput (tokens / step time),
-    skipped steps and restarts. RUN_DIR may also be the metrics file itself.
+    Prints the steps, the first, last and lowest loss, mean throughput (tokens / step time), where
+    the step time went (data wait, forward+backward, optimizer; checkpoint stalls), skipped steps
+    and restarts. RUN_DIR may also be the metrics file itself.
 
     \b
     Examples:
