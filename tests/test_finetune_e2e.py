@@ -1,38 +1,137 @@
-"""The fine-tune example starts from a Hugging Face folder and exports a folder transformers loads."""
+"""The fine-tune example end to end: `make-demo` (a tiny Qwen3 folder with its tokenizer and chat
+template, and conversations), SFT with LoRA on packed rows and validation, on one process and on
+FSDP 2 (equal), killed and resumed (equal to the uninterrupted run), and both exports loaded by
+transformers and peft with our trained model's logits."""
 
+import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _quickstart import records, run_forked
+
+from d9d.mesh.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "finetune"
+STEPS = 6
+#: The example's config, smaller: 6 steps, a checkpoint every 2, an eval every 3 and at the end.
+SMALL = [
+    f"trainer.schedule.total_steps={STEPS}",
+    "trainer.checkpointing.period_steps=2",
+    "trainer.checkpointing.num_to_keep=3",
+    "trainer.logging.progress_bar=false",
+    "eval.period_steps=3",
+    "data.global_batch_size=8",
+    "data.microbatch_size=2",
+]
 
-pytestmark = pytest.mark.slow
+
+@pytest.fixture(scope="module")
+def example(tmp_path_factory) -> Path:
+    """A copy of the example folder with its demo made (the config's relative paths then point into it)."""
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    folder = tmp_path_factory.mktemp("finetune") / "finetune"
+    shutil.copytree(EXAMPLE, folder, ignore=shutil.ignore_patterns("demo", "runs", "export", "__pycache__"))
+    for beside in ("reference_model", "data"):  # what the example finds next to it
+        (folder.parent / beside).symlink_to(ROOT / "examples" / beside)
+    subprocess.run([sys.executable, str(folder / "finetune.py"), "make-demo", "demo"], cwd=folder, check=True,
+                   capture_output=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}, timeout=300)  # fmt: skip
+    return folder
 
 
-def test_finetune_from_hf_folder_and_export(tmp_path):
+def _ids() -> torch.Tensor:
+    return torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(0))
+
+
+def _run(config: str, args: list[str]) -> dict[str, object]:
+    """Train (resuming when the run has checkpoints) and export; our logits and the adapter weights."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from d9d.trainer import Trainer
+
+    with Trainer.from_config(config, args) as trainer:
+        trainer.train()
+        trainer.export()
+        model = trainer.model
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        model.eval()
+        with torch.no_grad():
+            logits = model(_ids())
+        logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+        trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    adapters = {n: t.detach().clone() for n, t in state.items() if ".lora_" in n}
+    return {"logits": logits.float(), "adapters": adapters, "trainable": trainable}
+
+
+def _args(example: Path, name: str, *extra: str) -> list[str]:
+    return [*SMALL, f"trainer.run.name={name}", f"export.dir=export-{name}", *extra]
+
+
+def _assert_records_equal(actual: list[dict], expected: list[dict], rel: float) -> None:
+    assert [r["step"] for r in actual] == [r["step"] for r in expected]
+    for key in ("loss", "grad_norm", "eval_loss"):
+        for a, e in zip(actual, expected, strict=True):
+            assert (key in a) == (key in e), (key, a["step"])
+            if key in e:
+                assert abs(a[key] - e[key]) <= rel * abs(e[key]), (key, a["step"], a[key], e[key])
+
+
+def test_sft_with_lora_one_process_equals_fsdp2_and_both_exports_load_in_transformers_and_peft(example):
     transformers = pytest.importorskip("transformers")
-    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
-    script = str(EXAMPLE / "finetune.py")
-    subprocess.run([sys.executable, script, "make-demo", str(tmp_path / "hf")], check=True, env=env, cwd=tmp_path,
-                   capture_output=True)  # fmt: skip
-    args = [
-        f"model.hf_folder={tmp_path / 'hf'}",
-        f"trainer.checkpointing.save_dir={tmp_path / 'runs'}",
-        f"export.dir={tmp_path / 'export'}",
-        "trainer.schedule.total_steps=2",
-        "dataset.seq_len=32",
-    ]
-    run = subprocess.run([sys.executable, script, str(EXAMPLE / "config.yaml"), *args], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "loaded starting weights" in run.stdout
-    source = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
-    tuned = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export")
-    ids = torch.randint(0, 257, (1, 16), generator=torch.Generator().manual_seed(0))
+    peft = pytest.importorskip("peft")
+    config = str(example / "config.yaml")
+    one = run_forked(_run, config, _args(example, "one"))
+    fsdp = run_distributed(_run, 2, config, _args(example, "fsdp2", "mesh.data_parallel_shard=2"))[0]
+
+    assert one["trainable"] and all(".lora_" in n for n in one["trainable"])  # only adapters train
+    one_records, fsdp_records = records(example / "runs" / "one"), records(example / "runs" / "fsdp2")
+    assert [r["step"] for r in one_records if "eval_loss" in r] == [3, 6]
+    assert one_records[-1]["eval_loss"] < one_records[0]["loss"]  # it learned something on held-out data
+    _assert_records_equal(fsdp_records, one_records, rel=1e-5)
+    for name, tensor in one["adapters"].items():
+        torch.testing.assert_close(fsdp["adapters"][name], tensor, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(fsdp["logits"], one["logits"], rtol=0, atol=1e-5)
+
+    # The checkpoints hold the adapters (and their optimizer state), not the frozen base (in demo/model).
+    from torch.distributed.checkpoint import FileSystemReader
+
+    stored = FileSystemReader(str(example / "runs" / "one" / "save-6")).read_metadata().state_dict_metadata
+    model_keys = sorted(k.removeprefix("model.") for k in stored if k.startswith("model."))
+    assert model_keys == sorted(one["adapters"]), model_keys[:5]
+
+    export = example / "export-one"
+    merged = transformers.AutoModelForCausalLM.from_pretrained(export / "merged", torch_dtype=torch.float32)
+    base_model = transformers.AutoModelForCausalLM.from_pretrained(
+        example / "demo" / "model", torch_dtype=torch.float32
+    )
+    adapted = peft.PeftModel.from_pretrained(base_model, export / "adapter")
+    adapter_config = json.loads((export / "adapter" / "adapter_config.json").read_text())
+    assert Path(adapter_config["base_model_name_or_path"]) == example / "demo" / "model"
     with torch.no_grad():
-        before, after = source(ids).logits, tuned(ids).logits
-    assert after.shape == before.shape and not torch.allclose(after, before)  # trained, and loadable by HF
+        for loaded in (merged.eval(), adapted.eval()):
+            torch.testing.assert_close(loaded(_ids()).logits.float(), one["logits"], rtol=0, atol=1e-5)
+    # The FSDP 2 exports are the same files' worth.
+    merged_fsdp = transformers.AutoModelForCausalLM.from_pretrained(
+        example / "export-fsdp2" / "merged", torch_dtype=torch.float32
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(
+            merged_fsdp.eval()(_ids()).logits.float(), one["logits"], rtol=0, atol=1e-5
+        )
+
+
+def test_sft_with_lora_killed_and_resumed_equals_the_uninterrupted_run(example):
+    config = str(example / "config.yaml")
+    straight = run_forked(_run, config, _args(example, "straight"))
+    kill = {"D9D_TEST_SIGNAL_AT_STEP": "5", "D9D_TEST_SIGNAL": "KILL"}  # after save-4, before step 5
+    with pytest.raises(AssertionError, match="died"):
+        run_forked(_run, config, _args(example, "killed"), env=kill)
+    assert [r["step"] for r in records(example / "runs" / "killed")][-1] == 4
+    resumed = run_forked(_run, config, _args(example, "killed"))
+    _assert_records_equal(records(example / "runs" / "killed"), records(example / "runs" / "straight"), rel=0)
+    torch.testing.assert_close(resumed["logits"], straight["logits"], rtol=0, atol=0)

@@ -246,6 +246,19 @@ def test_trainable_only_leaves_frozen_parameters_out_and_loads_just_the_rest(tmp
     assert (train_step(fresh, fresh_opt, 2), eval_loss(fresh)) == expected
 
 
+def test_trainable_only_also_leaves_out_the_second_name_of_a_shared_frozen_parameter(tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    model = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 4), nn.Linear(4, 5, bias=False))
+    model[2].weight = model[0].weight  # a tied head, frozen like the base under LoRA
+    model[0].requires_grad_(False)
+    with CheckpointManager(tmp_path, "run") as manager:
+        info = manager.save(1, model, trainable_only=True)
+        manager.load(info, model)
+    stored = set(FileSystemReader(str(info.path)).read_metadata().state_dict_metadata)
+    assert stored == {"model.1.weight", "model.1.bias"}
+
+
 def test_a_full_checkpoint_is_not_trainable_only(tmp_path):
     model, opt = _trained(1)
     with CheckpointManager(tmp_path, "run") as manager:

@@ -9,9 +9,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from d9d.data import AutoDataConfig, AutoDataProvider, DataProvider
+from d9d.mesh import get_logger
 from d9d.trainer.config import LRSchedulerConfig, OptimizerConfig
 from d9d.trainer.errors import TrainingError
 from d9d.trainer.providers import BuildDataProviderContext, LossContext, LossResult
+
+_log = get_logger("d9d.trainer")
 
 __all__ = [
     "IGNORE_INDEX",
@@ -217,6 +220,7 @@ class AutoDataProviderFactory:
         """A fixed-global-batch provider sharded over the mesh's data-parallel ranks."""
         if context.dataset is None:
             raise ValueError("providers.dataset is required with the built-in AutoDataProvider")
+        _log_dataset(context.dataset.dataset, context.context.is_main_process)
         return AutoDataProvider(
             self._config,
             context.dataset.dataset,
@@ -224,3 +228,18 @@ class AutoDataProviderFactory:
             context=context.context,
             pipeline_stages=context.pipeline_stages,
         )
+
+
+def _log_dataset(dataset: Any, main_process: bool) -> None:
+    """One line on rank 0 for a dataset that reports what building it did (`SFTDataset.stats`):
+    records kept, truncated and dropped, and how full its (packed) rows are."""
+    stats = getattr(dataset, "stats", None)
+    efficiency = getattr(dataset, "packing_efficiency", None)
+    if not main_process or stats is None or not isinstance(efficiency, float):
+        return
+    _log.info(
+        "sft data",
+        rows=len(dataset),
+        packing_efficiency=round(efficiency, 4),  # real tokens / token slots
+        **{name: getattr(stats, name) for name in stats.__struct_fields__},
+    )

@@ -652,9 +652,19 @@ def _live_state(
     """The sharded (DTensor where distributed) state dicts to write from or load into."""
     options = _options(checkpoint_format, trainable_only=trainable_only)
     if optimizer is None:
-        return {"model": get_model_state_dict(model, options=options)}
+        return {"model": _without_frozen(model, get_model_state_dict(model, options=options), trainable_only)}
     model_state, optim_state = get_state_dict(model, optimizer, options=options)
-    return {"model": model_state, "optimizer": optim_state}
+    return {"model": _without_frozen(model, model_state, trainable_only), "optimizer": optim_state}
+
+
+def _without_frozen(model: nn.Module, state: dict[str, Any], trainable_only: bool) -> dict[str, Any]:
+    """`state` less every frozen parameter's key. torch's `ignore_frozen_params` misses the second name
+    of a shared parameter (a tied LM head: `lm_head.weight` is `embed_tokens.weight`), which would put
+    a whole vocabulary table into every adapter checkpoint."""
+    if not trainable_only:
+        return state
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {key: value for key, value in state.items() if key not in frozen}
 
 
 def _package_version() -> str:
