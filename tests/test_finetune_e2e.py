@@ -123,6 +123,12 @@ def test_sft_with_lora_one_process_equals_fsdp2_and_both_exports_load_in_transfo
         torch.testing.assert_close(
             merged_fsdp.eval()(_ids()).logits.float(), one["logits"], rtol=0, atol=1e-5
         )
+    # The FSDP 2 run's adapter checkpoint resumes on one process (the base rebuilt from demo/model),
+    # and goes on as the one-process run does.
+    more = [f"trainer.schedule.total_steps={STEPS + 2}"]
+    run_forked(_run, config, [*_args(example, "one"), *more])
+    run_forked(_run, config, [*_args(example, "fsdp2"), *more])
+    _assert_records_equal(records(example / "runs" / "fsdp2"), records(example / "runs" / "one"), rel=1e-5)
 
 
 def test_sft_with_lora_killed_and_resumed_equals_the_uninterrupted_run(example):
