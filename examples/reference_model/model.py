@@ -27,6 +27,7 @@ __all__ = [
     "apply_rotary",
     "block_causal",
     "build_moe",
+    "document_mask",
 ]
 
 
@@ -93,6 +94,16 @@ def block_causal(document_ids: torch.Tensor) -> torch.Tensor:
     return (same & causal).unsqueeze(1)
 
 
+def document_mask(document_ids: torch.Tensor) -> Any:
+    """The attention mask of packed documents, built once per batch: `d9d.parallel.DocumentMask`
+    (FlexAttention on CUDA, masked SDPA elsewhere), or `block_causal`'s tensor without d9d.parallel."""
+    try:
+        from d9d.parallel import DocumentMask
+    except ImportError:  # the model itself is plain PyTorch
+        return block_causal(document_ids)
+    return DocumentMask(document_ids)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate `x` [batch, heads, seq, head_dim] by RoPE tables [batch, seq, head_dim] (half-split pairs)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -128,12 +139,13 @@ class Attention(nn.Module):
         hidden_states: torch.Tensor,
         *,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: Any = None,
     ) -> torch.Tensor:
         """`hidden_states` [batch, seq, hidden] → [batch, seq, hidden]; `position_embeddings` is (cos, sin).
 
-        `attention_mask` (bool [batch, 1, seq, seq], True = may attend) replaces the plain causal mask,
-        e.g. the block-causal mask of packed documents.
+        `attention_mask` replaces the plain causal mask: a `d9d.parallel.DocumentMask` of packed
+        documents (FlexAttention on CUDA, masked SDPA elsewhere), or a bool [batch, 1, seq, seq]
+        tensor (True = may attend).
         """
         batch, seq, _ = hidden_states.shape
         q = self.q_proj(hidden_states).view(batch, seq, -1, self.head_dim)
@@ -150,9 +162,12 @@ class Attention(nn.Module):
                     "document masking (document_ids) with mesh.context_parallel > 1 is not supported yet; "
                     "turn off the dataset's document masking or set mesh.context_parallel: 1"
                 )
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attention_mask, enable_gqa=q.shape[1] != k.shape[1]
-            )
+            if isinstance(attention_mask, torch.Tensor):
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=attention_mask, enable_gqa=q.shape[1] != k.shape[1]
+                )
+            else:  # a DocumentMask: its own kernel
+                out = attention_mask.attention(q, k, v)
         elif self.context_parallel is not None:
             out = self.context_parallel.attention(q, k, v)
         else:
@@ -216,9 +231,9 @@ class DecoderLayer(nn.Module):
         hidden_states: torch.Tensor,
         *,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: Any = None,
     ) -> torch.Tensor:
-        """`hidden_states` [batch, seq, hidden] → same shape."""
+        """`hidden_states` [batch, seq, hidden] → same shape (`attention_mask`: see `Attention`)."""
         attn_out = self.self_attn(
             self.input_layernorm(hidden_states),
             position_embeddings=position_embeddings,
@@ -282,7 +297,7 @@ class ReferenceModel(nn.Module):
             position_ids = torch.arange(seq, device=inputs.device)
         position_ids = position_ids.expand(batch, -1)
         position_embeddings = self.rotary_emb(position_ids, hidden_states.dtype)
-        mask = None if document_ids is None else block_causal(document_ids)
+        mask = None if document_ids is None else document_mask(document_ids)  # once, for every layer
         for layer in self.layers.values():
             if mask is None:  # the plain call keeps the layers' (compiled, checkpointed) signature
                 hidden_states = layer(hidden_states, position_embeddings=position_embeddings)

@@ -31,6 +31,7 @@ from d9d.parallel.data_parallel import (
     set_gradient_accumulation,
     set_gradient_sync,
 )
+from d9d.parallel.document_attention import DocumentAttentionBackend, DocumentMask, document_attention_backend
 from d9d.parallel.errors import ParallelizeError, UnsupportedParallelismError
 from d9d.parallel.expert import (
     AllToAllDispatcher,
@@ -89,6 +90,8 @@ __all__ = [
     "AllToAllDispatcher",
     "CompileConfig",
     "ContextParallel",
+    "DocumentAttentionBackend",
+    "DocumentMask",
     "ExpertParallelError",
     "GradientReduction",
     "GroupedExperts",
@@ -118,6 +121,7 @@ __all__ = [
     "context_parallel_attention",
     "context_parallel_of",
     "cross_entropy",
+    "document_attention_backend",
     "embedding_plan",
     "enable_tf32",
     "grad_norm",
