@@ -242,8 +242,10 @@ class _TensorBoardTracker:
     name = "tensorboard"
 
     def __init__(self, directory: Path, run_name: str, job_config: dict[str, Any], start_step: int) -> None:
+        from tensorboard.compat.proto.summary_pb2 import Summary
         from torch.utils.tensorboard import SummaryWriter
 
+        self._summary = Summary
         self._writer = SummaryWriter(log_dir=str(directory), purge_step=start_step + 1)
         self._writer.add_text("run", run_name, global_step=start_step)
         text = json.dumps(job_config, indent=2, default=str)
@@ -251,10 +253,16 @@ class _TensorBoardTracker:
         self._writer.flush()
 
     def log(self, rows: Rows) -> None:
-        """One scalar per field and step, flushed at once (a crash then loses only redone steps)."""
+        """One event per step with a scalar per field, flushed at once (a crash loses only redone steps).
+
+        What `add_scalar` writes, a field at a time; one event per step is ~10x cheaper.
+        """
+        events = self._writer._get_file_writer()
         for step, values in rows:
-            for key, value in values.items():
-                self._writer.add_scalar(key, value, step)
+            summary = self._summary(
+                value=[self._summary.Value(tag=k, simple_value=v) for k, v in values.items()]
+            )
+            events.add_summary(summary, step)
         self._writer.flush()
 
     def close(self, *, failed: bool) -> None:
