@@ -213,6 +213,9 @@ def test_lora_checkpoints_hold_only_the_adapters_and_resume_on_their_base(tmp_pa
     assert all(_is_adapter(k) for k in stored if k.startswith("optimizer.state."))
     resumed = train(1, overrides(tmp_path, "resumed", 4, *args))
     compare_runs(resumed, straight, rel=0)  # the base was rebuilt as it was: bit-exact
+    # a TP 2 adapter checkpoint (replicated adapters' momentum included) resumes on one process
+    train(2, overrides(tmp_path, "tp2", 2, *args, "mesh.tensor_parallel=2"))
+    compare_runs(train(1, overrides(tmp_path, "tp2", 4, *args)), straight, rel=1e-5)
     # the adapters only fit the base they were trained on: another seed's initialization is refused
     with pytest.raises(
         AssertionError, match=r"the base of LoRA checkpoint .* was the initialization of seed 0"

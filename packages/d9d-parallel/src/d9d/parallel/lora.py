@@ -110,11 +110,35 @@ class _LoraWeight(nn.Module):
         self.weight = nn.Parameter(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        weight = self.weight
+        if isinstance(weight, DTensor) and any(isinstance(p, Replicate) for p in weight.placements):
+            weight = _SettledGrad.apply(weight)
+        return F.linear(x, weight)
 
     def extra_repr(self) -> str:
         out_features, in_features = self.weight.shape
         return f"in_features={in_features}, out_features={out_features}"
+
+
+class _SettledGrad(torch.autograd.Function):
+    """Identity whose backward reduces a pending-sum (`Partial`) gradient to the weight's placements.
+
+    A replicated adapter of a tensor-parallel Linear (`lora_A` of a column-wise one, `lora_B` of a
+    row-wise one) would get a `Partial` gradient: each rank holds its share of a sum. The optimizer
+    would carry it into its state (SGD's momentum buffer), which checkpoints cannot hold, and reduce
+    it again in every later op; reduced here, once per backward, gradient and state are replicated.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor) -> torch.Tensor:
+        ctx.mesh, ctx.placements = weight.device_mesh, weight.placements
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            grad = grad.redistribute(ctx.mesh, ctx.placements)
+        return grad
 
 
 class LoraA(_LoraWeight):
