@@ -33,6 +33,7 @@ from d9d.parallel import (
     peft_adapter_config,
     peft_key,
     peft_state_dict,
+    reduce_partial_grads,
 )
 
 ATTN_MLP = LoraConfig(rank=4, alpha=8.0, target_modules=[r".*\.attn\.(q|v|o)", r".*\.mlp\.(up|down)"])
@@ -362,6 +363,7 @@ def _train_in(parallelize, ctx: DistributedContext | None):
         if dp > 1:
             dist.all_reduce(total, group=ctx.mesh("batch")["dp"].get_group())
         losses.append(float(total))
+        reduce_partial_grads(params)
         opt.step()
         opt.zero_grad(set_to_none=False)
 

@@ -47,7 +47,13 @@ from d9d.parallel.expert import (
     moe_aux_loss,
     parallelize_expert_parallel,
 )
-from d9d.parallel.grad_norm import clip_grad_norm_, grad_norm, is_tied_copy, register_tied_copy
+from d9d.parallel.grad_norm import (
+    clip_grad_norm_,
+    grad_norm,
+    is_tied_copy,
+    reduce_partial_grads,
+    register_tied_copy,
+)
 from d9d.parallel.lora import (
     LoraA,
     LoraB,
@@ -197,6 +203,7 @@ __all__ += [
     "pipeline_schedule_info",
     "plan_pipeline",
     "prepare_fsdp_for_schedule",
+    "reduce_partial_grads",
     "register_tied_copy",
     "split_layers",
     "stage_to_rank",

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-__all__ = ["clip_grad_norm_", "grad_norm", "is_tied_copy", "register_tied_copy"]
+__all__ = ["clip_grad_norm_", "grad_norm", "is_tied_copy", "reduce_partial_grads", "register_tied_copy"]
 
 _GroupKey = tuple[DeviceMesh, tuple[object, ...]] | None
 
@@ -43,6 +43,28 @@ def is_tied_copy(param: torch.Tensor) -> bool:
     """Whether `param` was registered with `register_tied_copy`."""
     ref = _TIED_COPIES.get(id(param))
     return ref is not None and ref() is param
+
+
+def reduce_partial_grads(parameters: Iterable[torch.Tensor]) -> int:
+    """Reduce every pending-sum (`Partial`) DTensor gradient to its parameter's placements, in place.
+
+    A replicated parameter used on sharded activations (an RMSNorm weight under sequence parallelism,
+    a replicated LoRA adapter of a tensor-parallel Linear) gets a `Partial` gradient: each rank
+    holds its share of a sum. Left so, the optimizer carries it into its state (SGD's momentum
+    buffer: checkpoints cannot hold a Partial DTensor) and reduces it again in every op. Call it after
+    backward, before the optimizer step (every rank of the mesh). Returns how many were reduced.
+    """
+    reduced = 0
+    for param in parameters:
+        grad = param.grad
+        if (
+            isinstance(grad, DTensor)
+            and isinstance(param, DTensor)
+            and any(p.is_partial() for p in grad.placements)
+        ):
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
+            reduced += 1
+    return reduced
 
 
 def grad_norm(

@@ -14,8 +14,10 @@ Order with the other mechanisms: build (meta is fine) → `parallelize_tensor_pa
 build time) if tensor parallelism runs inside `with lora_detached(model):` (torch's column-/row-wise
 styles cannot partition a Linear that has children). On a tensor-parallel Linear the adapters follow
 the base weight's placements (column-wise: `lora_B` sharded on the output dim, `lora_A` replicated;
-row-wise: `lora_A` sharded on the input dim, `lora_B` replicated). FSDP2 then shards frozen and
-adapter parameters alike; only adapters get gradients and optimizer state.
+row-wise: `lora_A` sharded on the input dim, `lora_B` replicated); those replicated adapters get
+`Partial` gradients, which `d9d.parallel.reduce_partial_grads` reduces before the optimizer step
+(the trainer's step does). FSDP2 then shards frozen and adapter parameters alike; only adapters get
+gradients and optimizer state.
 """
 
 import contextlib
@@ -110,35 +112,11 @@ class _LoraWeight(nn.Module):
         self.weight = nn.Parameter(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        if isinstance(weight, DTensor) and any(isinstance(p, Replicate) for p in weight.placements):
-            weight = _SettledGrad.apply(weight)
-        return F.linear(x, weight)
+        return F.linear(x, self.weight)
 
     def extra_repr(self) -> str:
         out_features, in_features = self.weight.shape
         return f"in_features={in_features}, out_features={out_features}"
-
-
-class _SettledGrad(torch.autograd.Function):
-    """Identity whose backward reduces a pending-sum (`Partial`) gradient to the weight's placements.
-
-    A replicated adapter of a tensor-parallel Linear (`lora_A` of a column-wise one, `lora_B` of a
-    row-wise one) would get a `Partial` gradient: each rank holds its share of a sum. The optimizer
-    would carry it into its state (SGD's momentum buffer), which checkpoints cannot hold, and reduce
-    it again in every later op; reduced here, once per backward, gradient and state are replicated.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, weight: torch.Tensor) -> torch.Tensor:
-        ctx.mesh, ctx.placements = weight.device_mesh, weight.placements
-        return weight.view_as(weight)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
-            grad = grad.redistribute(ctx.mesh, ctx.placements)
-        return grad
 
 
 class LoraA(_LoraWeight):

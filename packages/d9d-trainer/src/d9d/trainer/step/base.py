@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from d9d.mesh import get_logger
-from d9d.parallel import ContextParallel, MixedPrecision, clip_grad_norm_, grad_norm
+from d9d.parallel import ContextParallel, MixedPrecision, clip_grad_norm_, grad_norm, reduce_partial_grads
 from d9d.trainer.errors import TrainingError
 from d9d.trainer.providers import Task
 from d9d.trainer.timing import StepTimer
@@ -134,6 +134,7 @@ class StepBase:
     def _update(self, loss: torch.Tensor, weight: torch.Tensor, step: int) -> StepOutput:
         settings = self.settings
         params = [p for p in self.model.parameters() if p.grad is not None]
+        reduce_partial_grads(params)  # e.g. norm weights under sequence parallelism: replicated state
         if settings.max_norm is not None:
             norm = clip_grad_norm_(params, settings.max_norm, pp_group=settings.pp_group)
         else:
