@@ -84,12 +84,62 @@ def test_plot_without_matplotlib_says_how_to_install(runner, tmp_path, monkeypat
     assert not (tmp_path / "m.png").exists()
 
 
+def _colour_pixels(png: Path, colour: str) -> int:
+    """How many pixels of the PNG are (close to) matplotlib's colour `colour` (e.g. "C0")."""
+    import matplotlib.colors
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(png)[..., :3]
+    want = matplotlib.colors.to_rgb(colour)
+    return int((abs(pixels - want).max(axis=-1) < 0.06).sum())
+
+
 def test_plot_draws_a_png(runner, tmp_path):
     pytest.importorskip("matplotlib")
+    import matplotlib.image
+
     run = _write(tmp_path / "run", [_record(1, 2.0), _record(2, 1.0), _record(1, 1.5)])
     result = runner.invoke(cli, ["metrics", str(run), "--plot", str(tmp_path / "m.png")])
     assert result.exit_code == 0, result.output
-    assert (tmp_path / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    png = tmp_path / "m.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    height, width = matplotlib.image.imread(png).shape[:2]
+    assert (width, height) == (800, 880)  # 8 × 8.8 inches at 100 dpi: four panels
+    assert _colour_pixels(png, "C0") > 200  # the curves were drawn, not only the axes
+
+
+def test_several_runs_are_summarized_and_overlaid_in_one_plot(runner, tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib.image
+
+    a = _write(tmp_path / "lr-small", [_record(s, 3.0 - 0.1 * s) for s in range(1, 11)])
+    b = _write(
+        tmp_path / "lr-big", [_record(s, 3.0 - 0.2 * s, eval_loss=2.5 - 0.1 * s) for s in range(1, 11)]
+    )
+    png = tmp_path / "cmp.png"
+    result = runner.invoke(cli, ["metrics", str(a), str(b), "--plot", str(png)])
+    assert result.exit_code == 0, result.output
+    assert result.output.count("steps: 1..10 (10 steps)") == 2
+    assert "eval loss: 1.5000 (step 10)" in result.output  # b's last eval
+    trends = [
+        line.removeprefix("loss trend: ") for line in result.output.splitlines() if "loss trend" in line
+    ]
+    bars = "▁▂▃▄▅▆▇█"
+    for trend in trends:  # falling losses: a falling line, highest bar first, lowest last
+        heights = [bars.index(c) for c in trend]
+        assert len(heights) == 10 and heights[0] == 7 and heights[-1] == 0
+        assert heights == sorted(heights, reverse=True)
+    assert matplotlib.image.imread(png).shape[0] == 1100  # a fifth panel: eval loss
+    assert _colour_pixels(png, "C0") > 200 and _colour_pixels(png, "C1") > 200  # one colour per run
+
+
+def test_sparkline():
+    from d9d.cli.commands.metrics import sparkline
+
+    assert sparkline([]) == ""
+    assert sparkline([1.0, 1.0, 1.0]) == "▄▄▄"
+    assert sparkline([0.0, 1.0]) == "▁█"
+    assert len(sparkline([float(i) for i in range(1000)], width=40)) == 40
 
 
 @pytest.mark.parametrize("case", ["missing", "no-metrics", "empty"])

@@ -16,7 +16,7 @@ COMMANDS: dict[str, str] = {
     "plan": "Validate a config for a launch size, without GPUs.",
     "train": "Run a job (one process or under torchrun).",
     "checkpoints": "List a run's checkpoints; flag unfinished ones.",
-    "metrics": "Summarize (and plot) a run's metrics.",
+    "metrics": "Summarize (and plot) a run's metrics; several runs to compare them.",
     "export": "Export a checkpoint as safetensors.",
 }
 

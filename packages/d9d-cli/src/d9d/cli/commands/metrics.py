@@ -18,7 +18,16 @@ import click
 from d9d.cli.commands._runs import METRICS_FILE, check_run_dir
 from d9d.cli.errors import CliError, reports_errors
 
-__all__ = ["PLOT_INSTALL_HINT", "MetricsSummary", "find_restarts", "metrics", "read_metrics", "summarize"]
+__all__ = [
+    "PLOT_INSTALL_HINT",
+    "MetricsSummary",
+    "find_restarts",
+    "metrics",
+    "plot_metrics",
+    "read_metrics",
+    "sparkline",
+    "summarize",
+]
 
 #: How to install the `plot` extra. In the d9d workspace it is an extra of the d9d-cli member, not of
 #: the (virtual) workspace root, so `uv sync --extra plot` and `uv sync --all-extras` alone do not
@@ -54,6 +63,10 @@ class MetricsSummary:
     """Share of the step time per phase of `_STEP_PHASES`, over the steps that record them (None: none do)."""
     checkpoint_stall_s: float = 0.0
     """The recorded checkpoint stalls (`time_checkpoint_s`) added up."""
+    loss_trend: str = ""
+    """`sparkline` of the loss over the steps."""
+    last_eval: tuple[int, float] | None = None
+    """(step, eval_loss) of the last record with a validation loss (None: no eval ran)."""
 
 
 def read_metrics(path: Path) -> tuple[list[dict[str, Any]], int]:
@@ -114,7 +127,35 @@ def summarize(records: Sequence[dict[str, Any]]) -> MetricsSummary:
         restarts=find_restarts(records),
         breakdown=_breakdown([by_step[s] for s in steps]),
         checkpoint_stall_s=sum(float(by_step[s].get("time_checkpoint_s", 0.0)) for s in steps),
+        loss_trend=sparkline([loss for loss, _ in finite]),
+        last_eval=next(
+            (
+                (s, float(by_step[s]["eval_loss"]))
+                for s in reversed(steps)
+                if _finite(by_step[s].get("eval_loss"))
+            ),
+            None,
+        ),
     )
+
+
+#: Eight heights of a terminal sparkline, lowest first.
+_BARS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: Sequence[float], width: int = 60) -> str:
+    """The values as one line of block characters, at most `width` wide (bucket means when longer)."""
+    if not values:
+        return ""
+    buckets = min(width, len(values))
+    means = []
+    for i in range(buckets):
+        part = values[i * len(values) // buckets : (i + 1) * len(values) // buckets]
+        means.append(sum(part) / len(part))
+    low, high = min(means), max(means)
+    if high - low <= 1e-12 * max(abs(high), 1.0):
+        return _BARS[3] * buckets
+    return "".join(_BARS[min(7, int((m - low) / (high - low) * 8))] for m in means)
 
 
 def _breakdown(records: Sequence[dict[str, Any]]) -> dict[str, float] | None:
@@ -137,6 +178,8 @@ def _format(summary: MetricsSummary, path: Path, bad: int) -> str:
         + (f", {bad} unreadable line{'s' if bad > 1 else ''} skipped)" if bad else ")"),
         f"steps: {s.first_step}..{s.last_step} ({n} step{'s' if n != 1 else ''})",
         f"loss: first {s.first_loss:.4f}, last {s.last_loss:.4f}, min {s.min_loss:.4f} (step {s.min_loss_step})",
+        f"loss trend: {s.loss_trend}",
+        *([f"eval loss: {s.last_eval[1]:.4f} (step {s.last_eval[0]})"] if s.last_eval is not None else []),
         "tokens/s: "
         + (
             f"{s.tokens_per_s:,.0f} (total tokens / total step time)"
@@ -158,8 +201,14 @@ def _breakdown_lines(s: MetricsSummary) -> list[str]:
     return [f"step time: {shares}; checkpoint stalls {s.checkpoint_stall_s:.2f} s"]
 
 
-def plot_metrics(records: Sequence[dict[str, Any]], restarts: Iterable[tuple[int, int]], out: Path) -> None:
-    """Draw loss, learning rate, grad norm and tokens/s against step into a PNG at `out`.
+def plot_metrics(
+    runs: Sequence[tuple[str, Sequence[dict[str, Any]], Iterable[tuple[int, int]]]], out: Path
+) -> None:
+    """Draw loss, learning rate, grad norm and tokens/s (and the eval loss, when recorded) against
+    step into a PNG at `out`; several runs are overlaid, one colour and legend entry each.
+
+    Args:
+        runs: (label, records in file order, restarts) per run.
 
     Raises:
         CliError: when matplotlib is not installed.
@@ -173,9 +222,7 @@ def plot_metrics(records: Sequence[dict[str, Any]], restarts: Iterable[tuple[int
         raise CliError(
             f"--plot needs matplotlib, which is not installed; {PLOT_INSTALL_HINT}, and run again"
         ) from None
-    by_step = {r["step"]: r for r in records}
-    steps = sorted(by_step)
-    panels = (
+    panels: list[tuple[str, Any]] = [
         ("loss", lambda r: r.get("loss")),
         ("learning rate", lambda r: r.get("lr")),
         ("grad norm", lambda r: r.get("grad_norm")),
@@ -183,16 +230,27 @@ def plot_metrics(records: Sequence[dict[str, Any]], restarts: Iterable[tuple[int
             "tokens/s",
             lambda r: r["tokens"] / r["step_time_s"] if r.get("tokens") and r.get("step_time_s") else None,
         ),
-    )
+    ]
+    if any(_finite(r.get("eval_loss")) for _, records, _ in runs for r in records):
+        panels.append(("eval loss", lambda r: r.get("eval_loss")))
     fig, axes = plt.subplots(len(panels), 1, sharex=True, figsize=(8, 2.2 * len(panels)))
-    for ax, (title, value) in zip(axes, panels, strict=True):
-        points = [(s, value(by_step[s])) for s in steps]
-        xs = [s for s, v in points if _finite(v)]
-        ax.plot(xs, [v for _, v in points if _finite(v)], linewidth=1)
+    for index, (label, records, restarts) in enumerate(runs):
+        color = f"C{index % 10}"
+        by_step = {r["step"]: r for r in records}
+        steps = sorted(by_step)
+        for ax, (title, value) in zip(axes, panels, strict=True):
+            points = [(s, v) for s in steps if _finite(v := value(by_step[s]))]
+            style = {"marker": "o", "markersize": 3} if title == "eval loss" else {}
+            ax.plot(
+                [s for s, _ in points], [v for _, v in points], linewidth=1, color=color, label=label, **style
+            )
+            for _, after in restarts:
+                ax.axvline(after, color=color, linestyle=":", linewidth=1, alpha=0.6)
+    for ax, (title, _) in zip(axes, panels, strict=True):
         ax.set_ylabel(title)
         ax.grid(alpha=0.3)
-        for _, after in restarts:
-            ax.axvline(after, color="gray", linestyle=":", linewidth=1)
+    if len(runs) > 1:
+        axes[0].legend(fontsize="small")
     axes[-1].set_xlabel("step")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -200,35 +258,53 @@ def plot_metrics(records: Sequence[dict[str, Any]], restarts: Iterable[tuple[int
     plt.close(fig)
 
 
-@click.command(short_help="Summarize (and plot) a run's metrics.")
-@click.argument("run_dir", type=click.Path())
+@click.command(short_help="Summarize (and plot) a run's metrics; several runs to compare them.")
+@click.argument("run_dirs", metavar="RUN_DIR...", nargs=-1, required=True, type=click.Path())
 @click.option(
     "--plot",
     "plot_path",
     type=click.Path(),
-    help="Also draw loss, lr, grad norm and tokens/s against step into this PNG (needs matplotlib).",
+    help="Also draw loss, lr, grad norm and tokens/s (and eval loss) against step into this PNG, "
+    "the runs overlaid (needs matplotlib).",
 )
 @reports_errors
-def metrics(run_dir: str, plot_path: str | None) -> None:
-    """Summarize RUN_DIR's metrics file (save_dir/run.name/metrics.jsonl).
+def metrics(run_dirs: tuple[str, ...], plot_path: str | None) -> None:
+    """Summarize each RUN_DIR's metrics file (save_dir/run.name/metrics.jsonl).
 
-    Prints the steps, the first, last and lowest loss, mean throughput (tokens / step time), where
-    the step time went (data wait, forward+backward, optimizer; checkpoint stalls), skipped steps
-    and restarts. RUN_DIR may also be the metrics file itself.
+    Prints the steps, the first, last and lowest loss with a sparkline of it, the last eval loss,
+    mean throughput (tokens / step time), where the step time went (data wait, forward+backward,
+    optimizer; checkpoint stalls), skipped steps and restarts. A RUN_DIR may also be the metrics
+    file itself. With several, each is summarized and the plot overlays them.
 
     \b
     Examples:
       d9d metrics runs/quickstart
       d9d metrics runs/quickstart --plot quickstart.png
+      d9d metrics runs/lr-3e-4 runs/lr-1e-3 --plot compare.png
     """
-    path = Path(run_dir)
-    if not path.is_file():
-        path = check_run_dir(path) / METRICS_FILE
-        if not path.is_file():
-            raise CliError(f"{path.parent} has no {METRICS_FILE}; has the run done a step yet?")
-    records, bad = read_metrics(path)
-    summary = summarize(records)
-    click.echo(_format(summary, path, bad))
+    runs = []
+    for index, run_dir in enumerate(run_dirs):
+        path = _metrics_path(Path(run_dir))
+        records, bad = read_metrics(path)
+        summary = summarize(records)
+        click.echo(("\n" if index else "") + _format(summary, path, bad))
+        runs.append((_label(path, [Path(r) for r in run_dirs]), records, summary.restarts))
     if plot_path is not None:
-        plot_metrics(records, summary.restarts, Path(plot_path))
+        plot_metrics(runs, Path(plot_path))
         click.echo(f"plot: {plot_path}")
+
+
+def _metrics_path(path: Path) -> Path:
+    if path.is_file():
+        return path
+    found = check_run_dir(path) / METRICS_FILE
+    if not found.is_file():
+        raise CliError(f"{found.parent} has no {METRICS_FILE}; has the run done a step yet?")
+    return found
+
+
+def _label(path: Path, all_paths: Sequence[Path]) -> str:
+    """The run's name (its directory), or its whole path where two runs share a name."""
+    name = path.parent.name
+    names = [(p.parent if p.is_file() else p).name for p in all_paths]
+    return name if names.count(name) <= 1 else str(path.parent)
