@@ -8,10 +8,11 @@ Builds the quickstart job (the reference model, a Llama/Qwen3-style decoder; def
 hidden 512, SwiGLU 1536, 8 query / 4 kv heads, byte vocabulary: 25 M parameters) twice through
 `d9d.trainer.Trainer`, one CPU process: full fine-tuning, then `peft.lora` (rank 8, alpha 16, on
 q/k/v/o and gate/up/down by default, `--targets attention` for q/k/v/o only). Runs a few optimizer
-steps of AdamW (`Trainer.train_step.run`, no checkpoint) and counts, from the tensors the process
+steps of AdamW (`Trainer.train()`, which saves one checkpoint at its end) and counts, from the tensors the process
 holds: gradient bytes (every `p.grad`, local shards), optimizer state bytes (every tensor in
 `optimizer.state`: exp_avg, exp_avg_sq and the step counters), trainable and total parameters, and
-parameter bytes. The ratios LoRA / full of gradients and optimizer state are compared with the
+parameter bytes, and the bytes of the checkpoint's files (a LoRA checkpoint holds the adapters and
+their state, not the frozen base). The ratios LoRA / full of gradients and optimizer state are compared with the
 ratio expected from the parameter counts (adapter parameters / all parameters of the full model).
 Activations are not counted. The script asserts that with LoRA only adapter parameters
 (`*.lora_A.weight`, `*.lora_B.weight`) have gradients and optimizer state, and all of them do.
@@ -94,9 +95,8 @@ def measure(args: argparse.Namespace, lora: bool) -> dict[str, object]:
         tempfile.TemporaryDirectory() as tmp,
         Trainer.from_config(CONFIG, _overrides(args, tmp, lora)) as trainer,
     ):
-        batches = iter(trainer.data)
-        for step in range(1, args.steps + 1):
-            float(trainer.train_step.run(next(batches), step).loss)
+        trainer.train()  # its last step saves the run's one checkpoint; the gradients stay until the next step
+        checkpoint = trainer.run_dir / f"save-{args.steps}"
         model, optimizer = trainer.model, trainer.optimizer
         named = list(model.named_parameters())
         names = {id(p): n for n, p in named}
@@ -111,6 +111,7 @@ def measure(args: argparse.Namespace, lora: bool) -> dict[str, object]:
             "grad_bytes": sum(_nbytes(p.grad) for _, p in named if p.grad is not None),
             "state_bytes": sum(_nbytes(v) for _, v in tensors),
             "moment_bytes": sum(_nbytes(v) for _, v in tensors if v.dim() > 0),
+            "checkpoint_bytes": sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file()),
             "with_grad": sorted(n for n, p in named if p.grad is not None),
             "with_state": sorted({n for n, _ in tensors}),
             "in_optimizer": in_optimizer,
@@ -171,6 +172,7 @@ def main() -> None:
         ("gradient bytes", full["grad_bytes"], lora["grad_bytes"], "MiB"),
         ("optimizer state bytes", full["state_bytes"], lora["state_bytes"], "MiB"),
         ("  of which moments", full["moment_bytes"], lora["moment_bytes"], "MiB"),
+        ("checkpoint bytes", full["checkpoint_bytes"], lora["checkpoint_bytes"], "MiB"),
     ]
     for label, a, b, unit in lines:
         fmt = (lambda x: f"{x / MB:10.3f} MiB") if unit else (lambda x: f"{x:>14,}")
@@ -190,6 +192,8 @@ def main() -> None:
             row("LoRA / full: optimizer state bytes", states, f"{expected:.4f} (adapter/all params)", steps_note),
             row("LoRA / full: parameter bytes", lora["param_bytes"] / full["param_bytes"], f"{1 + expected:.4f}",
                 "base unchanged + adapters"),
+            row("LoRA / full: checkpoint bytes", lora["checkpoint_bytes"] / full["checkpoint_bytes"],
+                f"{expected:.4f} (adapters + their state)", "files of save-<step>: adapters, state, metadata"),
         ],
     )  # fmt: skip
 

@@ -46,5 +46,6 @@ def test_lora_memory_tiny_mode_counts_grads_and_state_for_adapters_only(tmp_path
         "LoRA / full: gradient bytes",
         "LoRA / full: optimizer state bytes",
         "LoRA / full: parameter bytes",
+        "LoRA / full: checkpoint bytes",
     ]
-    assert 0 < rows[0]["ratio"] < 1 and 0 < rows[1]["ratio"] < 1, rows
+    assert 0 < rows[0]["ratio"] < 1 and 0 < rows[1]["ratio"] < 1 and 0 < rows[3]["ratio"] < 1, rows
