@@ -7,8 +7,14 @@ never waits for the device to report its loss. Rank 0 writes; every rank flushes
 
 A step that ran an eval (`d9d.trainer.evaluation`) carries its numbers as `eval_loss`,
 `eval_perplexity` and `eval_tokens` on its record, is flushed at once and logs an `eval` line.
+
+Each record also carries its step's `tokens_per_s` (tokens / step_time_s), `mfu` where the device's
+peak is known, the peak memory so far (`peak_mem_gib` on CUDA, `peak_rss_gib` on CPU; read when the
+step is added, a host-side counter, no sync) and the step-time breakdown of `d9d.trainer.timing`
+(`time_data_s`, `time_forward_backward_s`, `time_optimizer_s`, `time_checkpoint_s`), read at flush.
 """
 
+import contextlib
 import json
 import sys
 import time
@@ -22,6 +28,8 @@ from d9d.mesh import get_logger
 from d9d.trainer.evaluation import EvalResult
 from d9d.trainer.metrics import ProgressLine, mfu
 from d9d.trainer.step import StepOutput
+from d9d.trainer.timing import StepPhases, read_phases
+from d9d.trainer.tracking import Trackers
 
 __all__ = ["METRICS_FILE", "StepRecords", "read_metrics", "truncate_metrics"]
 
@@ -38,6 +46,8 @@ class _Pending:
     lr: float
     step_time_s: float
     evaluation: EvalResult | None = None
+    phases: StepPhases | None = None
+    memory: dict[str, float] | None = None
 
 
 class StepRecords:
@@ -54,6 +64,7 @@ class StepRecords:
         world_size: ranks sharing the throughput.
         device: the device whose peak memory is reported.
         progress: a progress line to update each step (None: none).
+        trackers: experiment trackers that get every record too (`d9d.trainer.tracking`; rank 0's).
     """
 
     def __init__(
@@ -69,6 +80,7 @@ class StepRecords:
         world_size: int,
         device: torch.device,
         progress: ProgressLine | None = None,
+        trackers: Trackers | None = None,
     ) -> None:
         self._path = path
         self._writer = writer
@@ -80,6 +92,7 @@ class StepRecords:
         self._world_size = world_size
         self._device = device
         self._progress = progress
+        self._trackers = trackers
         self._pending: list[_Pending] = []
         self._last_log = time.perf_counter()
         self._last_loss: float | None = None
@@ -95,10 +108,14 @@ class StepRecords:
         lr: float,
         step_time_s: float,
         evaluation: EvalResult | None = None,
+        phases: StepPhases | None = None,
     ) -> None:
         """Record step `step` (and the eval that ran after it); flushes (and logs) when it is a logging
-        step, the last one, or has an eval (whose host sync has happened anyway)."""
-        self._pending.append(_Pending(step, output, lr, step_time_s, evaluation))
+        step, the last one, or has an eval (whose host sync has happened anyway). `phases`: the step's
+        unread time breakdown (plus the stall of the checkpoint before it)."""
+        self._pending.append(
+            _Pending(step, output, lr, step_time_s, evaluation, phases, _memory(self._device))
+        )
         if evaluation is not None:
             self._last_log += evaluation.wall_s  # tokens/s counts training time only
         if self._progress is not None:
@@ -115,8 +132,10 @@ class StepRecords:
             [torch.stack([p.output.loss.double(), p.output.grad_norm.double(), p.output.weight.double()])
              for p in pending]
         ).tolist()  # fmt: skip
+        times = read_phases([p.phases for p in pending])  # after the sync above: no wait
         records = []
-        for p, (loss, norm, weight) in zip(pending, values, strict=True):
+        for p, (loss, norm, weight), phases in zip(pending, values, times, strict=True):
+            tokens_per_s = weight / max(p.step_time_s, 1e-9)
             records.append(
                 {
                     "step": p.step,
@@ -125,6 +144,10 @@ class StepRecords:
                     "lr": p.lr,
                     "tokens": weight,
                     "step_time_s": p.step_time_s,
+                    "tokens_per_s": tokens_per_s,
+                    **mfu(tokens_per_s, self.flops_per_token, self._peak, self._world_size),
+                    **(p.memory or {}),
+                    **phases,
                     "skipped": not p.output.applied,
                     "launch": self._launch,
                     **(p.evaluation.record() if p.evaluation is not None else {}),
@@ -138,17 +161,31 @@ class StepRecords:
         self._path.parent.mkdir(parents=True, exist_ok=True)
         with self._path.open("a", encoding="utf-8") as fh:
             fh.write("".join(json.dumps(r) + "\n" for r in records))
+        if self._trackers is not None:
+            self._trackers.log(records)
         if log:
             self._log_line(records)
         for p in pending:
             if p.evaluation is not None:
                 _log_eval(p.evaluation)
 
-    def close(self) -> None:
-        """Flush what is left and end the progress line."""
-        self.flush()
-        if self._progress is not None:
-            self._progress.close()
+    def close(self, *, failed: bool = False) -> None:
+        """Flush what is left, end the progress line and close the trackers.
+
+        `failed`: the run stops on an error: a flush that fails too is left out (what was trained
+        before stays), and the trackers end their run as failed.
+        """
+        try:
+            if failed:
+                with contextlib.suppress(Exception):
+                    self.flush()
+            else:
+                self.flush()
+            if self._progress is not None:
+                self._progress.close()
+        finally:
+            if self._trackers is not None:
+                self._trackers.close(failed=failed)
 
     def _log_line(self, records: list[dict[str, Any]]) -> None:
         now = time.perf_counter()

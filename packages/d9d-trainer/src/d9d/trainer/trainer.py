@@ -43,6 +43,8 @@ from d9d.trainer.step import (
     plan_pipeline_stage,
     token_group,
 )
+from d9d.trainer.timing import StepTimer, read_phases
+from d9d.trainer.tracking import check_trackers, open_trackers
 from d9d.trainer.watchdog import REPORT_GRACE_S, StepWatchdog
 
 __all__ = ["METRICS_FILE", "TrainResult", "Trainer", "TrainingError"]
@@ -116,6 +118,8 @@ class Trainer:
         config = job.config
         tcfg = config.trainer
         check_model_mesh(job)  # before any data, model or file
+        if not self._read_only:
+            check_trackers(tcfg.tracking)  # a missing tracker library, before any file
         dataset = (
             job.dataset_provider.build_dataset(BuildDatasetContext(context=ctx, base_dir=job.loaded.base_dir))
             if job.dataset_provider is not None
@@ -166,6 +170,7 @@ class Trainer:
         self._lifecycle = RunLifecycle(
             job, ctx, model, self._optimizer, self._scheduler, self._data, checkpoints, pipelined=pipelined
         )
+        self._timer = StepTimer.for_device(ctx.device)  # the step-time breakdown, read when records flush
         settings = StepSettings(
             device=ctx.device,
             precision=precision,
@@ -175,6 +180,7 @@ class Trainer:
             pp_group=ctx.mesh("dense")["pp"] if pipelined else None,
             stop_requested=lambda: self._stops.requested,
             context_parallel=context_parallel_of(model),
+            timer=self._timer,
         )
         self._stops = StopRequests()
         self._evaluator = Evaluator(eval_set, model, job.task, settings)
@@ -321,6 +327,7 @@ class Trainer:
         metrics_path = self.run_dir / METRICS_FILE
         if ctx.is_main_process:  # steps after the checkpoint were lost with the crash: redo them
             truncate_metrics(metrics_path, start)
+        trackers = open_trackers(self._job.loaded, self.run_dir, start_step=start, writer=ctx.is_main_process)
         records = StepRecords(
             metrics_path,
             writer=ctx.is_main_process,
@@ -332,6 +339,7 @@ class Trainer:
             world_size=ctx.world_size,
             device=ctx.device,
             progress=ProgressLine(total, start) if ctx.is_main_process and cfg.logging.progress_bar else None,
+            trackers=trackers,
         )
         data_iter = iter(self._data)
         period = cfg.checkpointing.period_steps
@@ -342,8 +350,10 @@ class Trainer:
             try:
                 while self._step < total:
                     step_start = time.perf_counter()
+                    self._timer.begin()
                     with self._watching(self._step + 1), self._profiler.step(self._step + 1):
                         microbatches = next(data_iter)
+                        self._timer.mark("data")
                         self._faults.before_step(self._step + 1)
                         if flops_unknown:  # the sequence length is known from the first batch on
                             records.flops_per_token = _flops_per_token(self._model, microbatches)
@@ -353,11 +363,14 @@ class Trainer:
                     self._step += 1
                     step_time_s = time.perf_counter() - step_start
                     evaluation = self._evaluator.after_step(self._step, total, stopping=output.stop)
-                    records.add(self._step, output, lr=lr, step_time_s=step_time_s, evaluation=evaluation)
+                    records.add(self._step, output, lr=lr, step_time_s=step_time_s, evaluation=evaluation,
+                                phases=self._timer.take())  # fmt: skip
                     periodic = bool(period) and self._step % period == 0
                     if self._step == total or periodic or (output.stop and cfg.checkpointing.save_on_signal):
                         records.flush()  # a committed checkpoint never has fewer records than steps
+                        self._timer.begin()  # the stall goes on the next step's record (time_checkpoint_s)
                         self.save_checkpoint()
+                        self._timer.mark("checkpoint")
                     if output.stop and self._step < total:
                         stopped_by = self._stops.signal_name or "a signal on another rank"
                         break
@@ -371,8 +384,7 @@ class Trainer:
                     exc = step_out_of_memory(caught, self._context.device, self._step + 1, snapshot)
                 if self._watchdog is not None:
                     self._watchdog.hold_if_exiting()
-                with contextlib.suppress(Exception):  # keep what was trained before the failure
-                    records.flush()
+                records.close(failed=True)  # keep what was trained before the failure; trackers end
                 stop = self._failures.stopping(exc, self._step + 1)
                 if stop is caught:
                     raise
@@ -380,6 +392,7 @@ class Trainer:
                     raise exc from None
                 raise stop from exc
         records.close()
+        unrecorded = read_phases([self._timer.take()])[0]  # the stall of the last checkpoint
         latest = self._lifecycle.checkpoints.checkpoints()
         _log.info(
             "run summary",
@@ -389,6 +402,7 @@ class Trainer:
             tokens=records.tokens,
             final_loss=records.losses[-1] if records.losses else None,
             last_checkpoint=str(latest[-1].path) if latest else None,
+            last_checkpoint_stall_s=round(unrecorded["time_checkpoint_s"], 3),
         )
         if stopped_by is not None:
             saved = "saved" if cfg.checkpointing.save_on_signal else "not saved (save_on_signal: false)"
