@@ -5,12 +5,16 @@ sync on CUDA; a dispatch mode counts them on CPU. Runs of 4 and 8 steps that log
 their last step differ by 4 ordinary steps, so (syncs(8) - syncs(4)) / 4 is the cost of one.
 The optimizer runs its fused kernels, as `optimizer.implementation: auto` picks on CUDA (torch's
 foreach AdamW reads its CPU step counters with `.item()`: CPU tensors, no device sync there).
+The step-time breakdown (`d9d.trainer.timing`) is on in every run; with events that behave as
+CUDA's (a read needs a wait that covers the event, the wait counts as a sync) it adds none per step.
 """
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "d9d-trainer" / "tests"))
@@ -18,7 +22,7 @@ from _dispatch import OpRecorder
 from _job import job_config
 
 from d9d.mesh.testing import run_distributed
-from d9d.trainer import Trainer
+from d9d.trainer import Trainer, timing
 
 
 def _syncs(steps: int, mesh: dict | None, save_root: str) -> int:
@@ -48,3 +52,34 @@ def test_one_host_sync_per_ordinary_step_on_one_process(tmp_path):
 def test_one_host_sync_per_ordinary_step_on_two_ranks(tmp_path, mesh):
     per_step = run_distributed(_per_ordinary_step, 2, str(tmp_path), mesh, timeout=120)
     assert all(n <= 1 for n in per_step), per_step
+
+
+class _DeviceLikeEvent:
+    """Times like `torch.cuda.Event(enable_timing=True)` behaves: `elapsed_time` of an event no wait
+    has covered fails (CUDA: not ready), and `synchronize` is a host sync the recorder counts."""
+
+    recorded = 0
+    waited_until = 0
+
+    def __init__(self) -> None:
+        self._seq = 0
+        self._at = 0.0
+
+    def record(self) -> None:
+        _DeviceLikeEvent.recorded += 1
+        self._seq, self._at = _DeviceLikeEvent.recorded, time.perf_counter()
+
+    def synchronize(self) -> None:
+        torch.ones(()).item()  # what a wait for the device costs, as the recorder sees it
+        _DeviceLikeEvent.waited_until = max(_DeviceLikeEvent.waited_until, self._seq)
+
+    def elapsed_time(self, end_event: "_DeviceLikeEvent") -> float:
+        assert max(self._seq, end_event._seq) <= _DeviceLikeEvent.waited_until, "read an event not waited for"
+        return (end_event._at - self._at) * 1e3
+
+
+def test_device_timing_events_add_no_host_sync_per_ordinary_step(tmp_path, monkeypatch):
+    monkeypatch.setattr(timing, "HostEvent", _DeviceLikeEvent)  # what StepTimer.for_device picks on CPU
+    monkeypatch.setattr(_DeviceLikeEvent, "waited_until", 0)
+    assert _per_ordinary_step(str(tmp_path)) <= 1
+    assert _DeviceLikeEvent.waited_until > 0  # the breakdown was timed with these events, and read
