@@ -38,6 +38,7 @@ BENCHMARKS: list[tuple[str, list[str]]] = [
     ("grad_accumulation", []),
     ("context_parallel", ["--seq", "1024", "4096"]),
     ("lora_memory", []),
+    ("trackers", ["--steps", "61", "--rounds", "2"]),
 ]
 
 
