@@ -151,7 +151,9 @@ def test_every_backend_gets_the_series_and_a_resume_continues_its_run(tmp_path, 
     assert run.info.status == "FINISHED"
     assert run.data.params["trainer.run.name"] == "run"
     assert run.data.params["trainer.schedule.total_steps"] == "8"
-    saved = json.loads(Path(client.download_artifacts(run.info.run_id, "d9d/config.json")).read_text())
+    saved = json.loads(
+        Path(client.download_artifacts(run.info.run_id, "d9d/config.json", str(tmp_path))).read_text()
+    )
     assert saved["trainer"]["tracking"]["project"] == "tiny"
     history = {
         key: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)] for key in expected

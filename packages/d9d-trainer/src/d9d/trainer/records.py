@@ -12,6 +12,9 @@ Each record also carries its step's `tokens_per_s` (tokens / step_time_s), `mfu`
 peak is known, the peak memory so far (`peak_mem_gib` on CUDA, `peak_rss_gib` on CPU; read when the
 step is added, a host-side counter, no sync) and the step-time breakdown of `d9d.trainer.timing`
 (`time_data_s`, `time_forward_backward_s`, `time_optimizer_s`, `time_checkpoint_s`), read at flush.
+
+The experiment trackers (`d9d.trainer.tracking`: TensorBoard, W&B, MLflow) get the same records,
+when the file does.
 """
 
 import contextlib
