@@ -19,7 +19,7 @@ from d9d.ckpt.checkpoint import (
     restore_rng_state,
     verify_checkpoint,
 )
-from d9d.ckpt.io import SafetensorsIOError, load_safetensors, save_safetensors
+from d9d.ckpt.io import SafetensorsIOError, load_safetensors, safetensors_fingerprint, save_safetensors
 from d9d.ckpt.mapper import (
     Cast,
     Chunk,
@@ -90,6 +90,7 @@ __all__: list[str] = [
     "read_checkpoint_info",
     "rename_pattern",
     "restore_rng_state",
+    "safetensors_fingerprint",
     "save_safetensors",
     "verify_checkpoint",
 ]

@@ -409,7 +409,8 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     What `merge_lora` would leave, without changing the model, and on any layout: under FSDP2 and
     tensor parallelism the merged weights are DTensors with their base weight's placements (each
     `B @ A` gathers only the small factors), so an exporter streams them shard by shard. Keys are the
-    base model's (`<path>.weight`), ready for the provider's export mapper.
+    base model's (`<path>.weight`), ready for the provider's export mapper. The merged weights are
+    new tensors: the dict holds a second copy of this rank's share of every adapted weight.
     """
     state = dict(model.state_dict())
     for path, module in model.named_modules():

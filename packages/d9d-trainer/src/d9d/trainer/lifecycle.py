@@ -1,10 +1,8 @@
 """A run's lifecycle around the loop: resume from its latest checkpoint (or import starting weights),
 save checkpoints, export. The checkpoint mechanics themselves are d9d.ckpt's."""
 
-import hashlib
 import json
 import shutil
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,7 @@ from d9d.ckpt import (
     capture_rng_state,
     load_safetensors,
     restore_rng_state,
+    safetensors_fingerprint,
     save_safetensors,
 )
 from d9d.mesh import DistributedContext, get_logger
@@ -159,9 +158,10 @@ class RunLifecycle:
         return self._import if self._import.folder is not None else None
 
     def _base_reference(self) -> dict[str, Any]:
-        """What a LoRA checkpoint records of its frozen base: the import folder and a fingerprint of
-        its safetensors (names, sizes, headers: which tensors, shapes and dtypes), or, without a
-        folder, the seed and `model:` section that initialize it."""
+        """What a LoRA checkpoint records of its frozen base: the import folder and
+        `safetensors_fingerprint` of it (headers and samples of the data of the files the import
+        reads), taken when the base is imported; or, without a folder, the seed and `model:` section
+        that initialize it."""
         if self._base is None:
             source = self._import_source()
             if source is None:
@@ -173,7 +173,7 @@ class RunLifecycle:
                 }
             else:
                 folder = Path(source.folder)
-                self._base = {"folder": str(folder.resolve()), "fingerprint": _fingerprint(folder)}
+                self._base = {"folder": str(folder.resolve()), "fingerprint": safetensors_fingerprint(folder)}
         return self._base
 
     def _check_base(self, checkpoint: Path, saved: Any) -> None:
@@ -183,6 +183,8 @@ class RunLifecycle:
                 f"checkpoint {checkpoint} holds only LoRA adapters (its run had peft.lora) but this config has "
                 "no peft.lora; restore the peft section, or start a new run (another trainer.run.name)"
             )
+        if saved == {}:  # its extra state is unreadable: loading it reports the damage and the way out
+            return
         now = self._base_reference()
         if not isinstance(saved, dict):
             raise TrainingError(f"LoRA checkpoint {checkpoint} records no base model; start a new run")
@@ -196,8 +198,8 @@ class RunLifecycle:
         if saved.get("fingerprint") != now["fingerprint"]:
             raise TrainingError(
                 f"the base folder of LoRA checkpoint {checkpoint} changed: it was {saved['folder']}, and "
-                f"{now['folder']} now holds other tensors (names, shapes or dtypes); its adapters only fit "
-                "the base they were trained on: restore that folder, or start a new run"
+                f"{now['folder']} now holds other weights; its adapters only fit the base they were "
+                "trained on: restore that folder, or start a new run"
             )
         if saved["folder"] != now["folder"]:
             _log.warning(
@@ -208,6 +210,8 @@ class RunLifecycle:
         result = self._import_source()
         if result is None:
             return
+        if self.job.config.peft.lora is not None:
+            self._base_reference()  # the base as it is read now is what the checkpoints will name
         target: nn.Module | dict[str, torch.Tensor] = self.model
         if self.job.config.peft.lora is not None:  # the folder is the base: adapters keep their init
             adapters = set(lora_parameter_names(self.model))
@@ -328,21 +332,6 @@ class RunLifecycle:
     def _lora_base(self) -> str:
         source = self._import_source()
         return str(source.folder) if source is not None else "."
-
-
-def _fingerprint(folder: Path) -> str:
-    """sha256 over the folder's safetensors files: each one's name, size and header (tensor names,
-    dtypes, shapes, offsets), which tells another model or another save of it apart without reading
-    the weights."""
-    digest = hashlib.sha256()
-    for path in sorted(folder.glob("*.safetensors")):
-        with path.open("rb") as fh:
-            head = fh.read(8)
-            length = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-            header = fh.read(min(length, 100 * 2**20))
-        digest.update(f"{path.name}\0{path.stat().st_size}\0".encode())
-        digest.update(header)
-    return digest.hexdigest()[:16]
 
 
 def _describe_base(reference: dict[str, Any]) -> str:

@@ -4,7 +4,8 @@ Public names are exported from `d9d.ckpt`.
 """
 
 from d9d.ckpt.io._errors import SafetensorsIOError
+from d9d.ckpt.io._fingerprint import safetensors_fingerprint
 from d9d.ckpt.io._read import load_safetensors
 from d9d.ckpt.io._write import save_safetensors
 
-__all__ = ["SafetensorsIOError", "load_safetensors", "save_safetensors"]
+__all__ = ["SafetensorsIOError", "load_safetensors", "safetensors_fingerprint", "save_safetensors"]
