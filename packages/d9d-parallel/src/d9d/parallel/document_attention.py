@@ -6,8 +6,10 @@ both belong to one document. `DocumentMask` is built once per batch from the ids
 layer; its `attention(q, k, v)` runs one of two kernels with the same result:
 
 - `"flex"`: FlexAttention (`torch.nn.attention.flex_attention`) with a block mask. Only the blocks
-  that hold attended pairs are computed and no [seq, seq] mask exists in memory. Compiled on CUDA
-  (the fused kernel). torch has no FlexAttention backward on CPU.
+  that hold attended pairs are computed. On CUDA both the attention and the block mask's
+  construction are compiled, so the mask is built block by block, never as a [seq, seq] tensor
+  (eager construction, used elsewhere, materializes it). torch has no FlexAttention backward on
+  CPU; the CUDA path (forward and backward) has not been run in d9d's tests, which have no GPU.
 - `"sdpa"`: `scaled_dot_product_attention` with a dense boolean [batch, 1, seq, seq] mask. It runs
   everywhere and trains on CPU, but the mask costs seq² bytes per row and a masked SDPA cannot use
   the flash kernel.
@@ -65,7 +67,13 @@ class DocumentMask:
                 return (ids[b, q] == ids[b, k]) & (q >= k)
 
             self._block_mask: Any = create_block_mask(
-                same_document_causal, batch, None, seq, seq, device=str(document_ids.device)
+                same_document_causal,
+                batch,
+                None,
+                seq,
+                seq,
+                device=str(document_ids.device),
+                _compile=document_ids.device.type == "cuda",
             )
             self._dense: torch.Tensor | None = None
         else:
