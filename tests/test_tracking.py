@@ -244,3 +244,17 @@ def test_a_failing_tracker_is_left_out_and_the_others_go_on():
     trackers.close()
     trackers.close()  # once only
     assert fine.closed == [False]
+
+
+def test_a_tracker_that_cannot_start_on_rank_0_stops_every_rank_with_its_error(tmp_path):
+    import time
+
+    from d9d.mesh.testing import DistributedTestError
+
+    bogus = "trainer.tracking={backends: [mlflow], mlflow_tracking_uri: 'bogus-scheme://nowhere'}"
+    began = time.monotonic()
+    with pytest.raises(DistributedTestError, match="the mlflow tracker could not start") as caught:
+        train(2, overrides(tmp_path, "bogus", 2, "mesh.data_parallel_shard=2", bogus), timeout=120)
+    assert time.monotonic() - began < 60, "the other rank waited for a step timeout"
+    assert "another rank failed first" in str(caught.value) or "ranks [1] failed too" in str(caught.value)
+    assert not (tmp_path / "bogus" / "save-1").exists()

@@ -80,6 +80,8 @@ from d9d.trainer.step import (
     TrainStep,
     pipeline_layout,
 )
+from d9d.trainer.timing import PHASES, StepPhases, StepTimer
+from d9d.trainer.tracking import Tracker, Trackers
 from d9d.trainer.trainer import Trainer, TrainResult
 from d9d.trainer.watchdog import EXIT_STEP_TIMEOUT
 
@@ -92,6 +94,7 @@ __all__ = [
     "LOCK_FILE",
     "METRICS_FILE",
     "PEER_ERROR_GRACE_S",
+    "PHASES",
     "ActivationCheckpointingConfig",
     "AutoDataProviderFactory",
     "BuildDataProviderContext",
@@ -143,11 +146,15 @@ __all__ = [
     "RunLockedError",
     "ScheduleConfig",
     "StepOutput",
+    "StepPhases",
     "StepRecords",
     "StepSettings",
+    "StepTimer",
     "StopRequests",
     "Task",
     "TimeoutsConfig",
+    "Tracker",
+    "Trackers",
     "TrackingConfig",
     "TrainResult",
     "TrainStep",

@@ -41,7 +41,15 @@ from d9d.trainer.errors import TrainingError
 from d9d.trainer.job import one_line_text
 from d9d.trainer.loading import ConfigError, LoadedJob
 
-__all__ = ["STATE_FILE", "Tracker", "Trackers", "check_trackers", "numeric_fields", "open_trackers"]
+__all__ = [
+    "STATE_FILE",
+    "Tracker",
+    "Trackers",
+    "check_trackers",
+    "install_hint",
+    "numeric_fields",
+    "open_trackers",
+]
 
 #: The tracker run ids of a run (W&B, MLflow), in `save_dir/run.name/`, so a resume continues them.
 STATE_FILE = "tracking.json"
@@ -132,6 +140,11 @@ class Trackers:
         """The backends that still receive records."""
         return [t.name for t in self._trackers]
 
+    def take(self, other: "Trackers") -> None:
+        """Move `other`'s trackers into this set (e.g. into the one a `StepRecords` already holds)."""
+        self._trackers += other._trackers
+        other._trackers = []
+
     def log(self, records: Sequence[Mapping[str, Any]]) -> None:
         """Send the records' numeric fields to every tracker; one that fails is reported and left out."""
         if not self._trackers:
@@ -208,6 +221,15 @@ def open_trackers(loaded: LoadedJob, run_dir: Path, *, start_step: int, writer: 
         Trackers(opened).close(failed=True)
         raise
     _log.info("trackers", backends=[t.name for t in opened], resumed_after=start_step or None)
+    for tracker in opened:
+        kept = getattr(tracker, "last_step", 0)
+        if kept > start_step:  # the run logged steps that this launch redoes
+            _log.warning(
+                f"the {tracker.name} run already has steps {start_step + 1}..{kept}, which this launch redoes: "
+                "they keep the first launch's values there (metrics.jsonl and TensorBoard get the new ones); "
+                "equal unless the resume changed a setting",
+                steps_kept=kept - start_step,
+            )
     return Trackers(opened)
 
 
@@ -306,6 +328,11 @@ class _WandbTracker:
         self._id = run_id
         state.set("wandb", id=run_id, last_step=self._last)
 
+    @property
+    def last_step(self) -> int:
+        """The last step the W&B run has."""
+        return self._last
+
     def log(self, rows: Rows) -> None:
         """The steps after the run's last one, each with its step number."""
         logged = False
@@ -382,6 +409,11 @@ class _MlflowTracker:
         self._client.log_batch(self._run_id, params=[Param(k, v[:_PARAM_CHARS]) for k, v in params.items()])
         self._client.log_dict(self._run_id, job_config, "d9d/config.json")
         state.set("mlflow", tracking_uri=config.mlflow_tracking_uri, run_id=self._run_id)
+
+    @property
+    def last_step(self) -> int:
+        """The last step the MLflow run has."""
+        return self._last
 
     def log(self, rows: Rows) -> None:
         """The steps after the run's last one, in one batch."""

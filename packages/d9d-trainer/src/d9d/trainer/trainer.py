@@ -44,7 +44,7 @@ from d9d.trainer.step import (
     token_group,
 )
 from d9d.trainer.timing import StepTimer, read_phases
-from d9d.trainer.tracking import check_trackers, open_trackers
+from d9d.trainer.tracking import Trackers, check_trackers, open_trackers
 from d9d.trainer.watchdog import REPORT_GRACE_S, StepWatchdog
 
 __all__ = ["METRICS_FILE", "TrainResult", "Trainer", "TrainingError"]
@@ -327,7 +327,7 @@ class Trainer:
         metrics_path = self.run_dir / METRICS_FILE
         if ctx.is_main_process:  # steps after the checkpoint were lost with the crash: redo them
             truncate_metrics(metrics_path, start)
-        trackers = open_trackers(self._job.loaded, self.run_dir, start_step=start, writer=ctx.is_main_process)
+        trackers = Trackers()  # opened in the loop's try: one that cannot start stops every rank, reported
         records = StepRecords(
             metrics_path,
             writer=ctx.is_main_process,
@@ -348,6 +348,11 @@ class Trainer:
         flops_unknown = True
         with self._stops:
             try:
+                trackers.take(
+                    open_trackers(
+                        self._job.loaded, self.run_dir, start_step=start, writer=ctx.is_main_process
+                    )
+                )
                 while self._step < total:
                     step_start = time.perf_counter()
                     self._timer.begin()
@@ -391,6 +396,10 @@ class Trainer:
                 if stop is exc:
                     raise exc from None
                 raise stop from exc
+            except BaseException:  # Ctrl-C, SystemExit: still end the trackers' runs (W&B's service)
+                with contextlib.suppress(Exception):
+                    records.close(failed=True)
+                raise
         records.close()
         unrecorded = read_phases([self._timer.take()])[0]  # the stall of the last checkpoint
         latest = self._lifecycle.checkpoints.checkpoints()
