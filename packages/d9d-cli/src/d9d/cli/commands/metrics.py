@@ -305,6 +305,6 @@ def _metrics_path(path: Path) -> Path:
 
 def _label(path: Path, all_paths: Sequence[Path]) -> str:
     """The run's name (its directory), or its whole path where two runs share a name."""
-    name = path.parent.name
-    names = [(p.parent if p.is_file() else p).name for p in all_paths]
+    name = path.resolve().parent.name
+    names = [(p.parent if p.is_file() else p).resolve().name for p in all_paths]
     return name if names.count(name) <= 1 else str(path.parent)
