@@ -5,6 +5,7 @@ the test process (`train`: one plain process, or ranks joined by `d9d.mesh.testi
 which skips a fresh interpreter per rank. `compare_runs` is the one parity check of the e2e tests.
 """
 
+import importlib.util
 import json
 import math
 import multiprocessing
@@ -53,6 +54,18 @@ _DIST_ENV = (
     "MASTER_ADDR",
     "MASTER_PORT",
 )
+
+
+def quickstart_train_module() -> Any:
+    """The quickstart's train.py as a module (loaded once), e.g. to subclass its model provider."""
+    name = "_d9d_tests_quickstart_train"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, TRAIN)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 def overrides(save_dir: Path, name: str, steps: int, *extra: str) -> list[str]:

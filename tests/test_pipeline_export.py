@@ -6,21 +6,19 @@ The model is sized past `export.shard_size_mb=1` so the export is split into sev
 holding tensors of both stages. Ranks are forked from the test process (`_quickstart.train`).
 """
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from _quickstart import MOE, overrides, run_forked, train
+from _quickstart import MOE, overrides, quickstart_train_module, run_forked, train
 
 from d9d.ckpt.io._gather import merge_key_orders
 from d9d.mesh.testing import run_distributed
 from d9d.parallel import StageSpec
 
 _EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-_TRAIN = _EXAMPLES / "quickstart" / "train.py"
 
 #: ~2.3 MB of fp32 weights: three files of at most 1 MB.
 SIZE = ["model.hidden_size=128", "model.intermediate_size=512", "export.shard_size_mb=1"]
@@ -36,18 +34,7 @@ MESHES = {
 }
 
 
-def _quickstart_module():  # the quickstart's train.py, importable under its own name once
-    name = "_d9d_tests_pipeline_export_train"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, _TRAIN)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-class StageMapperProvider(_quickstart_module().QuickstartModelProvider):
+class StageMapperProvider(quickstart_train_module().QuickstartModelProvider):
     """Exports through a mapper built from the stage's own keys (so each pp rank returns another)."""
 
     def prepare_export_model_stage(self, context):

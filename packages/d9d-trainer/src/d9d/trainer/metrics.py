@@ -3,11 +3,18 @@
 import logging
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any, TextIO
 
 import torch
 
-__all__ = ["PEAK_TFLOPS_BF16", "ProgressLine", "device_peak_flops", "model_flops_per_token"]
+__all__ = [
+    "PEAK_TFLOPS_BF16",
+    "ProgressLine",
+    "batch_flops_per_token",
+    "device_peak_flops",
+    "model_flops_per_token",
+]
 
 #: Dense bf16 peak TFLOP/s of devices whose peak is known (name substring → TFLOP/s). A device not
 #: listed gets no MFU: never a made-up number.
@@ -40,6 +47,15 @@ def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> float | None:
         method = getattr(owner, "flops_per_token", None)
         if callable(method):
             return float(method(seq_len))
+    return None
+
+
+def batch_flops_per_token(model: torch.nn.Module, microbatches: Sequence[Any]) -> float | None:
+    """`model_flops_per_token` at the sequence length of a step's first microbatch (`input_ids`)."""
+    if microbatches and isinstance(microbatches[0], dict):
+        ids = microbatches[0].get("input_ids")
+        if ids is not None:
+            return model_flops_per_token(model, int(ids.shape[-1]))
     return None
 
 

@@ -29,7 +29,7 @@ from d9d.trainer.failures import FailureBoard, job_store
 from d9d.trainer.job import ResolvedJob, resolve_job
 from d9d.trainer.lifecycle import RunLifecycle
 from d9d.trainer.loading import LoadedJob, load_job_config
-from d9d.trainer.metrics import ProgressLine, device_peak_flops, model_flops_per_token
+from d9d.trainer.metrics import ProgressLine, batch_flops_per_token, device_peak_flops
 from d9d.trainer.profiling import StepProfiler
 from d9d.trainer.providers import BuildDataProviderContext, BuildDatasetContext
 from d9d.trainer.records import METRICS_FILE, StepRecords, truncate_metrics
@@ -361,7 +361,7 @@ class Trainer:
                         self._timer.mark("data")
                         self._faults.before_step(self._step + 1)
                         if flops_unknown:  # the sequence length is known from the first batch on
-                            records.flops_per_token = _flops_per_token(self._model, microbatches)
+                            records.flops_per_token = batch_flops_per_token(self._model, microbatches)
                             flops_unknown = False
                         lr = self._scheduler.get_last_lr()[0]  # the learning rate this step uses
                         output = self._train_step.run(microbatches, self._step + 1)
@@ -479,11 +479,3 @@ def _local_numel(param: torch.Tensor) -> int:
 
 def _seconds(value: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=value)
-
-
-def _flops_per_token(model: torch.nn.Module, microbatches: list[Any]) -> float | None:
-    if microbatches and isinstance(microbatches[0], dict):
-        ids = microbatches[0].get("input_ids")
-        if ids is not None:
-            return model_flops_per_token(model, int(ids.shape[-1]))
-    return None

@@ -79,11 +79,7 @@ class PackedTokens:
 
     def __getitem__(self, index: int) -> CausalLMSample:
         """Sample `index`: {"input_ids": int64[seq_len], "labels": int64[seq_len]} (+ document ids)."""
-        n = len(self)
-        if index < 0:
-            index += n
-        if not 0 <= index < n:
-            raise IndexError(f"sample {index} out of range for a dataset of {n} samples")
+        index = sample_index(index, len(self))
         start = index * self._seq_len
         window = np.asarray(self.tokens[start : start + self._seq_len + 1], dtype=np.int64)
         tensor = torch.from_numpy(window)
@@ -109,6 +105,18 @@ class PackedTokens:
                 f"{where} holds {self.num_tokens} tokens, too few for one sample of seq_len={self._seq_len} "
                 f"(needs {self._seq_len + 1}); add text or lower seq_len"
             )
+
+
+def sample_index(index: int, n: int) -> int:
+    """`index` of a dataset of `n` samples as a position in [0, n) (negative counts from the end).
+
+    Raises:
+        IndexError: out of range.
+    """
+    position = index + n if index < 0 else index
+    if not 0 <= position < n:
+        raise IndexError(f"sample {position} out of range for a dataset of {n} samples")
+    return position
 
 
 def token_dtype(name: str | None, vocab_size: int | None = None) -> np.dtype:

@@ -10,7 +10,7 @@ import msgspec
 import numpy as np
 import torch
 
-from d9d.data.datasets.packed import IGNORE_INDEX, CausalLMSample, find_files
+from d9d.data.datasets.packed import IGNORE_INDEX, CausalLMSample, find_files, sample_index
 from d9d.data.datasets.tokenizer import ChatTokenizer, Tokenizer, resolve_tokenizer
 from d9d.data.errors import DatasetError, TokenizerError
 from d9d.data.packing import PADDING_DOCUMENT_ID, pack_lengths
@@ -179,11 +179,7 @@ class SFTDataset:
 
     def __getitem__(self, index: int) -> CausalLMSample:
         """Sample `index`: `input_ids`, `labels` (int64[seq_len]); packed also `position_ids`, `document_ids`."""
-        n = len(self)
-        if index < 0:
-            index += n
-        if not 0 <= index < n:
-            raise IndexError(f"sample {index} out of range for a dataset of {n} samples")
+        index = sample_index(index, len(self))
         records = (
             [index] if self._rows is None else self._rows[1][self._rows[0][index] : self._rows[0][index + 1]]
         )
