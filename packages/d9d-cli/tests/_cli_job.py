@@ -21,7 +21,10 @@ import msgspec
 import torch
 from torch import nn
 
-from d9d.parallel import parallelize_hsdp
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel
+
+from d9d.parallel import parallelize_hsdp, parallelize_tensor_parallel
 from d9d.trainer import BuildDatasetResult, InitializeModelStageResult, PrepareExportModelStageResult
 
 
@@ -56,6 +59,9 @@ class TinyModelProvider:
         return InitializeModelStageResult(model=TinyLM(self.config))
 
     def parallelize_model_stage(self, context: Any) -> None:
+        if context.mesh is not None:  # tensor parallel: each block's output gathered whole
+            plan = {f"blocks.{i}": ColwiseParallel(output_layouts=Replicate()) for i in range(len(context.model.blocks))}
+            parallelize_tensor_parallel(context.model, context.mesh, plan)
         parallelize_hsdp(context.model, context.mesh, blocks=list(context.model.blocks), precision=context.precision)
 
     def prepare_export_model_stage(self, context: Any) -> PrepareExportModelStageResult:

@@ -5,7 +5,6 @@ import os
 import shlex
 import subprocess
 import sys
-from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -17,15 +16,9 @@ from _cli_job import job_config, run_cli_concurrently, write_job
 from d9d.cli import cli
 from d9d.cli.commands._text import format_size
 from d9d.cli.commands.init import d9d_invocation
-from d9d.cli.commands.plan import (
-    estimate_activations,
-    estimate_memory,
-    launch_command,
-    pipeline_bubble,
-    sequence_length_error,
-)
-from d9d.mesh import MeshConfig, axis_groups
-from d9d.trainer import load_job_config, resolve_job
+from d9d.cli.commands.plan import launch_command
+from d9d.mesh import DistributedContext, MeshConfig, axis_groups
+from d9d.trainer import estimate_activations, estimate_memory, load_job_config, resolve_job
 
 #: A tiny causal LM whose attention supports context parallelism (as the quickstart's does), and
 #: dataset providers whose config_type has a seq_len default (16) or none at all.
@@ -39,7 +32,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from d9d.parallel import parallelize_context_parallel, parallelize_hsdp
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel
+
+from d9d.parallel import parallelize_context_parallel, parallelize_hsdp, parallelize_tensor_parallel
 from d9d.trainer import BuildDatasetResult, InitializeModelStageResult, PrepareExportModelStageResult
 
 
@@ -92,6 +88,10 @@ class AttentionModelProvider:
         return InitializeModelStageResult(model=AttentionLM(self.config))
 
     def parallelize_model_stage(self, context: Any) -> None:
+        if context.mesh is not None:  # tensor parallel: each projection's output gathered whole
+            names = [f"blocks.{i}.{p}" for i in range(len(context.model.blocks)) for p in ("qkv", "out")]
+            plan = {name: ColwiseParallel(output_layouts=Replicate()) for name in names}
+            parallelize_tensor_parallel(context.model, context.mesh, plan)
         parallelize_context_parallel(context.model, context.mesh)
         parallelize_hsdp(context.model, context.mesh, blocks=list(context.model.blocks), precision=context.precision)
 
@@ -123,7 +123,8 @@ class SequencesProvider:
         self.config = config
 
     def build_dataset(self, context: Any) -> BuildDatasetResult:
-        return BuildDatasetResult(dataset=Tokens(self.config.samples, self.config.seq_len))
+        dataset = Tokens(self.config.samples, self.config.seq_len)
+        return BuildDatasetResult(dataset=dataset, seq_len=self.config.seq_len)  # checked against cp
 
 
 class OpaqueConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -172,49 +173,6 @@ def _launch(output: str) -> str:
 
 def _mesh_sets(**degrees: int) -> list[str]:
     return [arg for key, value in degrees.items() for arg in ("--set", f"mesh.{key}={value}")]
-
-
-def test_estimate_divides_by_the_sharding_degrees():
-    est = estimate_memory(
-        8000,
-        6000,
-        pipeline_parallel=2,
-        data_parallel_shard=2,
-        context_parallel=1,
-        tensor_parallel=2,
-        optimizer_states=2,
-    )
-    assert est.shard_factor == 8
-    assert (est.params, est.grads, est.optimizer) == (1000, 750, 1500)
-    assert est.total == 1000 + 750 + 1500
-
-
-def test_estimate_shards_over_dp_shard_times_cp():
-    # FSDP shards over the flattened dp_shard × cp axis: cp divides parameters, grads and states too
-    est = estimate_memory(
-        8000,
-        8000,
-        pipeline_parallel=1,
-        data_parallel_shard=2,
-        context_parallel=2,
-        tensor_parallel=2,
-        optimizer_states=2,
-    )
-    assert est.shard_factor == 8
-    assert (est.params, est.grads, est.optimizer) == (1000, 1000, 2000)
-
-
-def test_estimate_rounds_up_and_sgd_without_momentum_has_no_state():
-    est = estimate_memory(
-        10,
-        10,
-        pipeline_parallel=1,
-        data_parallel_shard=3,
-        context_parallel=1,
-        tensor_parallel=1,
-        optimizer_states=0,
-    )
-    assert (est.params, est.grads, est.optimizer) == (4, 4, 0)
 
 
 def test_launch_command_for_one_process_many_processes_and_many_nodes():
@@ -269,7 +227,7 @@ def test_plan_prints_layout_batches_memory_and_command(runner, config):
     assert _lines(out, "parameters")[0].split(None, 1)[1] == format_size(per_rank.params)
     # TokensProvider's config_type gives seq_len 8 (the config does not set dataset.seq_len)
     job = resolve_job(load_job_config(config, sets[1::2]))
-    acts = estimate_activations(job, seq_len=8, microbatch_size=2, param_dtype="bfloat16")
+    acts = _activations(job, seq_len=8, microbatch_size=2)
     assert "one microbatch of 2 × 8 tokens" in _lines(out, "activations")[0]
     assert _lines(out, "total")[0].split(None, 1)[1] == format_size(per_rank.total + acts.plain)
 
@@ -464,15 +422,21 @@ def test_sequence_per_rank_says_when_the_length_is_unknown(runner, cp_config):
     assert "not known without loading data" in share and "pass --seq-len" in share
 
 
-def test_sequence_length_error_is_the_trainers_message():
-    from d9d.trainer import TrainingError
-    from d9d.trainer.build import check_sequence_length as _check_sequence_length  # the trainer's own check
+def test_the_plan_refuses_a_length_with_the_trainers_message(cp_config):
+    """`d9d plan` (config only) and the trainer (the built dataset) plan with the same function: the
+    dataset's length is refused with the same words whichever way it is known."""
+    from d9d.parallel import SequenceLengthError
+    from d9d.trainer import BuildDatasetResult, plan_job
 
-    with pytest.raises(TrainingError) as refused:
-        _check_sequence_length(18, 2)
-    assert sequence_length_error(18, 2) == str(refused.value)
-    assert sequence_length_error(16, 2) is None and sequence_length_error(18, 1) is None
-    _check_sequence_length(16, 2)  # and the trainer accepts what plan accepts
+    job = _resolved(cp_config, "dataset.seq_len=18", "mesh.context_parallel=2")
+    built = BuildDatasetResult(dataset=[], seq_len=18)
+    with DistributedContext.for_planning(job.config.mesh) as ctx:
+        with pytest.raises(SequenceLengthError) as from_config:
+            plan_job(job, ctx)
+        with pytest.raises(SequenceLengthError) as from_dataset:
+            plan_job(job, ctx, dataset=built)
+    assert str(from_config.value) == str(from_dataset.value)
+    assert str(from_config.value).startswith("the dataset's sequences have 18 tokens, not divisible by 2 × ")
 
 
 @pytest.mark.parametrize(
@@ -483,7 +447,10 @@ def test_sequence_length_error_is_the_trainers_message():
             "the dataset's sequences have 18 tokens",
         ),
         (_mesh_sets(context_parallel=3), "the dataset's sequences have 16 tokens"),  # the provider's default
-        (["--seq-len", "10", *_mesh_sets(context_parallel=2)], "--seq-len 10 is not divisible by 2 × "),
+        (
+            ["--seq-len", "10", *_mesh_sets(context_parallel=2)],
+            "--seq-len gives 10 tokens, not divisible by 2 × ",
+        ),
     ],
     ids=["dataset.seq_len", "provider-default", "option"],
 )
@@ -501,24 +468,36 @@ def test_cp_with_a_model_without_cp_support_is_one_line(runner, config):
     assert result.exit_code == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {config}: ")
-    assert "supports context parallelism" in lines[0] and "mesh.context_parallel: 1" in lines[0]
+    # the trainer's own refusal of a model whose provider gave no module the cp group
+    assert (
+        "mesh.context_parallel=2 but the model provider's parallelize_model_stage gave no module the cp group"
+        in lines[0]
+    )
+    assert "mesh.context_parallel: 1" in lines[0]
 
 
 def _resolved(config: Path, *overrides: str):
     return resolve_job(load_job_config(config, list(overrides)))
 
 
+def _activations(job, *, seq_len: int, microbatch_size: int):
+    """The trainer's activation estimate of `job` in bfloat16, on rank 0 of a planning context."""
+    import torch
+
+    with DistributedContext.for_planning(job.config.mesh) as ctx:
+        return estimate_activations(
+            job, ctx, seq_len=seq_len, microbatch_size=microbatch_size, dtype=torch.bfloat16
+        )
+
+
 def test_activations_under_cp_are_the_local_sequence_plus_the_gathered_kv(cp_config):
     seq, microbatch, hidden, layers, bf16 = 32, 2, 16, 2, 2
-    with_cp = estimate_activations(
+    with_cp = _activations(
         _resolved(cp_config, "mesh.context_parallel=2"),
         seq_len=seq,
         microbatch_size=microbatch,
-        param_dtype="bfloat16",
     )
-    half = estimate_activations(
-        _resolved(cp_config), seq_len=seq // 2, microbatch_size=microbatch, param_dtype="bfloat16"
-    )
+    half = _activations(_resolved(cp_config), seq_len=seq // 2, microbatch_size=microbatch)
     assert with_cp.tokens == half.tokens == f"{microbatch} × {seq // 2}"
     # Everything is the one-process figure at seq / cp tokens, plus, in every layer, K and V of the
     # whole sequence that attention all-gathers and keeps for backward.
@@ -526,18 +505,13 @@ def test_activations_under_cp_are_the_local_sequence_plus_the_gathered_kv(cp_con
     assert with_cp.plain == half.plain + gathered_kv
     assert with_cp.full == half.full  # block inputs only: the gather is redone in the backward
     # the old estimate (the full sequence on one rank divided by cp, as if cp were tp) is not it
-    whole = estimate_activations(
-        _resolved(cp_config), seq_len=seq, microbatch_size=microbatch, param_dtype="bfloat16"
-    )
+    whole = _activations(_resolved(cp_config), seq_len=seq, microbatch_size=microbatch)
     assert with_cp.plain != -(-whole.plain // 2)
 
 
 def test_attention_is_counted_as_a_fused_kernel_linear_in_the_sequence(cp_config):
     job = _resolved(cp_config)
-    plain = [
-        estimate_activations(job, seq_len=seq, microbatch_size=2, param_dtype="bfloat16").plain
-        for seq in (64, 128, 256)
-    ]
+    plain = [_activations(job, seq_len=seq, microbatch_size=2).plain for seq in (64, 128, 256)]
     # affine in seq_len (a few scalars aside): no seq × seq matrix, which SDPA's math path on the
     # meta device would save
     assert plain[2] - plain[1] == 2 * (plain[1] - plain[0])
@@ -618,17 +592,13 @@ def _pp_plan(runner, config: Path, schedule: str, *args: str):
     return runner.invoke(cli, ["plan", str(config), "--world-size", "2", *sets])
 
 
-def _trainer_layout_error(config: Path, *overrides: str, microbatches: int = 4) -> str:
-    """The message the trainer's own `plan_pipeline_stage` refuses this job with (rank 0's view)."""
-    from types import SimpleNamespace
-
-    from d9d.trainer.step import plan_pipeline_stage
+def _trainer_layout_error(config: Path, *overrides: str) -> str:
+    """The message the trainer's own plan (`plan_job` on rank 0 of the job's mesh) refuses this job with."""
+    from d9d.trainer import plan_job
 
     job = _resolved(config, *overrides)
-    pp = job.config.mesh.pipeline_parallel
-    context = SimpleNamespace(axis_size=lambda axis: pp, coordinate=lambda axis: 0)
-    with pytest.raises(Exception) as refused:
-        plan_pipeline_stage(job, context, SimpleNamespace(microbatches_per_step=microbatches))
+    with DistributedContext.for_planning(job.config.mesh) as ctx, pytest.raises(Exception) as refused:
+        plan_job(job, ctx)
     return str(refused.value)
 
 
@@ -691,38 +661,6 @@ def test_bubble_of_1f1b_and_interleaved_1f1b(runner, pp_config):
         "bubble: 1/9 = 11.1% of the step's forward and backward time ((p−1)/(v·m+p−1) with p=2, v=2, m=4; "
         "interleaved 1F1B"
     )
-    assert pipeline_bubble("1f1b", 4, 1, 8).fraction == Fraction(3, 11)
-    assert pipeline_bubble("gpipe", 4, 1, 8).fraction == Fraction(3, 11)
-    assert pipeline_bubble("interleaved_1f1b", 4, 2, 8).fraction == Fraction(3, 19)
-    assert pipeline_bubble("interleaved_1f1b", 4, 4, 8).fraction == Fraction(3, 35)
-
-
-def _looped_forward_span(p: int, v: int, m: int) -> int:
-    """Time units of looped BFS's forward pass, simulated: a stage takes 1 unit per microbatch, stage s
-    runs on rank s mod p, and each rank runs all microbatches of one of its stages before its next."""
-    done: dict[tuple[int, int], int] = {}
-    free = [0] * p
-    for stage in range(p * v):
-        rank = stage % p
-        for mb in range(m):
-            start = max(free[rank], done.get((stage - 1, mb), 0))
-            done[stage, mb] = free[rank] = start + 1
-    return max(done.values())
-
-
-@pytest.mark.parametrize(("p", "v", "m"), [(2, 1, 4), (4, 1, 2), (2, 2, 4), (4, 2, 8), (4, 3, 2), (3, 2, 1)])
-def test_looped_bubble_matches_a_simulated_schedule(p, v, m):
-    span = _looped_forward_span(p, v, m)  # the forward; the backward mirrors it
-    simulated = Fraction(span - v * m, span)  # every rank works v · m units
-    assert pipeline_bubble("looped_bfs", p, v, m).fraction == simulated
-    if v == 1:
-        assert pipeline_bubble("gpipe", p, 1, m).fraction == simulated
-
-
-def test_zero_bubble_schedules_need_a_microbatch_per_stage():
-    for schedule in ("interleaved_zero_bubble", "zbv", "dualpipev"):
-        assert pipeline_bubble(schedule, 4, 2, 8).fraction == 0
-        assert pipeline_bubble(schedule, 4, 2, 7).fraction is None
 
 
 def test_zbv_with_enough_microbatches_has_no_bubble(runner, pp_config):
@@ -738,48 +676,43 @@ def test_zbv_with_enough_microbatches_has_no_bubble(runner, pp_config):
     assert "same time" in assumes and "input- and weight-gradient parts" in assumes
 
 
-def test_a_data_provider_of_its_own_leaves_m_open(runner, pp_config):
-    result = _pp_plan(runner, pp_config, "interleaved_1f1b", "--set", "providers.data=tiny_job.py:OwnData")
-    assert result.exit_code == 0, result.output
-    (bubble,) = _lines(result.output, "bubble:")
-    assert bubble.startswith("bubble: (p−1)/(v·m+p−1) with p=2, v=2 and m the microbatches per step")
-    assert len(_lines(result.output, "pp rank")) == 2
+def test_a_data_provider_that_declares_no_batching_is_refused_under_pp_like_the_trainer(runner, pp_config):
+    sets = ["mesh.pipeline_parallel=2", "providers.data=tiny_job.py:OwnData"]
+    result = runner.invoke(cli, ["plan", str(pp_config), *[a for s in sets for a in ("--set", s)]])
+    assert result.exit_code == 2 and result.stdout == ""
+    expected = _trainer_layout_error(pp_config, *sets)
+    assert "declares no batching" in expected and "batching(mesh)" in expected
+    assert result.stderr.strip().splitlines() == [f"error: {expected}"]
 
 
 @pytest.mark.parametrize(
-    ("sets", "microbatches", "start"),
+    ("sets", "start"),
     [
         (
             ["pipelining.schedule=interleaved_1f1b", "pipelining.stages_per_rank=4"],
-            4,
             "cannot split 4 layers into 8 pipeline stages",
         ),
         (
             ["pipelining.schedule=dualpipev", "data.global_batch_size=4"],
-            2,
             "pipeline schedule 'dualpipev' needs",
         ),
         (
             ["pipelining.schedule=interleaved_1f1b", "data.global_batch_size=10"],
-            5,
             "pipeline schedule 'interleaved_1f1b' on 2 pipeline ranks needs a microbatch count divisible",
         ),
         (
             ["pipelining.schedule=1f1b", "providers.task=tiny_job.py:PlainTask"],
-            4,
             "mesh.pipeline_parallel > 1 needs a task",
         ),
     ],
     ids=["more-stages-than-layers", "dualpipev-too-few-microbatches", "interleaved-indivisible", "task"],
 )
-def test_a_layout_the_trainer_refuses_is_refused_with_its_message(
-    runner, pp_config, sets, microbatches, start
-):
+def test_a_layout_the_trainer_refuses_is_refused_with_its_message(runner, pp_config, sets, start):
     overrides = ["mesh.pipeline_parallel=2", *sets]
     result = runner.invoke(cli, ["plan", str(pp_config), *[a for s in overrides for a in ("--set", s)]])
     assert result.exit_code == 2
     assert result.stdout == ""  # before any line of the plan
-    expected = _trainer_layout_error(pp_config, *overrides, microbatches=microbatches)
+    expected = _trainer_layout_error(pp_config, *overrides)
     assert expected.startswith(start)
     assert result.stderr.strip().splitlines() == [f"error: {expected}"]
 
@@ -790,3 +723,72 @@ def test_a_model_provider_without_pipeline_num_layers_is_refused_like_the_traine
     expected = _trainer_layout_error(config, "mesh.pipeline_parallel=2")
     assert "needs a model provider with pipeline_num_layers()" in expected
     assert result.stderr.strip().splitlines() == [f"error: {expected}"]
+
+
+# ------------------------------------------------------------------------------ declared abilities
+
+#: Copies of the built-in data and optimizer providers under other names (not subclasses): what a
+#: user's own providers with the same declarations look like to the plan.
+COPIES = """
+from d9d.trainer import AutoDataProviderFactory, BuiltinOptimizerProvider
+
+def _copy(cls, name):
+    return type(name, (), {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")})
+
+MyData = _copy(AutoDataProviderFactory, "MyData")
+MyOptimizer = _copy(BuiltinOptimizerProvider, "MyOptimizer")
+"""
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        [
+            "mesh.data_parallel_shard=2",
+            "mesh.context_parallel=2",
+            "optimizer.name=sgd",
+            "optimizer.momentum=0.9",
+        ],
+        ["mesh.pipeline_parallel=2", "pipelining.schedule=interleaved_1f1b"],
+    ],
+    ids=["fsdp-cp-sgd", "pp"],
+)
+def test_a_copy_of_the_builtin_providers_gets_the_builtins_plan(runner, pp_config, cp_config, sets):
+    config = pp_config if any("pipeline" in s for s in sets) else cp_config
+    (config.parent / "copies.py").write_text(COPIES, encoding="utf-8")
+    copies = ["providers.data=copies.py:MyData", "providers.optimizer=copies.py:MyOptimizer"]
+
+    def plan_lines(overrides):
+        result = runner.invoke(cli, ["plan", str(config), *[a for s in overrides for a in ("--set", s)]])
+        assert result.exit_code == 0, result.output
+        lines = result.output.splitlines()
+        return lines[: lines.index(next(line for line in lines if line.startswith("launch (")))]
+
+    builtin, copied = plan_lines(sets), plan_lines([*sets, *copies])
+    assert copied == builtin
+    assert any(line.startswith("data: global batch") for line in copied)  # declared, not assumed
+    assert not any("assumed AdamW-like" in line for line in copied)
+    from d9d.trainer import plan_job
+
+    jobs = [_resolved(config, *sets), _resolved(config, *sets, *copies)]
+    with DistributedContext.for_planning(jobs[0].config.mesh) as ctx:
+        plans = [plan_job(job, ctx) for job in jobs]
+    assert plans[0] == plans[1]
+    assert type(jobs[1].data_factory).__name__ == "MyData"
+
+
+def test_an_optimizer_that_declares_nothing_is_assumed_adamw_like(runner, config):
+    (config.parent / "own_optimizer.py").write_text(
+        "import torch\n\n"
+        "class OwnOptimizer:\n"
+        "    def __init__(self, config):\n        self.config = config\n\n"
+        "    def build_optimizer(self, named_parameters):\n"
+        "        return torch.optim.SGD([p for _, p in named_parameters], lr=0.1)\n",
+        encoding="utf-8",
+    )
+    result = runner.invoke(
+        cli, ["plan", str(config), "--set", "providers.optimizer=own_optimizer.py:OwnOptimizer"]
+    )
+    assert result.exit_code == 0, result.output
+    (line,) = _lines(result.output, "optimizer ")
+    assert "assumed AdamW-like, 2 states per parameter" in line and "optimizer_states()" in line

@@ -172,6 +172,30 @@ def test_planning_mode_builds_1024_rank_mesh_in_one_process():
     assert not dist.is_initialized()
 
 
+def _fsdp_shard_coordinates() -> tuple[int, int]:
+    from torch.distributed.fsdp import fully_shard
+
+    ctx = DistributedContext.from_env(MeshConfig(pipeline_parallel=2, data_parallel_shard=2))
+    mesh = ctx.mesh("dense")["dp_shard"]
+    module = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16))
+    fully_shard(module, mesh=mesh)
+    return mesh.get_local_rank(), module[1].weight.device_mesh.get_local_rank()
+
+
+def test_a_closed_plan_leaves_no_cached_coordinates_to_forked_ranks():
+    # FSDP2 on the planning mesh caches DTensor specs; the real meshes of ranks forked later compare
+    # equal to it, and without the cache cleared every rank's shards claimed rank 0's offset.
+    config = MeshConfig(pipeline_parallel=2, data_parallel_shard=2)
+    with DistributedContext.for_planning(config) as ctx:
+        from torch.distributed.fsdp import fully_shard
+
+        with torch.device("meta"):
+            module = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16))
+        fully_shard(module, mesh=ctx.mesh("dense")["dp_shard"])
+    for mesh_rank, shard_rank in run_distributed(_fsdp_shard_coordinates, 4):
+        assert shard_rank == mesh_rank
+
+
 def test_planning_mode_checks_world_size():
     with pytest.raises(LaunchError, match="needs 4 processes, but the plan started 8"):
         DistributedContext.for_planning(MeshConfig(data_parallel_shard=4), world_size=8)

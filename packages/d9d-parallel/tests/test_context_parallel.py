@@ -13,9 +13,13 @@ from d9d.mesh.testing import run_distributed
 from d9d.parallel import (
     ContextParallel,
     ParallelizeError,
+    SequenceLengthError,
+    check_sequence_length,
     context_parallel_attention,
     context_parallel_of,
     parallelize_context_parallel,
+    sequence_length_problem,
+    sequence_share,
 )
 from d9d.parallel.context_parallel import _positions
 
@@ -134,9 +138,9 @@ def test_cp_attention_matches_one_process_world_2_3_4(world_size, mesh_shape):
         assert got["one_axis_mesh"] == (world_size, rank, list(range(world_size)))
         chunks, bad = 2 * world_size, 100 if 100 % (2 * world_size) else 102
         assert got["check_seq_len"] == (
-            f"a sequence of {bad} tokens is not divisible by 2 × context_parallel = {chunks} (context "
-            f"parallelism cuts it into {chunks} equal chunks); make the dataset's sequence length (e.g. "
-            f"dataset.seq_len) a multiple of {chunks} or change mesh.context_parallel"
+            f"a sequence has {bad} tokens, not divisible by 2 × mesh.context_parallel = {chunks} (context "
+            f"parallelism cuts each sequence into {chunks} equal chunks); make the dataset's sequence length "
+            f"(e.g. dataset.seq_len) a multiple of {chunks} or change mesh.context_parallel"
         )
         if mesh_shape is not None:
             row = rank // mesh_shape[1]
@@ -210,7 +214,7 @@ def _wiring() -> dict[str, object]:
              "doc_weight": torch.ones(1, 3), "scalar": 5}  # fmt: skip
     local = cp.shard_batch(batch)
     with pytest.raises(
-        ParallelizeError, match="a sequence of 6 tokens is not divisible by 2 × context_parallel = 4"
+        SequenceLengthError, match=r"a sequence has 6 tokens, not divisible by 2 × mesh\.context_parallel = 4"
     ):
         cp.shard_batch({"input_ids": torch.zeros(1, 6)})
     return {
@@ -233,3 +237,29 @@ def test_parallelize_context_parallel_sets_the_group_and_shard_batch_splits_ever
     off = torch.nn.Sequential(_Attention())
     assert not parallelize_context_parallel(off, None).enabled and off[0].context_parallel is None
     assert context_parallel_of(off) is None
+
+
+def test_sequence_share_is_chunks_r_and_its_mirror_and_positions_follow_it():
+    share = sequence_share(16, 2, 1)
+    assert (share.num_chunks, share.chunks, share.chunk_tokens, share.local_tokens) == (4, (1, 2), 4, 8)
+    assert _positions(16, 2, 1).tolist() == [*range(4, 8), *range(8, 12)]
+    whole = sequence_share(10, 1)
+    assert (whole.num_chunks, whole.chunks, whole.local_tokens) == (1, (0,), 10)
+
+
+def test_one_sequence_length_rule_names_the_source_and_the_fix():
+    assert sequence_length_problem(16, 2) is None
+    assert sequence_length_problem(7, 1) is None  # no context parallelism: any length
+    message = sequence_length_problem(10, 2, subject="--seq-len gives", fix="pass")
+    assert message == (
+        "--seq-len gives 10 tokens, not divisible by 2 × mesh.context_parallel = 4 (context parallelism "
+        "cuts each sequence into 4 equal chunks); pass a multiple of 4 or change mesh.context_parallel"
+    )
+    assert sequence_length_problem(0, 2) is not None
+    with pytest.raises(SequenceLengthError, match=r"eval_dataset\.seq_len to a multiple of 4"):
+        check_sequence_length(
+            6, 2, subject="the eval set's sequences have", fix="set eval_dataset.seq_len to"
+        )
+    with pytest.raises(SequenceLengthError):
+        sequence_share(6, 2)
+    assert issubclass(SequenceLengthError, ParallelizeError)

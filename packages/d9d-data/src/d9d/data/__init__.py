@@ -47,7 +47,7 @@ from d9d.data.packing import (
     pack_lengths,
 )
 from d9d.data.placement import DataPlacement
-from d9d.data.protocol import DataProvider, SizedDataProvider
+from d9d.data.protocol import DataProvider, SizedDataProvider, TokenDataset
 
 __all__ = [
     "IGNORE_INDEX",
@@ -72,6 +72,7 @@ __all__ = [
     "SFTStats",
     "SizedDataProvider",
     "TextDataset",
+    "TokenDataset",
     "TokenFileDataset",
     "TokenFileInfo",
     "Tokenizer",

@@ -1,9 +1,10 @@
-"""`DataProvider`: the small protocol every data provider (built-in or custom) implements."""
+"""`DataProvider`: the small protocol every data provider (built-in or custom) implements; and
+`TokenDataset`, what a dataset of token sequences declares about its samples."""
 
 from collections.abc import Iterator, Mapping
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-__all__ = ["DataProvider", "SizedDataProvider"]
+__all__ = ["DataProvider", "SizedDataProvider", "TokenDataset"]
 
 BatchT_co = TypeVar("BatchT_co", covariant=True)
 
@@ -37,4 +38,32 @@ class SizedDataProvider(DataProvider[BatchT_co], Protocol[BatchT_co]):
 
     def __len__(self) -> int:
         """Steps in one epoch."""
+        ...
+
+
+@runtime_checkable
+class TokenDataset(Protocol):
+    """A map-style dataset of token sequences that declares its sample length and vocabulary.
+
+    Every d9d.data dataset is one (`TextDataset`, `TokenFileDataset`, `SFTDataset`); the trainer checks
+    `seq_len` against context parallelism and `vocab_size` against the model's input embedding before
+    anything runs.
+    """
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens per sample."""
+        ...
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Every token id is below it; None when unknown."""
+        ...
+
+    def __len__(self) -> int:
+        """Samples in the dataset."""
+        ...
+
+    def __getitem__(self, index: int) -> Any:
+        """Sample `index`."""
         ...

@@ -318,10 +318,20 @@ class DistributedContext:
     # ------------------------------------------------------------------ shutdown
 
     def close(self) -> None:
-        """Destroy the process group if this context created it. Safe to call twice."""
+        """Destroy the process group if this context created it. Safe to call twice.
+
+        A planning context also empties torch's DTensor dispatch cache: its meshes compare equal to a
+        real job's meshes of the same shape (equality ignores the rank), so specs cached while planning
+        (rank 0's coordinates) would be handed to DTensors built later in this process or in processes
+        forked from it, e.g. FSDP2 shards that all claim offset 0.
+        """
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_process_group = False
+        if self._mode == "planning":
+            clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # where torch has it
+            if clear is not None:
+                clear()
         self._meshes = None if self._mode != "local" else self._meshes
 
     def __enter__(self) -> "DistributedContext":

@@ -19,9 +19,14 @@ from d9d.parallel.activation_memory import saved_activation_bytes
 from d9d.parallel.compile import CompileConfig, compile_blocks
 from d9d.parallel.context_parallel import (
     ContextParallel,
+    SequenceLengthError,
+    SequenceShare,
+    check_sequence_length,
     context_parallel_attention,
     context_parallel_of,
     parallelize_context_parallel,
+    sequence_length_problem,
+    sequence_share,
 )
 from d9d.parallel.data_parallel import (
     GradientReduction,
@@ -113,6 +118,8 @@ __all__ = [
     "PrecisionConfig",
     "ReplicateParallel",
     "RouterOutput",
+    "SequenceLengthError",
+    "SequenceShare",
     "TensorParallelPlan",
     "TokenDispatcher",
     "TopKRouter",
@@ -121,6 +128,7 @@ __all__ = [
     "apply_lora",
     "attention_plan",
     "autocast_forward",
+    "check_sequence_length",
     "checkpointed_blocks",
     "clip_grad_norm_",
     "compile_blocks",
@@ -156,6 +164,8 @@ __all__ = [
     "precision_autocast",
     "resolve_precision",
     "saved_activation_bytes",
+    "sequence_length_problem",
+    "sequence_share",
     "set_gradient_accumulation",
     "set_gradient_sync",
 ]
@@ -163,7 +173,9 @@ __all__ = [
 # Pipeline parallelism (d9d.parallel.pipeline): layer-to-stage plans, schedules by name, the step.
 from d9d.parallel.pipeline import (
     PIPELINE_SCHEDULES,
+    ZERO_BUBBLE_SCHEDULES,
     Pipeline,
+    PipelineBubble,
     PipelineConfig,
     PipelineError,
     PipelineLayout,
@@ -177,6 +189,7 @@ from d9d.parallel.pipeline import (
     fsdp_reshard_after_forward,
     keep_stage_layers,
     merge_stage_modules,
+    pipeline_bubble,
     pipeline_schedule_info,
     plan_pipeline,
     prepare_fsdp_for_schedule,
@@ -186,7 +199,9 @@ from d9d.parallel.pipeline import (
 
 __all__ += [
     "PIPELINE_SCHEDULES",
+    "ZERO_BUBBLE_SCHEDULES",
     "Pipeline",
+    "PipelineBubble",
     "PipelineConfig",
     "PipelineError",
     "PipelineLayout",
@@ -200,6 +215,7 @@ __all__ += [
     "fsdp_reshard_after_forward",
     "keep_stage_layers",
     "merge_stage_modules",
+    "pipeline_bubble",
     "pipeline_schedule_info",
     "plan_pipeline",
     "prepare_fsdp_for_schedule",

@@ -13,6 +13,7 @@ stays at `seq_len / cp` tokens per rank.
 """
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,13 +29,104 @@ from d9d.parallel.errors import ParallelizeError
 
 __all__ = [
     "ContextParallel",
+    "SequenceLengthError",
+    "SequenceShare",
+    "check_sequence_length",
     "context_parallel_attention",
     "context_parallel_of",
     "parallelize_context_parallel",
+    "sequence_length_problem",
+    "sequence_share",
 ]
 
 # torch >= 2.15 gives `all_gather_single` a backward and deprecates the `_autograd` variant.
 _all_gather_autograd = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor_autograd
+
+
+class SequenceLengthError(ParallelizeError):
+    """A sequence length that context parallelism cannot cut into 2·cp equal chunks (the message names
+    where the length came from and how to change it)."""
+
+
+@dataclass(frozen=True)
+class SequenceShare:
+    """One cp rank's share of a sequence in the load-balanced layout (pure arithmetic).
+
+    Attributes:
+        seq_len: tokens of the whole sequence.
+        context_parallel: ranks sharing it (cp).
+        rank: the cp rank.
+    """
+
+    seq_len: int
+    context_parallel: int
+    rank: int
+
+    @property
+    def num_chunks(self) -> int:
+        """Equal chunks the sequence is cut into: 2·cp (1 without context parallelism)."""
+        return 2 * self.context_parallel if self.context_parallel > 1 else 1
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        """The global chunks this rank holds, in the order it holds them: (r, 2·cp−1−r)."""
+        if self.context_parallel == 1:
+            return (0,)
+        return _chunk_ids(self.context_parallel, self.rank)
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Tokens per chunk."""
+        return self.seq_len // self.num_chunks
+
+    @property
+    def local_tokens(self) -> int:
+        """Tokens this rank holds: seq_len / cp."""
+        return self.seq_len // self.context_parallel
+
+
+def sequence_length_problem(
+    seq_len: int,
+    context_parallel: int,
+    *,
+    subject: str = "a sequence has",
+    fix: str = "make the dataset's sequence length (e.g. dataset.seq_len)",
+) -> str | None:
+    """Why context parallelism cannot cut sequences of `seq_len` tokens into 2·cp equal chunks, or None.
+
+    The one statement of the rule, for every place a length comes from: `subject` says whose length
+    it is (`"the dataset's sequences have"`, `"--seq-len gives"`), `fix` how to change it, ending
+    where "a multiple of 2·cp" follows (`"set eval_dataset.seq_len to"`, `"pass"`).
+    """
+    chunks = 2 * context_parallel
+    if context_parallel <= 1 or (seq_len > 0 and seq_len % chunks == 0):
+        return None
+    return (
+        f"{subject} {seq_len} tokens, not divisible by 2 × mesh.context_parallel = {chunks} (context "
+        f"parallelism cuts each sequence into {chunks} equal chunks); {fix} a multiple of {chunks} or "
+        "change mesh.context_parallel"
+    )
+
+
+def check_sequence_length(seq_len: int, context_parallel: int, *, subject: str, fix: str) -> None:
+    """Refuse a sequence length context parallelism cannot cut (`sequence_length_problem`'s message).
+
+    Raises:
+        SequenceLengthError: `seq_len` is not a positive multiple of 2·cp.
+    """
+    problem = sequence_length_problem(seq_len, context_parallel, subject=subject, fix=fix)
+    if problem is not None:
+        raise SequenceLengthError(problem)
+
+
+def sequence_share(seq_len: int, context_parallel: int, rank: int = 0) -> SequenceShare:
+    """`rank`'s share of a sequence of `seq_len` tokens over `context_parallel` ranks.
+
+    Raises:
+        SequenceLengthError: `seq_len` is not a positive multiple of 2·cp.
+    """
+    check_sequence_length(seq_len, context_parallel, subject="a sequence has", fix="make it")
+    return SequenceShare(seq_len, context_parallel, rank)
 
 
 class ContextParallel:
@@ -107,7 +199,7 @@ class ContextParallel:
         tuples are walked; an identity when disabled.
 
         Raises:
-            ParallelizeError: the sequence length is not divisible by 2·size (naming the fix).
+            SequenceLengthError: the sequence length is not divisible by 2·size (naming the fix).
         """
         if not self.enabled:
             return batch
@@ -133,17 +225,13 @@ class ContextParallel:
         """Refuse a sequence length the load-balanced layout cannot split (a no-op when disabled).
 
         Raises:
-            ParallelizeError: if `seq_len` is not a positive multiple of 2·size.
+            SequenceLengthError: if `seq_len` is not a positive multiple of 2·size.
         """
         if not self.enabled:
             return
-        chunks = 2 * self._size
-        if seq_len <= 0 or seq_len % chunks != 0:
-            raise ParallelizeError(
-                f"a sequence of {seq_len} tokens is not divisible by 2 × context_parallel = {chunks} "
-                f"(context parallelism cuts it into {chunks} equal chunks); make the dataset's sequence "
-                f"length (e.g. dataset.seq_len) a multiple of {chunks} or change mesh.context_parallel"
-            )
+        problem = sequence_length_problem(seq_len, self._size)
+        if problem is not None:
+            raise SequenceLengthError(problem)
 
     def position_ids(self, seq_len: int, device: torch.device | str | None = None) -> torch.Tensor:
         """Global positions of this rank's `seq_len // size` tokens (int64), e.g. for RoPE."""
@@ -298,10 +386,9 @@ def _positions(seq_len: int, size: int, rank: int, device: torch.device | str | 
     """Global positions of `rank`'s tokens under the load-balanced layout (pure arithmetic)."""
     if size == 1:
         return torch.arange(seq_len, device=device)
-    chunk = seq_len // (2 * size)
-    return torch.cat(
-        [torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in _chunk_ids(size, rank)]
-    )
+    share = SequenceShare(seq_len, size, rank)
+    chunk = share.chunk_tokens
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in share.chunks])
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -1,5 +1,6 @@
 """Building a job's model: initialize on the meta device, shape it for training (parallelisms,
-activation checkpointing, compile), then materialize and initialize it identically on any mesh."""
+activation checkpointing, compile) and check what the provider built (`shape_model`, which `d9d plan`
+runs too), then materialize and initialize it identically on any mesh (`materialize_model`)."""
 
 from typing import Any
 
@@ -20,27 +21,12 @@ from d9d.trainer.job import ResolvedJob
 from d9d.trainer.providers import InitializeModelStageContext, ParallelizeModelStageContext
 
 __all__ = [
-    "build_model",
     "check_lora_applied",
-    "check_model_mesh",
     "check_parallelisms_applied",
     "check_vocabulary",
+    "materialize_model",
+    "shape_model",
 ]
-
-
-def check_model_mesh(job: ResolvedJob) -> None:
-    """The model provider's own check of the mesh degrees (optional `check_mesh(mesh)`), before anything runs.
-
-    Raises:
-        TrainingError: the provider refused the mesh (its message names the keys).
-    """
-    check = getattr(job.model_provider, "check_mesh", None)
-    if check is None:
-        return
-    try:
-        check(job.config.mesh)
-    except (ValueError, TypeError) as exc:
-        raise TrainingError(str(exc)) from None
 
 
 #: Mesh degree → (the axis whose DTensor parameters prove the provider applied it, what applies it).
@@ -96,7 +82,29 @@ def check_lora_applied(model: nn.Module, lora: LoraConfig | None) -> None:
         )
 
 
-def build_model(
+def materialize_model(job: ResolvedJob, context: DistributedContext, model: nn.Module) -> nn.Module:
+    """Allocate a shaped model (`shape_model`) on the rank's device and initialize it identically on any mesh.
+
+    Raises:
+        OutOfMemoryError: the rank's share of the model does not fit on its device.
+    """
+    determinism = job.config.trainer.determinism
+    init_device = "cpu" if determinism.init_device == "cpu" else context.device
+    try:
+        materialize_and_initialize(model, context.device, determinism.seed, init_device=init_device)
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        n = sum(p.numel() for p in model.parameters())
+        raise OutOfMemoryError(
+            f"the model ({n:,} parameters on this rank) does not fit in {context.device} memory ({first_line(exc)}); "
+            "make it smaller or split it over more ranks (mesh.data_parallel_shard, mesh.tensor_parallel, "
+            "mesh.pipeline_parallel)"
+        ) from None
+    return model
+
+
+def shape_model(
     job: ResolvedJob,
     context: DistributedContext,
     precision: MixedPrecision,
@@ -105,13 +113,15 @@ def build_model(
     stage: StageSpec | None = None,
     data_vocab_size: int | None = None,
 ) -> nn.Module:
-    """This rank's model (stage): built on meta, parallelized by its provider, then materialized.
+    """This rank's model (stage) on the meta device, parallelized by its provider and checked.
 
     `data_vocab_size` (the dataset's vocabulary, when it declares one) is checked against the model's
-    input embedding first, so ids the embedding cannot look up fail before anything is written.
+    input embedding first, so ids the embedding cannot look up fail before anything is written. On a
+    planning context (`d9d plan`) the same checks refuse what the trainer would.
 
     Raises:
-        TrainingError: the provider's parallelization renamed parameters (`torch.compile(module)`
+        TrainingError: the provider's parallelization left a mesh degree unapplied, gave no module
+            the cp group, applied no LoRA adapters, or renamed parameters (`torch.compile(module)`
             wraps it as `_orig_mod`), which would change every checkpoint and export key.
     """
     import torch
@@ -177,43 +187,7 @@ def build_model(
             "torch.compile(module) wraps the module; compile in place with module.compile() or "
             "d9d.parallel.compile_blocks so checkpoint and export keys stay the same"
         )
-    init_device = "cpu" if tcfg.determinism.init_device == "cpu" else context.device
-    try:
-        materialize_and_initialize(model, context.device, tcfg.determinism.seed, init_device=init_device)
-    except Exception as exc:
-        if not is_out_of_memory(exc):
-            raise
-        n = sum(p.numel() for p in model.parameters())
-        raise OutOfMemoryError(
-            f"the model ({n:,} parameters on this rank) does not fit in {context.device} memory ({first_line(exc)}); "
-            "make it smaller or split it over more ranks (mesh.data_parallel_shard, mesh.tensor_parallel, "
-            "mesh.pipeline_parallel)"
-        ) from None
     return model
-
-
-def sequence_length_problem(seq_len: object, context_parallel: int) -> str | None:
-    """Why context parallelism cannot cut the dataset's sequences of `seq_len` tokens (it cuts each
-    into 2·cp equal chunks), or None when it can (or the length is not known)."""
-    chunks = 2 * context_parallel
-    if context_parallel <= 1 or not isinstance(seq_len, int) or seq_len % chunks == 0:
-        return None
-    return (
-        f"the dataset's sequences have {seq_len} tokens, not divisible by 2 × mesh.context_parallel = "
-        f"{chunks} (context parallelism cuts each into {chunks} equal chunks); set the dataset's seq_len "
-        f"(e.g. dataset.seq_len) to a multiple of {chunks} or change mesh.context_parallel"
-    )
-
-
-def check_sequence_length(seq_len: object, context_parallel: int) -> None:
-    """Refuse a dataset sequence length that context parallelism cannot cut.
-
-    Raises:
-        TrainingError: with `sequence_length_problem`'s message.
-    """
-    problem = sequence_length_problem(seq_len, context_parallel)
-    if problem is not None:
-        raise TrainingError(problem)
 
 
 def check_vocabulary(model: nn.Module, data_vocab_size: int) -> None:

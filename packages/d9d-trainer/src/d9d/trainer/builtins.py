@@ -4,15 +4,22 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+import msgspec
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from d9d.data import AutoDataConfig, AutoDataProvider, DataProvider
-from d9d.mesh import get_logger
+from d9d.data import AutoDataConfig, AutoDataProvider, DataProvider, SFTDataset, microbatches_per_rank
+from d9d.mesh import MeshConfig, get_logger
 from d9d.trainer.config import LRSchedulerConfig, OptimizerConfig
 from d9d.trainer.errors import TrainingError
-from d9d.trainer.providers import BuildDataProviderContext, LossContext, LossResult
+from d9d.trainer.providers import (
+    Batching,
+    BuildDataProviderContext,
+    LossContext,
+    LossResult,
+    OptimizerStates,
+)
 
 _log = get_logger("d9d.trainer")
 
@@ -99,6 +106,14 @@ class BuiltinOptimizerProvider:
 
     def __init__(self, config: OptimizerConfig) -> None:
         self._config = config
+
+    def optimizer_states(self) -> OptimizerStates:
+        """AdamW keeps two moments per parameter, SGD one momentum buffer (none without momentum)."""
+        if self._config.name == "adamw":
+            return OptimizerStates(2, "AdamW: exp_avg + exp_avg_sq")
+        if self._config.momentum:
+            return OptimizerStates(1, "SGD with momentum: 1 buffer")
+        return OptimizerStates(0, "SGD without momentum: no state")
 
     def build_optimizer(self, named_parameters: Iterable[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
         """Two parameter groups: decayed (matrices, embeddings) and not decayed (vectors)."""
@@ -216,6 +231,21 @@ class AutoDataProviderFactory:
     def __init__(self, config: AutoDataConfig) -> None:
         self._config = config
 
+    def batching(self, mesh: MeshConfig) -> Batching:
+        """`global_batch_size` over dp ranks × microbatches of `microbatch_size` (checked to divide).
+
+        Raises:
+            BatchSizeError: the global batch does not split into dp × microbatch_size.
+        """
+        c = self._config
+        n = microbatches_per_rank(c.global_batch_size, c.microbatch_size, mesh.data_parallel)
+        return Batching(
+            global_batch_size=c.global_batch_size,
+            microbatch_size=c.microbatch_size,
+            microbatches_per_step=n,
+            data_parallel=mesh.data_parallel,
+        )
+
     def build_data_provider(self, context: BuildDataProviderContext) -> DataProvider[Any]:
         """A fixed-global-batch provider sharded over the mesh's data-parallel ranks."""
         if context.dataset is None:
@@ -231,15 +261,13 @@ class AutoDataProviderFactory:
 
 
 def _log_dataset(dataset: Any, main_process: bool) -> None:
-    """One line on rank 0 for a dataset that reports what building it did (`SFTDataset.stats`):
+    """One line on rank 0 for an `SFTDataset`, which reports what building it did (`SFTDataset.stats`):
     records kept, truncated and dropped, and how full its (packed) rows are."""
-    stats = getattr(dataset, "stats", None)
-    efficiency = getattr(dataset, "packing_efficiency", None)
-    if not main_process or stats is None or not isinstance(efficiency, float):
+    if not main_process or not isinstance(dataset, SFTDataset):
         return
     _log.info(
         "sft data",
         rows=len(dataset),
-        packing_efficiency=round(efficiency, 4),  # real tokens / token slots
-        **{name: getattr(stats, name) for name in stats.__struct_fields__},
+        packing_efficiency=round(dataset.packing_efficiency, 4),  # real tokens / token slots
+        **msgspec.structs.asdict(dataset.stats),
     )

@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.data import default_collate
 
 from d9d.mesh import DistributedContext
-from d9d.parallel import precision_autocast
+from d9d.parallel import check_sequence_length, precision_autocast
 from d9d.trainer.config import EvalConfig
 from d9d.trainer.errors import TrainingError
 from d9d.trainer.job import ResolvedJob
@@ -77,8 +77,9 @@ def load_eval_set(job: ResolvedJob, ctx: DistributedContext) -> EvalSet | None:
     this mesh fails first.
 
     Raises:
-        ConfigError: the set is not sized, holds fewer samples than one eval microbatch per
-            data-parallel rank, or has sequences context parallelism cannot cut.
+        ConfigError: the set is not sized, or holds fewer samples than one eval microbatch per
+            data-parallel rank.
+        SequenceLengthError: context parallelism cannot cut its sequences (`BuildDatasetResult.seq_len`).
     """
     config = job.config
     if config.eval is None or job.eval_dataset_provider is None:
@@ -108,12 +109,12 @@ def load_eval_set(job: ResolvedJob, ctx: DistributedContext) -> EvalSet | None:
             f"data-parallel rank ({key}={microbatch_size} × {dp_size} ranks = {dp_size * microbatch_size}); "
             f"lower eval.microbatch_size to at most {max(1, num_samples // dp_size)} or use a larger eval set"
         )
-    cp = config.mesh.context_parallel
-    seq_len = getattr(dataset, "seq_len", None)
-    if cp > 1 and isinstance(seq_len, int) and seq_len % (2 * cp):
-        raise ConfigError(
-            f"eval_dataset: the eval set's sequences have {seq_len} tokens, not divisible by 2 × "
-            f"mesh.context_parallel = {2 * cp}; set eval_dataset.seq_len to a multiple of {2 * cp}"
+    if built.seq_len is not None:
+        check_sequence_length(
+            built.seq_len,
+            config.mesh.context_parallel,
+            subject="eval_dataset: the eval set's sequences have",
+            fix="set eval_dataset.seq_len to",
         )
     mine, forwards = eval_microbatches(
         num_samples, microbatch_size, config.eval.steps, dp_size, ctx.coordinate("dp")
@@ -192,7 +193,7 @@ class Evaluator:
         try:
             with torch.no_grad():
                 for samples, counted in plan:
-                    batch = self._local_part(eval_set.batch(samples))
+                    batch = settings.local_batch(eval_set.batch(samples))
                     with precision_autocast(settings.precision, settings.device):
                         result = self._task.compute_loss(
                             LossContext(model=model, batch=batch, device=settings.device)
@@ -215,12 +216,6 @@ class Evaluator:
             tokens=total_tokens,
             wall_s=time.perf_counter() - began,
         )
-
-    def _local_part(self, batch: Any) -> Any:
-        """This rank's part of a microbatch: its share of every sequence under context parallelism,
-        as `StepBase.local_part` cuts a training microbatch."""
-        cp = self._settings.context_parallel
-        return cp.shard_batch(batch) if cp is not None and cp.enabled else batch
 
 
 def _exp(value: float) -> float:

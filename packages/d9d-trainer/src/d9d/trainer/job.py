@@ -5,17 +5,21 @@ exists: batch sizes against the mesh, and the directories the job will write.
 """
 
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from d9d.data import AutoDataConfig, DataError, check_batch_sizes
+import msgspec
+
+from d9d.data import DataError
 from d9d.mesh import D9dError
 from d9d.trainer.config import JobConfig
 from d9d.trainer.loading import ConfigError, LoadedJob, check_values, convert_section, resolve_object
 from d9d.trainer.providers import (
     DataProviderFactory,
     DatasetProvider,
+    DeclaresBatching,
     LRSchedulerProvider,
     ModelProvider,
     OptimizerProvider,
@@ -40,6 +44,9 @@ class ResolvedJob:
     lr_scheduler_provider: LRSchedulerProvider
     eval_dataset_provider: DatasetProvider | None = None
     """The validation set's provider (`providers.eval_dataset`), None without an `eval:` section."""
+    sections: Mapping[str, Any] = field(default_factory=dict)
+    """Each provider's config section as it was constructed with (role → its `config_type` instance,
+    or the raw mapping without one), e.g. `sections["dataset"]`."""
 
     @property
     def config(self) -> JobConfig:
@@ -92,9 +99,10 @@ def resolve_job(loaded: LoadedJob) -> ResolvedJob:
             ("build_dataset",),
         )
     built: dict[str, Any] = {}
+    arguments: dict[str, Any] = {}
     for role, (spec, section, section_key, methods) in sections.items():
         cls = resolve_object(spec, loaded.base_dir, key=f"{where}: providers.{role}")
-        built[role] = _construct(
+        built[role], arguments[role] = _construct(
             cls, section, where=where, role=role, section_key=section_key, methods=methods, spec=spec
         )
     if "dataset" in built:
@@ -103,8 +111,7 @@ def resolve_job(loaded: LoadedJob) -> ResolvedJob:
         built["eval_dataset"] = _GuardedDatasetProvider(
             built["eval_dataset"], spec=providers.eval_dataset or "", role="eval_dataset"
         )
-    if providers.data == _BUILTIN_DATA:
-        _check_batch(config, where)
+    _check_batch(config, built["data"])
     return ResolvedJob(
         loaded=loaded,
         model_provider=built["model"],
@@ -114,6 +121,7 @@ def resolve_job(loaded: LoadedJob) -> ResolvedJob:
         optimizer_provider=built["optimizer"],
         lr_scheduler_provider=built["lr_scheduler"],
         eval_dataset_provider=built.get("eval_dataset"),
+        sections=arguments,
     )
 
 
@@ -126,13 +134,14 @@ def _construct(
     section_key: str | None,
     methods: tuple[str, ...],
     spec: str,
-) -> Any:
+) -> tuple[Any, Any]:
+    """The provider instance and the argument it was constructed with (its converted section)."""
     if not callable(cls):
         raise ConfigError(f"{where}: providers.{role} names {cls!r}, which is not a class")
     config_type = getattr(cls, "config_type", None)
     prefix = section_key or role
     if config_type is not None:
-        raw = section if not hasattr(section, "__struct_fields__") else _as_builtins(section)
+        raw = msgspec.to_builtins(section) if isinstance(section, msgspec.Struct) else section
         try:
             argument = convert_section(raw, config_type, where=where, prefix=prefix)
         except ConfigError:
@@ -158,7 +167,7 @@ def _construct(
         raise ConfigError(
             f"{where}: providers.{role} ({cls.__name__}) lacks {', '.join(missing)}; implement it"
         )
-    return instance
+    return instance, argument
 
 
 class _GuardedDatasetProvider:
@@ -183,19 +192,10 @@ class _GuardedDatasetProvider:
                 f"{one_line_text(exc)}; fix the dataset provider or its {self._role}: section"
             ) from exc
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._provider, name)
-
 
 def one_line_text(exc: BaseException) -> str:
     """An exception's message on one line (its type name when it has none)."""
     return " ".join(str(exc).split()) or type(exc).__name__
-
-
-def _as_builtins(struct: Any) -> Any:
-    import msgspec
-
-    return msgspec.to_builtins(struct)
 
 
 def _check_combinations(config: JobConfig, where: str) -> None:
@@ -230,11 +230,12 @@ def _check_eval(config: JobConfig, where: str) -> None:
         )
 
 
-def _check_batch(config: JobConfig, where: str) -> None:
-    """The built-in AutoDataProvider's batch arithmetic against the mesh (pure, so checked up front)."""
-    data = convert_section(config.data, AutoDataConfig, where=where, prefix="data")
+def _check_batch(config: JobConfig, factory: DataProviderFactory) -> None:
+    """A declared batching (`DeclaresBatching`) against the mesh: pure, so checked up front."""
+    if not isinstance(factory, DeclaresBatching):
+        return
     try:
-        check_batch_sizes(data.global_batch_size, data.microbatch_size, config.mesh.data_parallel)
+        factory.batching(config.mesh)
     except DataError as exc:  # the message names data.* and the mesh degrees already
         raise ConfigError(str(exc)) from None
 

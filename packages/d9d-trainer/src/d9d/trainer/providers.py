@@ -4,6 +4,12 @@ Each method takes one context object and returns one result object, so both can 
 breaking existing providers. A provider class is named in the config's `providers:` section and
 constructed with one argument: its config section, converted into the class's `config_type` when it
 declares one (else the raw mapping).
+
+Optional abilities are declared, never probed: a provider has one when it implements the small
+protocol of that ability (`ChecksMesh`, `PipelineModelProvider`, `ImportsModelWeights`,
+`PipelineTask`, `DeclaresBatching`, `DeclaresOptimizerStates`), and the planning module
+(`d9d.trainer.plan_job`) asks with `isinstance`. So a user's provider with the same declarations gets
+exactly the plan, the checks and the `d9d plan` output a built-in one gets.
 """
 
 from collections.abc import Callable, Iterable, Mapping
@@ -15,16 +21,21 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from d9d.data import DataProvider
-from d9d.mesh import DistributedContext
+from d9d.data import DataProvider, TokenDataset
+from d9d.mesh import DistributedContext, MeshConfig
 from d9d.parallel import ActivationCheckpointingConfig, CompileConfig, LoraConfig, MixedPrecision
 
 __all__ = [
+    "Batching",
     "BuildDataProviderContext",
     "BuildDatasetContext",
     "BuildDatasetResult",
+    "ChecksMesh",
     "DataProviderFactory",
     "DatasetProvider",
+    "DeclaresBatching",
+    "DeclaresOptimizerStates",
+    "ImportsModelWeights",
     "InitializeModelStageContext",
     "InitializeModelStageResult",
     "LRSchedulerProvider",
@@ -32,11 +43,15 @@ __all__ = [
     "LossResult",
     "ModelProvider",
     "OptimizerProvider",
+    "OptimizerStates",
     "ParallelizeModelStageContext",
+    "PipelineModelProvider",
+    "PipelineTask",
     "PrepareExportModelStageContext",
     "PrepareExportModelStageResult",
     "PrepareImportModelStageContext",
     "PrepareImportModelStageResult",
+    "SupportsClose",
     "Task",
 ]
 
@@ -184,16 +199,42 @@ class ModelProvider(Protocol):
         """Return the mapper `Trainer.export()` saves through."""
         ...
 
-    # Optional: `check_mesh(mesh: d9d.mesh.MeshConfig) -> None` raises ValueError when the model cannot
-    # be split by the mesh's degrees (heads by tp, experts by ep, layers by pp); called before anything
-    # is built or written, and by `d9d plan`.
-    #
-    # Optional, for pipeline parallelism: `pipeline_num_layers() -> int`, the number of layers the
-    # trainer splits into stages (the model is then built one stage at a time, see `stage`).
-    #
-    # Optional: `prepare_import_model_stage(PrepareImportModelStageContext) -> PrepareImportModelStageResult`
-    # names a safetensors folder (e.g. a Hugging Face checkpoint) to start from when the run has no
-    # checkpoint of its own yet (fine-tuning).
+    # Optional abilities, each its own protocol below: `ChecksMesh`, `PipelineModelProvider`,
+    # `ImportsModelWeights`.
+
+
+@runtime_checkable
+class ChecksMesh(Protocol):
+    """A model provider that refuses mesh degrees its model cannot be split by (optional)."""
+
+    def check_mesh(self, mesh: MeshConfig) -> None:
+        """Raise ValueError naming the key when the model cannot be split by `mesh` (heads by tp,
+        experts by ep, layers by pp); called before anything is built or written, and by `d9d plan`."""
+        ...
+
+
+@runtime_checkable
+class PipelineModelProvider(Protocol):
+    """A model provider that can build one pipeline stage at a time (needed for mesh.pipeline_parallel > 1).
+
+    `initialize_model_stage` then builds the stage of `context.stage` (its layers keep their
+    whole-model names; the first stage holds the embedding, the last the final norm and head).
+    """
+
+    def pipeline_num_layers(self) -> int:
+        """The number of layers the trainer splits into stages."""
+        ...
+
+
+@runtime_checkable
+class ImportsModelWeights(Protocol):
+    """A model provider that starts a run from a safetensors folder (e.g. a Hugging Face checkpoint)."""
+
+    def prepare_import_model_stage(
+        self, context: PrepareImportModelStageContext
+    ) -> PrepareImportModelStageResult:
+        """Name the folder (and its mapper) to load when the run has no checkpoint of its own yet."""
+        ...
 
 
 # ---------------------------------------------------------------------------------------- data
@@ -209,10 +250,28 @@ class BuildDatasetContext:
 
 @dataclass(frozen=True)
 class BuildDatasetResult:
-    """A map-style dataset and the function that collates a list of its samples into a batch."""
+    """A map-style dataset, the function that collates a list of its samples into a batch, and what
+    the plan checks against the mesh and the model.
+
+    Attributes:
+        seq_len: tokens per sample, checked against context parallelism before the model is built;
+            None when samples have no one length. Taken from the dataset when it is a
+            `d9d.data.TokenDataset` (every d9d.data dataset is) and not given.
+        vocab_size: every token id is below it, checked against the model's input embedding; None
+            when unknown. Taken from a `d9d.data.TokenDataset` like `seq_len`.
+    """
 
     dataset: Any
     collate_fn: Callable[[list[Any]], Any] | None = None
+    seq_len: int | None = None
+    vocab_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dataset, TokenDataset):
+            if self.seq_len is None:
+                object.__setattr__(self, "seq_len", self.dataset.seq_len)
+            if self.vocab_size is None:
+                object.__setattr__(self, "vocab_size", self.dataset.vocab_size)
 
 
 @runtime_checkable
@@ -239,6 +298,45 @@ class DataProviderFactory(Protocol):
 
     def build_data_provider(self, context: BuildDataProviderContext) -> DataProvider[Any]:
         """Return the provider that yields each step's microbatches."""
+        ...
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How a data provider batches each step, as its factory declares it (`DeclaresBatching`).
+
+    Attributes:
+        global_batch_size: samples per optimizer step over all data-parallel ranks.
+        microbatch_size: samples per microbatch.
+        microbatches_per_step: microbatches each data-parallel rank runs per step.
+        data_parallel: the data-parallel ranks the global batch is split over.
+    """
+
+    global_batch_size: int
+    microbatch_size: int
+    microbatches_per_step: int
+    data_parallel: int
+
+
+@runtime_checkable
+class DeclaresBatching(Protocol):
+    """A data-provider factory that says how it will batch, from the config alone (no data read).
+
+    Needed for mesh.pipeline_parallel > 1 (the schedule is built for the microbatch count); `d9d plan`
+    prints it, and the trainer logs it.
+    """
+
+    def batching(self, mesh: MeshConfig) -> Batching:
+        """The batching on `mesh`; raise a `d9d.data.BatchSizeError` when the batch does not split."""
+        ...
+
+
+@runtime_checkable
+class SupportsClose(Protocol):
+    """A data provider with resources to release (worker threads, files) when the trainer closes."""
+
+    def close(self) -> None:
+        """Release them; called once."""
         ...
 
 
@@ -282,9 +380,20 @@ class Task(Protocol):
         """Forward the model on the batch and return the summed loss."""
         ...
 
-    # Optional, for pipeline parallelism (the pipeline runs the forward itself):
-    #   pipeline_inputs(batch) -> (first stage's input, target given to pipeline_loss)
-    #   pipeline_loss(output, target) -> LossResult   (output: the last stage's output)
+    # Optional, for pipeline parallelism: `PipelineTask`.
+
+
+@runtime_checkable
+class PipelineTask(Protocol):
+    """A task that can run under pipeline parallelism (the pipeline runs the forward itself)."""
+
+    def pipeline_inputs(self, batch: Any) -> tuple[Any, Any]:
+        """(the first stage's input, the target given to `pipeline_loss`) of a microbatch."""
+        ...
+
+    def pipeline_loss(self, output: Any, target: Any) -> LossResult:
+        """The summed loss of the last stage's `output` against `target`."""
+        ...
 
 
 # ---------------------------------------------------------------------------------------- optim
@@ -296,6 +405,28 @@ class OptimizerProvider(Protocol):
 
     def build_optimizer(self, named_parameters: Iterable[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
         """Return an optimizer over the trainable parameters."""
+        ...
+
+
+@dataclass(frozen=True)
+class OptimizerStates:
+    """The optimizer tensors kept per trainable parameter, as an optimizer provider declares them.
+
+    Attributes:
+        per_parameter: state tensors of each parameter's shape and dtype (AdamW 2, SGD momentum 1).
+        description: what they are, for `d9d plan` (e.g. "AdamW: exp_avg + exp_avg_sq").
+    """
+
+    per_parameter: int
+    description: str
+
+
+@runtime_checkable
+class DeclaresOptimizerStates(Protocol):
+    """An optimizer provider that says what state it keeps per parameter (for the memory estimate)."""
+
+    def optimizer_states(self) -> OptimizerStates:
+        """Its state tensors per trainable parameter, from the config alone."""
         ...
 
 

@@ -20,9 +20,9 @@ import torch
 
 from d9d.ckpt import CheckpointManager
 from d9d.mesh import DistributedContext, configure_logging, get_logger
-from d9d.parallel import context_parallel_of, enable_tf32, merge_stage_modules, resolve_precision
+from d9d.parallel import ContextParallel, context_parallel_of, enable_tf32, merge_stage_modules
 from d9d.trainer._fault_injection import FaultInjection
-from d9d.trainer.build import build_model, check_model_mesh, check_sequence_length
+from d9d.trainer.build import materialize_model, shape_model
 from d9d.trainer.errors import TrainingError, is_out_of_memory, step_out_of_memory
 from d9d.trainer.evaluation import EvalResult, Evaluator, load_eval_set
 from d9d.trainer.failures import FailureBoard, job_store
@@ -30,19 +30,13 @@ from d9d.trainer.job import ResolvedJob, resolve_job
 from d9d.trainer.lifecycle import RunLifecycle
 from d9d.trainer.loading import LoadedJob, load_job_config
 from d9d.trainer.metrics import ProgressLine, batch_flops_per_token, device_peak_flops
+from d9d.trainer.planning import JobPlan, check_model_mesh, plan_job
 from d9d.trainer.profiling import StepProfiler
-from d9d.trainer.providers import BuildDataProviderContext, BuildDatasetContext
+from d9d.trainer.providers import BuildDataProviderContext, BuildDatasetContext, SupportsClose
 from d9d.trainer.records import METRICS_FILE, StepRecords, truncate_metrics
 from d9d.trainer.run_lock import RunLock
 from d9d.trainer.signals import StopRequests
-from d9d.trainer.step import (
-    MicrobatchStep,
-    PipelineStep,
-    StepSettings,
-    TrainStep,
-    plan_pipeline_stage,
-    token_group,
-)
+from d9d.trainer.step import MicrobatchStep, PipelineStep, StepSettings, TrainStep, token_group
 from d9d.trainer.timing import StepTimer, read_phases
 from d9d.trainer.tracking import Trackers, check_trackers, open_trackers
 from d9d.trainer.watchdog import REPORT_GRACE_S, StepWatchdog
@@ -80,6 +74,12 @@ class Trainer:
         lock, no clean-up in the run directory; `train()` and `save_checkpoint()` refuse."""
         self._job = job
         self._read_only = read_only
+        # What close() releases, set as the build gets to it (a failed build closes what it opened).
+        self._watchdog: StepWatchdog | None = None
+        self._lifecycle: RunLifecycle | None = None
+        self._data: Any = None
+        self._failures: FailureBoard | None = None
+        self._lock: RunLock | None = None
         tcfg = job.config.trainer
         self._context = DistributedContext.from_env(
             job.config.mesh,
@@ -125,32 +125,31 @@ class Trainer:
             if job.dataset_provider is not None
             else None
         )
+        plan = plan_job(job, ctx, dataset=dataset)  # every decision below, checked before data or model
+        self._plan = plan
         self._data = job.data_factory.build_data_provider(
             BuildDataProviderContext(context=ctx, dataset=dataset)
         )
         eval_set = load_eval_set(job, ctx)  # None without eval:; a set too small fails before any write
-        precision = resolve_precision(tcfg.precision, ctx.device)
+        precision = plan.precision
         if ctx.device.type == "cuda":
             enable_tf32(tcfg.precision.tf32)
-        pipelined = config.mesh.pipeline_parallel > 1
-        layout = None
-        stages: tuple[Any, ...] = (None,)
-        if pipelined:
-            layout, stages, n_microbatches = plan_pipeline_stage(job, ctx, self._data)
-        check_sequence_length(
-            getattr(getattr(dataset, "dataset", None), "seq_len", None), config.mesh.context_parallel
-        )
-        vocab = getattr(getattr(dataset, "dataset", None), "vocab_size", None)
-        chunks = [
-            build_model(
+        pipeline = plan.pipeline
+        if pipeline is not None:
+            _log.info(
+                "pipeline stages",
+                schedule=config.pipelining.schedule,
+                stages=[s.index for s in pipeline.stages],
+                layers=[f"{s.layers.start}..{s.layers.stop - 1}" for s in pipeline.stages],
+            )
+        layout = pipeline.layout if pipeline is not None else None
+        chunks = [  # one module per pipeline stage of this rank (the whole model without pp)
+            materialize_model(
                 job,
                 ctx,
-                precision,
-                layout=layout,
-                stage=stage,
-                data_vocab_size=vocab if isinstance(vocab, int) else None,
+                shape_model(job, ctx, precision, layout=layout, stage=stage, data_vocab_size=plan.vocab_size),
             )
-            for stage in stages
+            for stage in plan.stages
         ]
         model = merge_stage_modules(chunks)  # several stages on this rank: one module, whole-model names
         self._model = model
@@ -168,7 +167,14 @@ class Trainer:
             context=ctx,
         )
         self._lifecycle = RunLifecycle(
-            job, ctx, model, self._optimizer, self._scheduler, self._data, checkpoints, pipelined=pipelined
+            job,
+            ctx,
+            model,
+            self._optimizer,
+            self._scheduler,
+            self._data,
+            checkpoints,
+            pipelined=pipeline is not None,
         )
         self._timer = StepTimer.for_device(ctx.device)  # the step-time breakdown, read when records flush
         settings = StepSettings(
@@ -177,23 +183,23 @@ class Trainer:
             max_norm=tcfg.gradient_clipping.max_norm,
             on_nonfinite=tcfg.on_nonfinite,
             dp_group=None if ctx.is_local else token_group(ctx),
-            pp_group=ctx.mesh("dense")["pp"] if pipelined else None,
+            pp_group=ctx.mesh("dense")["pp"] if pipeline is not None else None,
             stop_requested=lambda: self._stops.requested,
-            context_parallel=context_parallel_of(model),
+            context_parallel=context_parallel_of(model) or ContextParallel(),
             timer=self._timer,
         )
         self._stops = StopRequests()
         self._evaluator = Evaluator(eval_set, model, job.task, settings)
         self._train_step: TrainStep
-        if layout is not None:
+        if pipeline is not None:
             self._train_step = PipelineStep(
                 model,
                 job.task,
                 self._optimizer,
                 self._scheduler,
                 settings,
-                layout=layout,
-                n_microbatches=n_microbatches,
+                layout=pipeline.layout,
+                n_microbatches=pipeline.microbatches_per_step,
                 chunks=chunks,
             )
         else:
@@ -227,7 +233,7 @@ class Trainer:
             run_dir=str(self.run_dir.resolve()),
             mesh=config.mesh.describe_degrees(),
             data_parallel=config.mesh.data_parallel,
-            microbatches_per_step=getattr(self._data, "microbatches_per_step", None),
+            microbatches_per_step=plan.batching.microbatches_per_step if plan.batching is not None else None,
             params=sum(p.numel() for p in model.parameters()),  # a DTensor counts its global size
             local_params=sum(_local_numel(p) for p in model.parameters()),
             device=str(ctx.device),
@@ -244,6 +250,11 @@ class Trainer:
     def context(self) -> DistributedContext:
         """This rank's distributed context."""
         return self._context
+
+    @property
+    def plan(self) -> JobPlan:
+        """What this rank built, as `d9d.trainer.plan_job` decided it (`d9d plan` prints the same)."""
+        return self._plan
 
     @property
     def model(self) -> torch.nn.Module:
@@ -431,23 +442,18 @@ class Trainer:
     def close(self) -> None:
         """Finish a pending checkpoint, then release the process group and the run lock."""
         try:
-            watchdog = getattr(self, "_watchdog", None)
-            if watchdog is not None:
-                watchdog.close()
-            lifecycle = getattr(self, "_lifecycle", None)
-            if lifecycle is not None:
-                lifecycle.checkpoints.close()
-            data = getattr(self, "_data", None)
-            if data is not None and hasattr(data, "close"):
-                data.close()
+            if self._watchdog is not None:
+                self._watchdog.close()
+            if self._lifecycle is not None:
+                self._lifecycle.checkpoints.close()
+            if isinstance(self._data, SupportsClose):
+                self._data.close()
         finally:
             self._context.close()  # also breaks the collectives that other ranks wait in
-            failures = getattr(self, "_failures", None)
-            if failures is not None:
-                failures.linger()
-            lock = getattr(self, "_lock", None)
-            if lock is not None:
-                lock.release()
+            if self._failures is not None:
+                self._failures.linger()
+            if self._lock is not None:
+                self._lock.release()
 
     def __enter__(self) -> "Trainer":
         return self
@@ -473,8 +479,9 @@ def _fit_cpu_threads(device: torch.device) -> int:
 
 
 def _local_numel(param: torch.Tensor) -> int:
-    local = param.to_local() if hasattr(param, "to_local") else param
-    return local.numel()
+    from torch.distributed.tensor import DTensor
+
+    return (param.to_local() if isinstance(param, DTensor) else param).numel()
 
 
 def _seconds(value: float) -> datetime.timedelta:

@@ -1,21 +1,18 @@
 """`d9d plan`: validate a job for a launch size without GPUs and print what it would run.
 
-The memory figure is a deliberately simple estimate of the persistent training state per rank (no
-temporary buffers, no allocator slack), see `estimate_memory`, plus the activations one microbatch
-keeps for backward, counted from a forward on the meta device (`estimate_activations`) in the job's
-compute dtype, with and without activation checkpointing. Under context parallelism that forward
-runs one rank's share of the sequence with the planned cp group, as the trainer will. Under pipeline
-parallelism it prints the trainer's layout (each pp rank's stages and their layers) and the
-schedule's theoretical bubble, see `pipeline_bubble`.
+The plan is the trainer's own (`d9d.trainer.plan_job` on a planning context of the launch's size, for
+CUDA): this command only formats it, so it accepts and refuses what the trainer does, with its words.
+It prints the mesh layout, the batching, under context parallelism each rank's share of a sequence,
+under pipeline parallelism each pp rank's stages and the schedule's theoretical bubble, the precision
+and a per-rank memory estimate (see `d9d.trainer.plan_memory`), and the launch command.
 """
 
+import dataclasses
 import itertools
 import shlex
 from collections.abc import Sequence
-from dataclasses import dataclass
-from fractions import Fraction
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import click
 
@@ -26,265 +23,10 @@ from d9d.cli.errors import CliError, reports_errors
 
 if TYPE_CHECKING:  # the trainer imports torch: only inside the command at run time
     from d9d.mesh import MeshConfig
-    from d9d.parallel import PipelineLayout, StageSpec
-    from d9d.trainer import OptimizerConfig, PipeliningConfig, ResolvedJob
+    from d9d.parallel import StageSpec
+    from d9d.trainer import JobConfig, JobPlan, LoadedJob, PipelinePlan, SequencePlan
 
-__all__ = [
-    "ActivationEstimate",
-    "MemoryEstimate",
-    "PipelineBubble",
-    "estimate_activations",
-    "estimate_memory",
-    "launch_command",
-    "pipeline_bubble",
-    "plan",
-    "sequence_length_error",
-]
-
-#: Import path of the built-in data provider whose batching `plan` can report.
-_AUTO_DATA = "d9d.trainer:AutoDataProviderFactory"
-_BUILTIN_OPTIMIZER = "d9d.trainer:BuiltinOptimizerProvider"
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Bytes of persistent training state on one rank.
-
-    Attributes:
-        shard_factor: how many ranks share one copy of every parameter (pp × dp_shard × cp × tp).
-        optimizer_states: optimizer tensors kept per trainable parameter (AdamW 2, SGD 1 or 0).
-    """
-
-    params: int
-    grads: int
-    optimizer: int
-    shard_factor: int
-    optimizer_states: int
-
-    @property
-    def total(self) -> int:
-        """Parameters + gradients + optimizer state."""
-        return self.params + self.grads + self.optimizer
-
-
-def estimate_memory(
-    param_bytes: int,
-    trainable_bytes: int,
-    *,
-    pipeline_parallel: int,
-    data_parallel_shard: int,
-    context_parallel: int,
-    tensor_parallel: int,
-    optimizer_states: int,
-) -> MemoryEstimate:
-    """Per-rank parameter, gradient and optimizer bytes of a model of `param_bytes` (full size).
-
-    Assumes what the built-in strategies do: pipeline stages split the layers evenly over pp, FSDP
-    shards every parameter over dp_shard × cp (the cp ranks shard with dp_shard, as one axis),
-    tensor parallelism splits every parameter over tp; dp_replicate keeps full copies, and experts
-    count as dense parameters (expert parallelism is ignored). Gradients and optimizer states have
-    the parameter's dtype and exist only for trainable parameters.
-    """
-    shard = pipeline_parallel * data_parallel_shard * context_parallel * tensor_parallel
-    params = -(-param_bytes // shard)
-    grads = -(-trainable_bytes // shard)
-    return MemoryEstimate(
-        params=params,
-        grads=grads,
-        optimizer=grads * optimizer_states,
-        shard_factor=shard,
-        optimizer_states=optimizer_states,
-    )
-
-
-@dataclass(frozen=True)
-class PipelineBubble:
-    """A schedule's theoretical bubble: the share of a step's forward + backward time a pp rank idles.
-
-    Attributes:
-        fraction: idle time / step time (every rank alike); None where the formula does not apply.
-        formula: the formula in p (pp ranks), v (stages per rank) and m (microbatches per step).
-        source: the schedule family and where the formula comes from.
-    """
-
-    fraction: Fraction | None
-    formula: str
-    source: str
-
-
-_ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv", "dualpipev")
-
-
-def pipeline_bubble(schedule: str, pp_size: int, stages_per_rank: int, n_microbatches: int) -> PipelineBubble:
-    """The bubble of `schedule` on `pp_size` ranks of `stages_per_rank` stages, for m microbatches per step.
-
-    Every stage is assumed to take the same time per microbatch (a rank's v stages each 1/v of its
-    share) and communication to be free. GPipe and 1F1B fill and drain the pipeline once per pass:
-    (p−1)/(m+p−1). Interleaved 1F1B and looped BFS run v stages of 1/v the time per rank, which cuts
-    the fill and drain to (p−1)/v stage times: (p−1)/(v·m+p−1); with m < p the microbatches do not
-    cover a round over the ranks and each of the v−1 later rounds idles another p−m stage times.
-    Zero-bubble schedules split the backward into input- and weight-gradient parts and run the weight
-    part where the others would leave the pipeline's fill and drain idle: ≈ 0 when forward, input
-    and weight gradient take equal time and m ≥ p·v (fewer microbatches than stages leave the
-    warm-up uncovered: no figure).
-    """
-    p, v, m = pp_size, stages_per_rank, n_microbatches
-    if schedule in _ZERO_BUBBLE:
-        source = {
-            "interleaved_zero_bubble": "interleaved zero bubble (Qi et al., Zero Bubble Pipeline Parallelism, 2024)",
-            "zbv": "ZB-V (Qi et al., Zero Bubble Pipeline Parallelism, 2024)",
-            "dualpipev": "DualPipeV (DeepSeek-V3's DualPipe cut to a V, Sea AI Lab 2025)",
-        }[schedule]
-        if m >= p * v:
-            return PipelineBubble(Fraction(0), "≈ 0 for m ≥ p·v", source)
-        return PipelineBubble(None, "≈ 0 only for m ≥ p·v", source)
-    if schedule in ("gpipe", "1f1b"):
-        source = {
-            "gpipe": "GPipe (Huang et al. 2019)",
-            "1f1b": "1F1B (PipeDream-Flush; Narayanan et al. 2021)",
-        }[schedule]
-        return PipelineBubble(Fraction(p - 1, m + p - 1), "(p−1)/(m+p−1)", source)
-    source = {
-        "interleaved_1f1b": "interleaved 1F1B (Narayanan et al., Megatron-LM, 2021)",
-        "looped_bfs": "looped BFS (Lamy-Poirier, Breadth-First Pipeline Parallelism, 2023)",
-    }[schedule]
-    if m >= p:
-        return PipelineBubble(Fraction(p - 1, v * m + p - 1), "(p−1)/(v·m+p−1)", source)
-    idle = (p - 1) + (v - 1) * (p - m)
-    return PipelineBubble(
-        Fraction(idle, v * m + idle), "((p−1)+(v−1)(p−m))/(v·m+(p−1)+(v−1)(p−m)) for m < p", source
-    )
-
-
-@dataclass(frozen=True)
-class ActivationEstimate:
-    """Bytes one microbatch saves for backward on one rank, without and with the job's checkpointing.
-
-    Attributes:
-        plain: no activation checkpointing.
-        checkpointed: with `trainer.activation_checkpointing` as configured (`plain` for `none`).
-        full: with every block checkpointed.
-        tokens: microbatch size × sequence length the forward ran on (this rank's share under cp).
-    """
-
-    plain: int
-    checkpointed: int
-    full: int
-    tokens: str
-
-
-def estimate_activations(
-    job: "ResolvedJob", *, seq_len: int, microbatch_size: int, param_dtype: str
-) -> ActivationEstimate:
-    """Run the task's loss on the meta device (no memory) and count what autograd saves for backward.
-
-    The model is cast to `param_dtype` (as FSDP2 computes); blocks are the entries of the model's
-    largest ModuleList/ModuleDict. `seq_len` is the dataset's full sequence length. Under context
-    parallelism the model gets the planned mesh's cp group (`parallelize_context_parallel`, on a
-    fake process group) and the forward runs rank 0's share of each sequence (seq_len / cp tokens),
-    so everything is counted at that length except the K/V that attention all-gathers, which it
-    keeps at the full length for backward. `F.scaled_dot_product_attention` is counted as the fused
-    kernels on CUDA and CPU save it (q, k, v, output, float32 log-sum-exp), not as its math path,
-    which the meta device would take (a float32 seq × seq matrix). Tensor parallelism divides
-    activations by tp (sequence-parallel norms, split heads); a pipeline stage holds 1/pp of the
-    layers but, with 1F1B, up to pp microbatches in flight, so pp leaves the figure as it is.
-
-    Raises:
-        Exception: whatever the model's forward raised on the meta device (e.g. data-dependent MoE
-            routing), for the caller to report.
-    """
-    import copy
-
-    import torch
-
-    from d9d.mesh import DistributedContext
-    from d9d.parallel import (
-        ActivationCheckpointingConfig,
-        apply_activation_checkpointing,
-        parallelize_context_parallel,
-        saved_activation_bytes,
-    )
-    from d9d.trainer import InitializeModelStageContext, LossContext
-
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[param_dtype]
-    config = job.config.trainer.activation_checkpointing
-    mesh = job.config.mesh
-    with DistributedContext.for_planning(mesh) as ctx:  # the cp group's collectives run on meta tensors
-        with torch.device("meta"):
-            base = job.model_provider.initialize_model_stage(InitializeModelStageContext(context=ctx)).model
-        base = base.to(dtype)
-        shape = (microbatch_size, seq_len)  # ids and labels are two tensors, as a dataset gives them
-        batch: Any = {
-            name: torch.zeros(shape, dtype=torch.long, device="meta") for name in ("input_ids", "labels")
-        }
-        if mesh.context_parallel > 1:
-            batch = parallelize_context_parallel(base, ctx.mesh("dense")).shard_batch(batch)
-
-        def measure(mode: str) -> int:
-            model = copy.deepcopy(base)  # the cp group is shared, not copied
-            if mode != "none":
-                blocks = _blocks(model)
-                apply_activation_checkpointing(
-                    blocks, ActivationCheckpointingConfig(mode=mode, every=config.every)
-                )  # type: ignore[arg-type]
-
-            def loss() -> object:
-                return job.task.compute_loss(
-                    LossContext(model=model, batch=batch, device=torch.device("meta"))
-                )
-
-            with _attention_as_fused_kernel():
-                saved = saved_activation_bytes(loss, exclude=model.parameters())
-            return -(-saved // mesh.tensor_parallel)
-
-        plain = measure("none")
-        full = measure("full")
-        checkpointed = {"none": plain, "full": full}.get(config.mode) or measure(config.mode)
-    local = seq_len // mesh.context_parallel
-    return ActivationEstimate(
-        plain=plain, checkpointed=checkpointed, full=full, tokens=f"{microbatch_size} × {local}"
-    )
-
-
-def _attention_as_fused_kernel() -> Any:
-    """A torch function mode under which `F.scaled_dot_product_attention` (shapes only, for meta tensors)
-    saves for backward what the fused kernels of CUDA and CPU save: q, k, v, output, log-sum-exp."""
-    import torch
-    import torch.nn.functional as F
-    from torch.overrides import TorchFunctionMode
-
-    class FusedAttention(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            out = q.new_empty((*q.shape[:-1], v.shape[-1]))
-            log_sum_exp = q.new_empty(q.shape[:-1], dtype=torch.float32)
-            ctx.save_for_backward(q, k, v, out, log_sum_exp)
-            return out
-
-        @staticmethod
-        def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-            raise NotImplementedError("only counts what a forward saves")
-
-    class AttentionAsFusedKernel(TorchFunctionMode):
-        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            kwargs = kwargs or {}
-            if func is F.scaled_dot_product_attention:
-                named = {**dict(zip(("query", "key", "value"), args, strict=False)), **kwargs}
-                return FusedAttention.apply(named["query"], named["key"], named["value"])
-            return func(*args, **kwargs)
-
-    return AttentionAsFusedKernel()
-
-
-def _blocks(model: "object") -> list["object"]:
-    """The transformer blocks: the entries of the largest ModuleList/ModuleDict (by parameters)."""
-    from torch import nn
-
-    containers = [m for m in model.modules() if isinstance(m, (nn.ModuleList, nn.ModuleDict))]  # type: ignore[attr-defined]
-    if not containers:
-        return []
-    best = max(containers, key=lambda c: sum(p.numel() for p in c.parameters()))
-    return list(best.values()) if isinstance(best, nn.ModuleDict) else list(best)
+__all__ = ["launch_command", "plan"]
 
 
 def launch_command(
@@ -399,82 +141,106 @@ def plan(
     from d9d.trainer import load_job_config
 
     loaded = load_job_config(config, list(overrides))
-    job = loaded.config
-    mesh = job.mesh
+    mesh = loaded.config.mesh
     need = mesh.world_size
-    if shape is None:
-        shape = (1, need)
-    nodes, per_node = shape
+    nodes, per_node = shape if shape is not None else (1, need)
     if nodes * per_node != need:
         given = (
             "--world-size" if world_size is not None else f"--nnodes {nodes} × --nproc-per-node {per_node}"
         )
         raise _mismatch(mesh.describe_degrees(), need, mesh.data_parallel_shard, nodes * per_node, given)
-
-    from d9d.mesh import format_layout
-    from d9d.trainer import resolve_job
-
-    resolved = resolve_job(loaded)  # imports the providers and checks their config sections
-    from d9d.trainer import TrainingError, check_model_mesh
-
-    try:
-        check_model_mesh(resolved)  # the model provider's own check of the degrees
-    except TrainingError as exc:
-        raise CliError(f"{config}: {exc}") from None
-    layout, n_microbatches = None, None
-    if mesh.pipeline_parallel > 1:  # the trainer plans the stages before it checks sequence lengths
-        n_microbatches = _microbatches_per_step(job.providers.data, job.data, mesh.data_parallel)
-        layout = _pipeline_layout(resolved, n_microbatches)
-    cp = mesh.context_parallel
-    dataset_seq, source = _dataset_seq_len(resolved)
-    for length, option in ((dataset_seq, None), (seq_len, "--seq-len")):
-        if length is not None and (problem := sequence_length_error(length, cp, option=option)):
-            raise CliError(problem)  # the dataset's: as the trainer refuses it, before data or model
-    seq = (seq_len, "--seq-len") if seq_len is not None else (dataset_seq, source)
+    job_plan = _plan(config, loaded, seq_len)
+    command = launch_command(config, overrides, nnodes=nodes, nproc_per_node=per_node, d9d=d9d_invocation())
+    where = "on every node: " if nodes > 1 else ""
     lines = [
         f"config: {config}",
-        format_layout(mesh),
-        _data_line(job.providers.data, job.data, mesh.data_parallel),
+        *_plan_lines(job_plan, loaded.config),
+        f"launch ({nodes} node{'s' if nodes > 1 else ''} × {per_node} process{'es' if per_node > 1 else ''}):",
+        f"  {where}{command}",
     ]
-    if cp > 1:
-        lines += _context_parallel_lines(mesh, *seq)
-    if layout is not None:
-        lines += _pipeline_lines(mesh, layout, n_microbatches, job.pipelining)
-    param_bytes, trainable_bytes, n_params = _model_size(resolved, config)
-    states, what = _optimizer_states(job.providers.optimizer, job.optimizer)
-    est = estimate_memory(
-        param_bytes,
-        trainable_bytes,
-        pipeline_parallel=mesh.pipeline_parallel,
-        data_parallel_shard=mesh.data_parallel_shard,
-        context_parallel=cp,
-        tensor_parallel=mesh.tensor_parallel,
-        optimizer_states=states,
+    click.echo("\n".join(lines))
+
+
+def _plan(config: str, loaded: "LoadedJob", seq_len: int | None) -> "JobPlan":
+    """The trainer's plan of rank 0 of the launch, on a planning context, for CUDA, with its memory.
+
+    Raises:
+        CliError: the model provider refuses the mesh, or what it builds cannot run the job (naming
+            the config); every other refusal is the trainer's own error.
+    """
+    from d9d.mesh import DistributedContext
+    from d9d.parallel import ParallelizeError
+    from d9d.trainer import TrainingError, check_model_mesh, plan_job, plan_memory, resolve_job
+
+    job = resolve_job(loaded)  # imports the providers and checks their config sections
+    try:
+        check_model_mesh(job)  # the model provider's own check of the degrees
+    except TrainingError as exc:
+        raise CliError(f"{config}: {exc}") from None
+    with DistributedContext.for_planning(job.config.mesh) as ctx:  # any world size, in this process
+        job_plan = plan_job(job, ctx, seq_len=seq_len, device="cuda")
+        try:
+            memory = plan_memory(job, job_plan, ctx)  # builds rank 0's model on meta, as the trainer
+        except (TrainingError, ParallelizeError) as exc:
+            raise CliError(f"{config}: {exc}") from None
+    return dataclasses.replace(job_plan, memory=memory)
+
+
+def _plan_lines(job_plan: "JobPlan", config: "JobConfig") -> list[str]:
+    """Every section of the plan: layout, data, cp, pipeline, precision, model and memory."""
+    from d9d.mesh import format_layout
+
+    mesh = job_plan.mesh
+    lines = [format_layout(mesh), _data_line(job_plan, config.providers.data)]
+    if mesh.context_parallel > 1:
+        lines += _context_parallel_lines(job_plan.sequence)
+    if job_plan.pipeline is not None:
+        lines += _pipeline_lines(job_plan.pipeline)
+    return lines + _precision_lines(job_plan, config) + _memory_lines(job_plan, config)
+
+
+def _data_line(job_plan: "JobPlan", provider: str) -> str:
+    b = job_plan.batching
+    if b is None:
+        return f"data: batching is decided by providers.data ({provider})"
+    n, dp = b.microbatches_per_step, b.data_parallel
+    return (
+        f"data: global batch {b.global_batch_size} = {dp} data-parallel rank{'s' if dp > 1 else ''} × "
+        f"{n} microbatch{'es' if n > 1 else ''} of {b.microbatch_size} per step"
     )
-    split = (
-        f"pp {mesh.pipeline_parallel} × dp_shard {mesh.data_parallel_shard} × cp {cp} × "
-        f"tp {mesh.tensor_parallel}"
-    )
-    tcfg = job.trainer
+
+
+def _precision_lines(job_plan: "JobPlan", config: "JobConfig") -> list[str]:
+    tcfg = config.trainer
     prec = tcfg.precision
-    compute = "bfloat16" if prec.param_dtype == "auto" else prec.param_dtype
+    compute = str(job_plan.precision.param_dtype).removeprefix("torch.")
     auto = " (auto: bfloat16 on CUDA, float32 on CPU)" if prec.param_dtype == "auto" else ""
     ac = tcfg.activation_checkpointing
     ac_text = ac.mode + (f" (every {ac.every} blocks)" if ac.mode == "selective" else "")
-    lines += [
+    return [
         f"precision: compute {compute}{auto}, reduce {prec.reduce_dtype}, master weights and optimizer "
         f"float32; tf32 {'on' if prec.tf32 else 'off'}",
         f"activation checkpointing: {ac_text}; compile: {'on' if tcfg.compile.enabled else 'off'}",
-        f"model: {n_params:,} parameters, {format_size(param_bytes)} "
-        f"({format_size(trainable_bytes)} trainable)",
     ]
-    acts, acts_note = _activations(resolved, *seq, compute)
-    total = est.total + (acts.checkpointed if acts is not None else 0)
-    lines += [
+
+
+def _memory_lines(job_plan: "JobPlan", config: "JobConfig") -> list[str]:
+    memory = job_plan.memory
+    assert memory is not None
+    mesh, est, acts = job_plan.mesh, memory.state, memory.activations
+    compute = str(job_plan.precision.param_dtype).removeprefix("torch.")
+    split = (
+        f"pp {mesh.pipeline_parallel} × dp_shard {mesh.data_parallel_shard} × cp {mesh.context_parallel} × "
+        f"tp {mesh.tensor_parallel}"
+    )
+    ac = config.trainer.activation_checkpointing
+    lines = [
+        f"model: {memory.parameters:,} parameters, {format_size(memory.param_bytes)} "
+        f"({format_size(memory.trainable_bytes)} trainable)",
         f"memory per rank (estimate; 1/{est.shard_factor} of the model: {split}):",
         f"  parameters  {format_size(est.params):>10}",
         f"  gradients   {format_size(est.grads):>10}",
-        f"  optimizer   {format_size(est.optimizer):>10}  ({what})",
+        f"  optimizer   {format_size(est.optimizer):>10}  ({job_plan.optimizer_states.description})",
     ]
     if acts is not None:
         lines.append(
@@ -482,84 +248,33 @@ def plan(
             f"{compute}, checkpointing {ac.mode}; none: {format_size(acts.plain)}, full: {format_size(acts.full)})"
         )
     else:
-        lines.append(f"  activations {'?':>10}  ({acts_note})")
-    lines.append(f"  total       {format_size(total):>10}")
+        lines.append(f"  activations {'?':>10}  ({memory.activations_note})")
+    lines.append(f"  total       {format_size(memory.total):>10}")
     if acts is not None:
         lines.append(
-            f"  activation estimate assumes: {_activation_assumptions(mesh, job.pipelining.schedule)}"
+            f"  activation estimate assumes: {_activation_assumptions(mesh, config.pipelining.schedule)}"
         )
-    where = "on every node: " if nodes > 1 else ""
-    command = launch_command(config, overrides, nnodes=nodes, nproc_per_node=per_node, d9d=d9d_invocation())
-    lines += [
-        f"launch ({nodes} node{'s' if nodes > 1 else ''} × {per_node} process"
-        f"{'es' if per_node > 1 else ''}):",
-        f"  {where}{command}",
-    ]
-    click.echo("\n".join(lines))
+    return lines
 
 
-def sequence_length_error(seq_len: int, context_parallel: int, *, option: str | None = None) -> str | None:
-    """Why context parallelism cannot split sequences of `seq_len` tokens, or None when it can.
-
-    For the dataset's length it is the trainer's message, word for word; `option` names the
-    command-line option the length came from instead (`--seq-len`).
-    """
-    from d9d.trainer import sequence_length_problem
-
-    chunks = 2 * context_parallel
-    if context_parallel <= 1 or seq_len % chunks == 0:
-        return None
-    if option is None:
-        return sequence_length_problem(seq_len, context_parallel)
-    return (
-        f"{option} {seq_len} is not divisible by 2 × mesh.context_parallel = {chunks} (context "
-        f"parallelism cuts each sequence into {chunks} equal chunks); pass a multiple of {chunks} or "
-        "change mesh.context_parallel"
-    )
-
-
-def _dataset_seq_len(job: "ResolvedJob") -> tuple[int | None, str]:
-    """The dataset's sequence length as far as the config tells it without loading data, and from where.
-
-    `dataset.seq_len` when the config sets it, else the `seq_len` default of the dataset provider's
-    `config_type`; (None, why) when neither exists.
-    """
-    section = job.config.dataset
-    value = section.get("seq_len") if isinstance(section, dict) else None
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value, "dataset.seq_len"
-    config_type = getattr(job.dataset_provider, "config_type", None)
-    if job.dataset_provider is not None and config_type is not None:
-        import msgspec
-
-        try:
-            value = getattr(msgspec.convert(section, config_type), "seq_len", None)
-        except (ValueError, TypeError):  # resolve_job converted it already: not expected
-            value = None
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value, f"the seq_len default of providers.dataset ({job.config.providers.dataset})"
-    return None, "neither dataset.seq_len nor the dataset provider's config_type gives it"
-
-
-def _context_parallel_lines(mesh: "MeshConfig", seq_len: int | None, source: str) -> list[str]:
+def _context_parallel_lines(sequence: "SequencePlan") -> list[str]:
     """The cp groups (in cp-rank order) and each rank's share of a sequence, for a mesh with cp > 1."""
-    from d9d.mesh import axis_groups
-
-    cp = mesh.context_parallel
+    cp = sequence.context_parallel
     chunks = 2 * cp
-    groups = axis_groups(mesh, "batch", "cp")
+    groups = [list(g) for g in sequence.cp_groups]
     shown = ", ".join(_format_group(g) for g in groups[:4])
     more = f", … ({len(groups)} groups)" if len(groups) > 4 else ""
     layout = f"chunks r and {chunks - 1}−r of {chunks} for cp rank r"
-    if seq_len is None:
+    if sequence.share is None:
         share = (
             f"seq_len / {cp} tokens ({layout}); the sequence length is not known without loading data "
-            f"({source}): pass --seq-len to check it"
+            f"({sequence.source}): pass --seq-len to check it"
         )
     else:
+        s = sequence.share
         share = (
-            f"{seq_len} / {cp} = {seq_len // cp} tokens ({layout}, {seq_len // chunks} tokens each; "
-            f"{seq_len} from {source})"
+            f"{s.seq_len} / {cp} = {s.local_tokens} tokens ({layout}, {s.chunk_tokens} tokens each; "
+            f"{s.seq_len} from {sequence.source})"
         )
     return [
         f"context parallel: cp {cp}; the ranks of a cp group get the same samples and split every sequence",
@@ -576,28 +291,9 @@ def _format_group(group: list[int]) -> str:
     return "[" + ",".join(map(str, group)) + "]"
 
 
-def _pipeline_layout(job: "ResolvedJob", n_microbatches: int | None) -> "PipelineLayout":
-    """The layout the trainer will run (`d9d.trainer.step.plan_pipeline_stage`'s checks, with its
-    messages, and its `plan_pipeline` call), without building the data provider.
-
-    `n_microbatches` None (a custom data provider decides them) skips the schedule's microbatch check,
-    which the trainer makes at start.
-
-    Raises:
-        TrainingError: the model provider or the task cannot run a pipeline.
-        PipelineError: the schedule, stage, layer or microbatch counts do not fit.
-    """
-    from d9d.trainer import pipeline_layout
-
-    return pipeline_layout(job, job.config.mesh.pipeline_parallel, n_microbatches)
-
-
-def _pipeline_lines(
-    mesh: "MeshConfig", layout: "PipelineLayout", n_microbatches: int | None, pipelining: "PipeliningConfig"
-) -> list[str]:
+def _pipeline_lines(pipeline: "PipelinePlan") -> list[str]:
     """The schedule, each pp rank's stages (global ranks, layers, embedding and head) and the bubble."""
-    from d9d.mesh import axis_groups
-
+    layout = pipeline.layout
     p, v, n = layout.pp_size, layout.stages_per_rank, layout.num_stages
     num_layers = sum(len(s.layers) for s in layout.stages)
     if v == 1:
@@ -608,16 +304,14 @@ def _pipeline_lines(
         shape = f"{p} × {v} = {n} stages, looped (stage s on pp rank s mod {p})"
     lines = [
         f"pipeline parallel: pp {p}, schedule {layout.config.schedule}, {shape}; {num_layers} layers split "
-        f"with the embedding and the head counted as {pipelining.embedding_weight:g} and "
-        f"{pipelining.head_weight:g} layers (pipelining.embedding_weight, head_weight)"
+        f"with the embedding and the head counted as {pipeline.embedding_weight:g} and "
+        f"{pipeline.head_weight:g} layers (pipelining.embedding_weight, head_weight)"
     ]
-    groups = axis_groups(mesh, "dense", "pp")
     for rank in range(p):
-        ranks = _format_ranks(sorted(g[rank] for g in groups))
+        ranks = _format_ranks(list(pipeline.pp_ranks[rank]))
         chunks = "; ".join(f"stage {s.index}: {_stage_content(s)}" for s in layout.stages_of_rank(rank))
         lines.append(f"  pp rank {rank} (ranks {ranks}): {chunks}")
-    lines += _bubble_lines(layout, n_microbatches)
-    return lines
+    return lines + _bubble_lines(pipeline)
 
 
 def _stage_content(stage: "StageSpec") -> str:
@@ -640,25 +334,17 @@ def _format_ranks(ranks: list[int]) -> str:
     return "[" + ",".join(map(str, ranks[:4])) + f",…] ({len(ranks)} ranks)"
 
 
-def _bubble_lines(layout: "PipelineLayout", n_microbatches: int | None) -> list[str]:
+def _bubble_lines(pipeline: "PipelinePlan") -> list[str]:
     """The schedule's theoretical bubble for this layout, the formula and what it assumes."""
+    from d9d.parallel import ZERO_BUBBLE_SCHEDULES
+
+    layout, bubble, m = pipeline.layout, pipeline.bubble, pipeline.microbatches_per_step
     p, v, n = layout.pp_size, layout.stages_per_rank, layout.num_stages
-    schedule = layout.config.schedule
     assumes = (
         "every stage takes the same time per microbatch; communication is free; theory, not a measurement"
     )
-    if schedule in _ZERO_BUBBLE:
+    if layout.config.schedule in ZERO_BUBBLE_SCHEDULES:
         assumes += "; the backward's input- and weight-gradient parts take as long as the forward"
-    if n_microbatches is None:
-        probe = pipeline_bubble(schedule, p, v, max(p, n))  # the formula for enough microbatches
-        return [
-            f"  bubble: {probe.formula} with p={p}, v={v} and m the microbatches per step, which "
-            f"providers.data decides ({probe.source}); the trainer checks m against the schedule at start",
-            f"  bubble assumes: {assumes}",
-        ]
-    m = n_microbatches
-    bubble = pipeline_bubble(schedule, p, v, m)
-    symbols = f"p={p}, v={v}, m={m}"
     if bubble.fraction is None:
         head = (
             f"not ≈ 0: m={m} microbatches < {n} stages leave the warm-up and cool-down uncovered "
@@ -670,7 +356,7 @@ def _bubble_lines(layout: "PipelineLayout", n_microbatches: int | None) -> list[
         f = bubble.fraction
         head = (
             f"{f.numerator}/{f.denominator} = {float(f):.1%} of the step's forward and backward time "
-            f"({bubble.formula} with {symbols}; {bubble.source})"
+            f"({bubble.formula} with p={p}, v={v}, m={m}; {bubble.source})"
         )
     return [f"  bubble: {head}", f"  bubble assumes: {assumes}"]
 
@@ -691,98 +377,3 @@ def _activation_assumptions(mesh: "MeshConfig", schedule: str) -> str:
             f"all the layers with up to pp {mesh.pipeline_parallel} microbatches in flight (1F1B{other})"
         )
     return "; ".join(parts)
-
-
-def _activations(
-    job: "ResolvedJob", seq_len: int | None, source: str, compute: str
-) -> tuple[ActivationEstimate | None, str]:
-    """The activation estimate, or None and why there is none (`source`: why seq_len is None)."""
-    config = job.config
-    if seq_len is None:
-        return None, f"not estimated: pass --seq-len (the sequence length: {source})"
-    if config.providers.data != _AUTO_DATA:
-        return None, "not estimated: the microbatch size is decided by a custom data provider"
-    import msgspec
-
-    from d9d.data import AutoDataConfig
-
-    microbatch = msgspec.convert(config.data, AutoDataConfig).microbatch_size
-    try:
-        estimate = estimate_activations(job, seq_len=seq_len, microbatch_size=microbatch, param_dtype=compute)
-    except Exception as exc:  # a forward that cannot run on meta (e.g. MoE routing) is not an error
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        return None, f"not estimated: the forward does not run on the meta device ({first[:120]})"
-    return estimate, ""
-
-
-def _microbatches_per_step(provider: str, data: dict[str, object], dp: int) -> int | None:
-    """Microbatches each data-parallel rank runs per step (as the built-in data provider will count
-    them), or None under a custom data provider, which decides them itself.
-
-    Raises:
-        BatchSizeError: the global batch does not split into dp × microbatches.
-    """
-    if provider != _AUTO_DATA:
-        return None
-    import msgspec
-
-    from d9d.data import AutoDataConfig, microbatches_per_rank
-
-    cfg = msgspec.convert(data, AutoDataConfig)  # validated when the job was resolved
-    return microbatches_per_rank(cfg.global_batch_size, cfg.microbatch_size, dp)
-
-
-def _data_line(provider: str, data: dict[str, object], dp: int) -> str:
-    n = _microbatches_per_step(provider, data, dp)
-    if n is None:
-        return f"data: batching is decided by providers.data ({provider})"
-    import msgspec
-
-    from d9d.data import AutoDataConfig
-
-    cfg = msgspec.convert(data, AutoDataConfig)
-    return (
-        f"data: global batch {cfg.global_batch_size} = {dp} data-parallel rank{'s' if dp > 1 else ''} × "
-        f"{n} microbatch{'es' if n > 1 else ''} of {cfg.microbatch_size} per step"
-    )
-
-
-def _model_size(job: "ResolvedJob", where: str) -> tuple[int, int, int]:
-    """(bytes, trainable bytes, parameter count) of the whole model, built on the meta device.
-
-    The model provider sees rank 0 of the planned mesh (a fake process group) and builds the
-    unsplit model (one pipeline stage), which is then only counted, never allocated.
-
-    Raises:
-        CliError: mesh.context_parallel > 1 but no module of the model supports it (the trainer
-            refuses such a job once the model is built).
-    """
-    import torch
-
-    from d9d.mesh import DistributedContext
-    from d9d.parallel import ParallelizeError, parallelize_context_parallel
-    from d9d.trainer import InitializeModelStageContext
-
-    with DistributedContext.for_planning(job.config.mesh) as ctx:
-        with torch.device("meta"):
-            model = job.model_provider.initialize_model_stage(InitializeModelStageContext(context=ctx)).model
-        if job.config.mesh.context_parallel > 1:
-            try:
-                parallelize_context_parallel(model, ctx.mesh("dense"))
-            except ParallelizeError as exc:
-                raise CliError(f"{where}: {exc}") from None
-    params = list(model.parameters())
-    total = sum(p.numel() * p.element_size() for p in params)
-    trainable = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
-    return total, trainable, sum(p.numel() for p in params)
-
-
-def _optimizer_states(provider: str, optimizer: "OptimizerConfig") -> tuple[int, str]:
-    """Optimizer tensors per trainable parameter, and how that number was decided."""
-    if provider != _BUILTIN_OPTIMIZER:
-        return 2, f"assumed AdamW-like, 2 states per parameter: {provider} is a custom optimizer"
-    if optimizer.name == "adamw":
-        return 2, "AdamW: exp_avg + exp_avg_sq"
-    if optimizer.momentum:
-        return 1, "SGD with momentum: 1 buffer"
-    return 0, "SGD without momentum: no state"

@@ -6,6 +6,7 @@ pipe = Pipeline(layout, modules, pp_group=ctx.mesh("dense")["pp"], n_microbatche
 loss = pipe.step(inputs, targets)                           # summed loss on the last stage
 """
 
+from d9d.parallel.pipeline.bubble import ZERO_BUBBLE_SCHEDULES, PipelineBubble, pipeline_bubble
 from d9d.parallel.pipeline.chunks import StageChunks, merge_stage_modules
 from d9d.parallel.pipeline.config import (
     PIPELINE_SCHEDULES,
@@ -34,7 +35,9 @@ from d9d.parallel.pipeline.tied import TiedParameters, declared_ties
 
 __all__ = [
     "PIPELINE_SCHEDULES",
+    "ZERO_BUBBLE_SCHEDULES",
     "Pipeline",
+    "PipelineBubble",
     "PipelineConfig",
     "PipelineError",
     "PipelineLayout",
@@ -50,6 +53,7 @@ __all__ = [
     "fsdp_reshard_after_forward",
     "keep_stage_layers",
     "merge_stage_modules",
+    "pipeline_bubble",
     "pipeline_schedule_info",
     "plan_pipeline",
     "prepare_fsdp_for_schedule",

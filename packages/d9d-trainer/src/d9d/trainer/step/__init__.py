@@ -7,7 +7,7 @@ device and make one host sync per step (the non-finite check), so the loop decid
 
 from d9d.trainer.step.base import StepOutput, StepSettings, TrainStep, token_group
 from d9d.trainer.step.microbatches import MicrobatchStep
-from d9d.trainer.step.pipeline import PipelineStep, pipeline_layout, plan_pipeline_stage
+from d9d.trainer.step.pipeline import PipelineStep
 
 __all__ = [
     "MicrobatchStep",
@@ -15,7 +15,5 @@ __all__ = [
     "StepOutput",
     "StepSettings",
     "TrainStep",
-    "pipeline_layout",
-    "plan_pipeline_stage",
     "token_group",
 ]

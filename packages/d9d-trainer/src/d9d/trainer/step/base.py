@@ -1,7 +1,7 @@
 """What every step strategy shares: the global token weight, clipping, the non-finite rule, the update."""
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import torch
@@ -50,10 +50,15 @@ class StepSettings:
     """The ranks whose tokens make up the global batch: data parallel × context parallel."""
     pp_group: Any = None
     stop_requested: Callable[[], bool] | None = None
-    context_parallel: ContextParallel | None = None
-    """The cp group: each microbatch's sequences are split over it before the forward."""
+    context_parallel: ContextParallel = field(default_factory=ContextParallel)
+    """The cp group: each microbatch's sequences are split over it before the forward (disabled: none)."""
     timer: StepTimer | None = None
     """Where the step marks the end of its forward+backward and optimizer phases (None: nowhere)."""
+
+    def local_batch(self, batch: Any) -> Any:
+        """This rank's part of a microbatch: its share of every sequence under context parallelism
+        (the batch itself without); the training step and the eval cut their microbatches here."""
+        return self.context_parallel.shard_batch(batch)
 
 
 def token_group(ctx: Any) -> dist.ProcessGroup:
@@ -93,11 +98,8 @@ class StepBase:
         self.settings = settings
 
     def local_part(self, microbatches: Sequence[Any]) -> list[Any]:
-        """This rank's part of each microbatch: its share of every sequence under context parallelism."""
-        cp = self.settings.context_parallel
-        if cp is None or not cp.enabled:
-            return list(microbatches)
-        return [cp.shard_batch(mb) for mb in microbatches]
+        """This rank's part of each microbatch (`StepSettings.local_batch`)."""
+        return [self.settings.local_batch(mb) for mb in microbatches]
 
     def global_weight(self, microbatches: Sequence[Any]) -> torch.Tensor:
         """The summed `task.batch_weight` of the global batch, on the device, without reading it."""

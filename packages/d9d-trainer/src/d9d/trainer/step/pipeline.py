@@ -10,7 +10,7 @@ from d9d.parallel import Pipeline, PipelineLayout, autocast_forward
 from d9d.trainer.providers import Task
 from d9d.trainer.step.base import StepBase, StepOutput, StepSettings
 
-__all__ = ["PipelineStep", "pipeline_layout", "plan_pipeline_stage"]
+__all__ = ["PipelineStep"]
 
 
 class PipelineStep(StepBase):
@@ -65,64 +65,3 @@ class PipelineStep(StepBase):
         assert share is not None
         loss = self.dp_sum(share.detach().to(torch.float64))
         return self.finish(loss, weight, step)
-
-
-def pipeline_layout(job: Any, pp_size: int, n_microbatches: int | None) -> PipelineLayout:
-    """The job's pipeline layout for `pp_size` ranks (what `d9d plan` shows and each rank builds).
-
-    `n_microbatches` None (a custom data provider decides them) skips the schedule's microbatch check.
-
-    Raises:
-        TrainingError: the model provider or the task cannot run a pipeline.
-        PipelineError: the schedule, stage, layer or microbatch counts do not fit.
-    """
-    from d9d.parallel import PipelineConfig, plan_pipeline
-    from d9d.trainer.errors import TrainingError
-
-    pcfg = job.config.pipelining
-    config = PipelineConfig(pcfg.schedule, pcfg.stages_per_rank)
-    count = getattr(job.model_provider, "pipeline_num_layers", None)
-    if count is None:
-        raise TrainingError(
-            "mesh.pipeline_parallel > 1 needs a model provider with pipeline_num_layers() and stage "
-            "support in initialize_model_stage (context.stage); see docs/parallelism.md"
-        )
-    task = job.task
-    if not (hasattr(task, "pipeline_inputs") and hasattr(task, "pipeline_loss")):
-        raise TrainingError(
-            "mesh.pipeline_parallel > 1 needs a task with pipeline_inputs() and pipeline_loss()"
-        )
-    return plan_pipeline(
-        int(count()),
-        pp_size,
-        config,
-        embedding_weight=pcfg.embedding_weight,
-        head_weight=pcfg.head_weight,
-        n_microbatches=n_microbatches,
-    )
-
-
-def plan_pipeline_stage(job: Any, context: Any, data: Any) -> tuple[PipelineLayout, tuple[Any, ...], int]:
-    """(layout, this rank's stages, microbatches per step) for `mesh.pipeline_parallel` > 1.
-
-    Single-stage schedules (gpipe, 1f1b) give one stage per rank; the multi-stage ones
-    (`pipelining.stages_per_rank`, V-shaped for zbv and dualpipev) several, built as separate chunks.
-
-    Raises:
-        TrainingError: the schedule, model provider, task or data provider cannot run a pipeline.
-    """
-    from d9d.mesh import get_logger
-    from d9d.trainer.errors import TrainingError
-
-    n = getattr(data, "microbatches_per_step", None)
-    if n is None:
-        raise TrainingError("mesh.pipeline_parallel > 1 needs a data provider with microbatches_per_step")
-    layout = pipeline_layout(job, context.axis_size("pp"), int(n))
-    stages = layout.stages_of_rank(context.coordinate("pp"))
-    get_logger("d9d.trainer").info(
-        "pipeline stages",
-        schedule=job.config.pipelining.schedule,
-        stages=[s.index for s in stages],
-        layers=[f"{s.layers.start}..{s.layers.stop - 1}" for s in stages],
-    )
-    return layout, stages, int(n)

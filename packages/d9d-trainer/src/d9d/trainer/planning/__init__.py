@@ -1,0 +1,48 @@
+"""The one owner of what a job will build: `plan_job` decides, `Trainer` builds from the plan, `d9d plan`
+prints it.
+
+    plan = plan_job(job, context)                          # a real rank's context, or
+    with DistributedContext.for_planning(job.config.mesh) as ctx:
+        plan = plan_job(job, ctx, device="cuda", memory=True)   # any world size, in one process
+
+A `JobPlan` holds the mesh, the precision, the declared batching, the pipeline layout (this rank's
+stages and the schedule's bubble), the sequence length and where it came from with its
+context-parallel split, the vocabulary size, the optimizer state per parameter and, when asked for,
+the memory estimate per rank with one microbatch's activations.
+"""
+
+from d9d.trainer.planning.job_plan import (
+    JobPlan,
+    PipelinePlan,
+    SequencePlan,
+    check_model_mesh,
+    configured_seq_len,
+    declared_batching,
+    pipeline_layout,
+    plan_job,
+)
+from d9d.trainer.planning.memory import (
+    ActivationEstimate,
+    MemoryEstimate,
+    MemoryPlan,
+    estimate_activations,
+    estimate_memory,
+    plan_memory,
+)
+
+__all__ = [
+    "ActivationEstimate",
+    "JobPlan",
+    "MemoryEstimate",
+    "MemoryPlan",
+    "PipelinePlan",
+    "SequencePlan",
+    "check_model_mesh",
+    "configured_seq_len",
+    "declared_batching",
+    "estimate_activations",
+    "estimate_memory",
+    "pipeline_layout",
+    "plan_job",
+    "plan_memory",
+]

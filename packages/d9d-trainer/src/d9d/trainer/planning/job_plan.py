@@ -1,0 +1,344 @@
+"""`plan_job`: what a job will build on one rank, decided once, before any data or model exists.
+
+The decisions are the trainer's: `Trainer` builds from the plan and `d9d plan` prints it, so a
+config is accepted or refused by both with the same words. Every input is declared: the mesh and
+config, the providers' optional abilities (`d9d.trainer.providers`: `ChecksMesh`,
+`PipelineModelProvider`, `PipelineTask`, `DeclaresBatching`, `DeclaresOptimizerStates`) and, when
+the trainer has built it, the dataset's `BuildDatasetResult` (its `seq_len` and `vocab_size`).
+Nothing is probed, so a user's provider with the same declarations gets exactly a built-in's plan.
+"""
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import msgspec
+import torch
+
+from d9d.mesh import DistributedContext, MeshConfig, axis_groups
+from d9d.parallel import (
+    MixedPrecision,
+    PipelineBubble,
+    PipelineConfig,
+    PipelineLayout,
+    SequenceShare,
+    StageSpec,
+    check_sequence_length,
+    pipeline_bubble,
+    plan_pipeline,
+    resolve_precision,
+)
+from d9d.trainer.errors import TrainingError
+from d9d.trainer.job import ResolvedJob
+from d9d.trainer.planning.memory import MemoryPlan, plan_memory
+from d9d.trainer.providers import (
+    Batching,
+    BuildDatasetResult,
+    ChecksMesh,
+    DeclaresBatching,
+    DeclaresOptimizerStates,
+    OptimizerStates,
+    PipelineModelProvider,
+    PipelineTask,
+)
+
+__all__ = [
+    "ASSUMED_OPTIMIZER_STATES",
+    "JobPlan",
+    "PipelinePlan",
+    "SequencePlan",
+    "check_model_mesh",
+    "configured_seq_len",
+    "declared_batching",
+    "pipeline_layout",
+    "plan_job",
+]
+
+#: What the memory estimate assumes of an optimizer provider that declares no `optimizer_states()`.
+ASSUMED_OPTIMIZER_STATES = 2
+
+
+@dataclass(frozen=True)
+class SequencePlan:
+    """The sequence length the job trains on, where that number comes from, and its context-parallel split.
+
+    Attributes:
+        seq_len: tokens per sample; None when not known without loading data.
+        source: where `seq_len` came from (`dataset.seq_len`, `--seq-len`, ...), or why it is unknown.
+        context_parallel: the ranks that split every sequence (mesh.context_parallel).
+        cp_groups: the global ranks of each cp group, in cp-rank order.
+        share: cp rank 0's share of a sequence (every cp rank holds as many tokens); None when
+            `seq_len` is unknown.
+    """
+
+    seq_len: int | None
+    source: str
+    context_parallel: int
+    cp_groups: tuple[tuple[int, ...], ...]
+    share: SequenceShare | None
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """The pipeline layout (every stage and which pp rank runs it), this rank's stages, and the bubble.
+
+    Attributes:
+        layout: every stage, its layers and its pp rank, for the schedule.
+        stages: the stages this rank builds and runs, in stage order.
+        microbatches_per_step: what the schedule runs per step (the data provider's declaration).
+        bubble: the schedule's theoretical bubble for those microbatches.
+        pp_ranks: the global ranks of each pp rank (index: the pp coordinate).
+        embedding_weight: what the embedding counts as in the split, in layers.
+        head_weight: what the head counts as in the split, in layers.
+    """
+
+    layout: PipelineLayout
+    stages: tuple[StageSpec, ...]
+    microbatches_per_step: int
+    bubble: PipelineBubble
+    pp_ranks: tuple[tuple[int, ...], ...]
+    embedding_weight: float
+    head_weight: float
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """What a job builds on one rank: layout, precision, batching, pipeline, sequence, vocabulary, memory.
+
+    Attributes:
+        mesh: the mesh degrees (layout: `d9d.mesh.format_layout(plan.mesh)`).
+        rank: the global rank this plan is for (its pipeline stages, its share of a sequence).
+        device: the device type the precision was resolved for.
+        precision: compute and reduction dtypes (`trainer.precision` on `device`).
+        batching: the data provider factory's declared batching; None when it declares none.
+        pipeline: the pipeline plan; None without pipeline parallelism.
+        sequence: the sequence length, its source and its cp split.
+        vocab_size: the dataset's vocabulary (checked against the model's embedding); None unknown.
+        optimizer_states: optimizer tensors per trainable parameter (declared, or assumed).
+        optimizer_states_declared: False when the optimizer provider declares none (2 assumed).
+        memory: the per-rank memory estimate, when asked for (`plan_job(..., memory=True)`).
+    """
+
+    mesh: MeshConfig
+    rank: int
+    device: torch.device
+    precision: MixedPrecision
+    batching: Batching | None
+    pipeline: PipelinePlan | None
+    sequence: SequencePlan
+    vocab_size: int | None
+    optimizer_states: OptimizerStates
+    optimizer_states_declared: bool
+    memory: MemoryPlan | None = None
+
+    @property
+    def stages(self) -> tuple[StageSpec | None, ...]:
+        """The model stages this rank builds: its pipeline stages, or (None,) for the whole model."""
+        return self.pipeline.stages if self.pipeline is not None else (None,)
+
+
+def plan_job(
+    job: ResolvedJob,
+    context: DistributedContext,
+    *,
+    dataset: BuildDatasetResult | None = None,
+    seq_len: int | None = None,
+    device: torch.device | str | None = None,
+    memory: bool = False,
+) -> JobPlan:
+    """The plan of `job` on `context`'s rank: every decision the trainer builds from, checked.
+
+    Args:
+        context: a real rank's context, or a planning one (`DistributedContext.for_planning`) of any size.
+        dataset: the built training dataset (the trainer's), whose declared `seq_len` and
+            `vocab_size` are planned with; None (`d9d plan`) takes the length from the config.
+        seq_len: a length to plan with instead (`d9d plan --seq-len`); the dataset's own is still checked.
+        device: the device to resolve the precision for (default: the context's).
+        memory: also estimate the memory per rank, building the model on the meta device
+            (`plan_memory`), which runs the model provider's code and the trainer's checks of it.
+
+    Raises:
+        TrainingError: the model provider refuses the mesh, or cannot run a pipeline.
+        PipelineError: the schedule, stage, layer or microbatch counts do not fit.
+        SequenceLengthError: context parallelism cannot cut the sequences.
+        BatchSizeError: the declared batching does not split over the data-parallel ranks.
+    """
+    mesh = job.config.mesh
+    check_model_mesh(job)
+    batching = declared_batching(job, mesh)
+    pipeline = _pipeline_plan(job, context, batching) if mesh.pipeline_parallel > 1 else None
+    sequence = _sequence_plan(job, dataset, seq_len)
+    states, declared = _optimizer_states(job)
+    device = torch.device(device) if device is not None else context.device
+    plan = JobPlan(
+        mesh=mesh,
+        rank=context.rank,
+        device=device,
+        precision=resolve_precision(job.config.trainer.precision, device),
+        batching=batching,
+        pipeline=pipeline,
+        sequence=sequence,
+        vocab_size=dataset.vocab_size if dataset is not None else None,
+        optimizer_states=states,
+        optimizer_states_declared=declared,
+    )
+    return replace(plan, memory=plan_memory(job, plan, context)) if memory else plan
+
+
+def check_model_mesh(job: ResolvedJob) -> None:
+    """The model provider's own check of the mesh degrees (`ChecksMesh`), before anything runs.
+
+    Raises:
+        TrainingError: the provider refused the mesh (its message names the keys).
+    """
+    provider = job.model_provider
+    if not isinstance(provider, ChecksMesh):
+        return
+    try:
+        provider.check_mesh(job.config.mesh)
+    except (ValueError, TypeError) as exc:
+        raise TrainingError(str(exc)) from None
+
+
+def declared_batching(job: ResolvedJob, mesh: MeshConfig) -> Batching | None:
+    """The data provider factory's batching on `mesh` (`DeclaresBatching`), None when it declares none.
+
+    Raises:
+        BatchSizeError: the global batch does not split over the data-parallel ranks.
+    """
+    factory = job.data_factory
+    return factory.batching(mesh) if isinstance(factory, DeclaresBatching) else None
+
+
+# ---------------------------------------------------------------------------------------- pipeline
+
+
+def pipeline_layout(job: ResolvedJob, n_microbatches: int) -> PipelineLayout:
+    """The job's pipeline layout (what each rank builds and `d9d plan` shows).
+
+    Raises:
+        TrainingError: the model provider or the task cannot run a pipeline.
+        PipelineError: the schedule, stage, layer or microbatch counts do not fit.
+    """
+    pcfg = job.config.pipelining
+    provider = job.model_provider
+    if not isinstance(provider, PipelineModelProvider):
+        raise TrainingError(
+            "mesh.pipeline_parallel > 1 needs a model provider with pipeline_num_layers() and stage "
+            "support in initialize_model_stage (context.stage); see docs/parallelism.md"
+        )
+    if not isinstance(job.task, PipelineTask):
+        raise TrainingError(
+            "mesh.pipeline_parallel > 1 needs a task with pipeline_inputs() and pipeline_loss()"
+        )
+    return plan_pipeline(
+        int(provider.pipeline_num_layers()),
+        job.config.mesh.pipeline_parallel,
+        PipelineConfig(pcfg.schedule, pcfg.stages_per_rank),
+        embedding_weight=pcfg.embedding_weight,
+        head_weight=pcfg.head_weight,
+        n_microbatches=n_microbatches,
+    )
+
+
+def _pipeline_plan(job: ResolvedJob, context: DistributedContext, batching: Batching | None) -> PipelinePlan:
+    """The pipeline plan for mesh.pipeline_parallel > 1: its layout, this rank's stages, the bubble.
+
+    Single-stage schedules (gpipe, 1f1b) give one stage per rank; the multi-stage ones
+    (`pipelining.stages_per_rank`, V-shaped for zbv and dualpipev) several, built as separate chunks.
+    """
+    if batching is None:
+        raise TrainingError(
+            f"mesh.pipeline_parallel > 1 needs to know the microbatches per step before anything is "
+            f"built, but providers.data ({job.config.providers.data}) declares no batching; give the "
+            "data provider factory a batching(mesh) method returning d9d.trainer.Batching (see "
+            "docs/parallelism.md) or use the built-in d9d.trainer:AutoDataProviderFactory"
+        )
+    m = batching.microbatches_per_step
+    layout = pipeline_layout(job, m)
+    mesh = job.config.mesh
+    groups = axis_groups(mesh, "dense", "pp")
+    pp_ranks = tuple(tuple(sorted(g[r] for g in groups)) for r in range(layout.pp_size))
+    pcfg = job.config.pipelining
+    return PipelinePlan(
+        layout=layout,
+        stages=layout.stages_of_rank(context.coordinate("pp")),
+        microbatches_per_step=m,
+        bubble=pipeline_bubble(layout.config.schedule, layout.pp_size, layout.stages_per_rank, m),
+        pp_ranks=pp_ranks,
+        embedding_weight=pcfg.embedding_weight,
+        head_weight=pcfg.head_weight,
+    )
+
+
+# ---------------------------------------------------------------------------------------- sequence
+
+#: How each source of the sequence length is named in the context-parallel refusal, and its fix.
+_DATASET_LENGTH = ("the dataset's sequences have", "set the dataset's seq_len (e.g. dataset.seq_len) to")
+_OPTION_LENGTH = ("--seq-len gives", "pass")
+
+
+def _sequence_plan(job: ResolvedJob, dataset: BuildDatasetResult | None, seq_len: int | None) -> SequencePlan:
+    """The sequence length (the option's, else the dataset's), each source checked against cp."""
+    mesh = job.config.mesh
+    cp = mesh.context_parallel
+    if dataset is not None:
+        length, source = dataset.seq_len, f"providers.dataset ({job.config.providers.dataset})"
+        if length is None:
+            source = "the dataset declares none (BuildDatasetResult.seq_len)"
+    else:
+        length, source = configured_seq_len(job)
+    if length is not None:
+        check_sequence_length(length, cp, subject=_DATASET_LENGTH[0], fix=_DATASET_LENGTH[1])
+    if seq_len is not None:
+        check_sequence_length(seq_len, cp, subject=_OPTION_LENGTH[0], fix=_OPTION_LENGTH[1])
+        length, source = seq_len, "--seq-len"
+    groups = tuple(tuple(g) for g in axis_groups(mesh, "batch", "cp"))
+    share = SequenceShare(length, cp, 0) if length is not None else None
+    return SequencePlan(seq_len=length, source=source, context_parallel=cp, cp_groups=groups, share=share)
+
+
+def configured_seq_len(job: ResolvedJob) -> tuple[int | None, str]:
+    """The dataset's sequence length as far as the config tells it without loading data, and from where.
+
+    The `seq_len` key of the `dataset:` section when the config sets it, else the default of that key
+    in the dataset provider's `config_type`; (None, why) when neither exists.
+    """
+    section = job.config.dataset
+    value = section.get("seq_len") if isinstance(section, dict) else None
+    if _is_length(value):
+        return value, "dataset.seq_len"
+    converted = job.sections.get("dataset")
+    if isinstance(converted, msgspec.Struct) or _is_dataclass_instance(converted):
+        value = msgspec.to_builtins(converted).get("seq_len")
+        if _is_length(value):
+            return value, f"the seq_len default of providers.dataset ({job.config.providers.dataset})"
+    return None, "neither dataset.seq_len nor the dataset provider's config_type gives it"
+
+
+def _is_length(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_dataclass_instance(value: Any) -> bool:
+    import dataclasses
+
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+# ---------------------------------------------------------------------------------------- optimizer
+
+
+def _optimizer_states(job: ResolvedJob) -> tuple[OptimizerStates, bool]:
+    """The optimizer provider's declared state per parameter, or the assumption (AdamW-like) and False."""
+    provider = job.optimizer_provider
+    if isinstance(provider, DeclaresOptimizerStates):
+        return provider.optimizer_states(), True
+    spec = job.config.providers.optimizer
+    return (
+        OptimizerStates(
+            ASSUMED_OPTIMIZER_STATES,
+            f"assumed AdamW-like, {ASSUMED_OPTIMIZER_STATES} states per parameter: {spec} is a custom "
+            "optimizer that declares none (optimizer_states())",
+        ),
+        False,
+    )

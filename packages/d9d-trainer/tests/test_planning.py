@@ -1,0 +1,119 @@
+"""`plan_job`: the one plan the trainer builds from (what `d9d plan` prints is tested in d9d-cli)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _job import job_config
+
+from d9d.data import BatchSizeError, TextDataset
+from d9d.mesh import DistributedContext
+from d9d.parallel import SequenceLengthError
+from d9d.trainer import (
+    BuildDatasetResult,
+    ConfigError,
+    Trainer,
+    TrainingError,
+    estimate_memory,
+    load_job_config,
+    plan_job,
+    resolve_job,
+)
+
+
+def _job(tmp_path, **sections):
+    return resolve_job(load_job_config(job_config(str(tmp_path / "runs"), **sections)))
+
+
+@pytest.mark.parametrize(
+    ("sizes", "degrees", "states", "expected"),
+    [
+        ((8000, 6000), (2, 2, 1, 2), 2, (8, 1000, 750, 1500)),
+        # FSDP shards over the flattened dp_shard × cp axis: cp divides parameters, grads and states too
+        ((8000, 8000), (1, 2, 2, 2), 2, (8, 1000, 1000, 2000)),
+        ((10, 10), (1, 3, 1, 1), 0, (3, 4, 4, 0)),  # rounds up; SGD without momentum has no state
+    ],
+    ids=["pp-dp-tp", "dp_shard-times-cp", "rounds-up"],
+)
+def test_the_state_estimate_divides_by_the_sharding_degrees(sizes, degrees, states, expected):
+    pp, dp_shard, cp, tp = degrees
+    est = estimate_memory(
+        *sizes,
+        pipeline_parallel=pp,
+        data_parallel_shard=dp_shard,
+        context_parallel=cp,
+        tensor_parallel=tp,
+        optimizer_states=states,
+    )
+    assert (est.shard_factor, est.params, est.grads, est.optimizer) == expected
+    assert est.total == est.params + est.grads + est.optimizer
+
+
+def test_a_local_plan_holds_the_declared_batching_precision_and_optimizer_state(tmp_path):
+    job = _job(tmp_path, optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.9})
+    plan = plan_job(
+        job,
+        DistributedContext.from_env(environ={}, device="cpu"),
+        dataset=BuildDatasetResult(dataset=[], vocab_size=64),
+    )
+    assert plan.batching is not None
+    assert (plan.batching.global_batch_size, plan.batching.microbatches_per_step) == (8, 4)
+    assert plan.precision.param_dtype == torch.float32  # auto on CPU
+    assert plan.optimizer_states.per_parameter == 1 and plan.optimizer_states_declared
+    assert plan.pipeline is None and plan.stages == (None,)
+    assert plan.vocab_size == 64 and plan.memory is None
+    assert (
+        plan_job(
+            job, DistributedContext.from_env(environ={}, device="cpu"), device="cuda"
+        ).precision.param_dtype
+        == torch.bfloat16
+    )
+
+
+def test_the_sequence_length_comes_from_the_built_dataset_or_the_config(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("hello world " * 50, encoding="utf-8")
+    text = TextDataset(corpus, seq_len=10)
+    built = BuildDatasetResult(dataset=text)  # a d9d.data dataset declares its length and vocabulary
+    assert (built.seq_len, built.vocab_size) == (10, text.vocab_size)
+    job = _job(tmp_path, mesh={"context_parallel": 2, "data_parallel_shard": 1})
+    with DistributedContext.for_planning(job.config.mesh) as ctx:
+        plan = plan_job(job, ctx)  # RandomTokensProvider's config_type: seq_len 8
+        assert (plan.sequence.seq_len, plan.sequence.source) == (
+            8,
+            "the seq_len default of providers.dataset (_job:RandomTokensProvider)",
+        )
+        assert plan.sequence.share is not None and plan.sequence.share.chunks == (0, 3)
+        assert plan.sequence.cp_groups == ((0, 1),)
+        with pytest.raises(SequenceLengthError, match="the dataset's sequences have 10 tokens"):
+            plan_job(job, ctx, dataset=built)
+        assert plan_job(job, ctx, seq_len=16).sequence.source == "--seq-len"
+        with pytest.raises(SequenceLengthError, match="--seq-len gives 10 tokens"):
+            plan_job(job, ctx, seq_len=10)
+
+
+def test_a_batch_that_does_not_split_is_refused_by_the_declaration(tmp_path):
+    with pytest.raises(ConfigError, match="global_batch_size"):
+        _job(tmp_path, mesh={"data_parallel_shard": 3})  # resolve_job asks the declaration early
+    job = _job(tmp_path)
+    factory = job.data_factory
+    with pytest.raises(BatchSizeError):
+        factory.batching(job.config.mesh.__class__(data_parallel_shard=3))  # type: ignore[attr-defined]
+
+
+def test_a_model_provider_without_stages_cannot_pipeline(tmp_path):
+    job = _job(tmp_path, mesh={"pipeline_parallel": 2})
+    refused = pytest.raises(TrainingError, match=r"needs a model provider with pipeline_num_layers\(\)")
+    with DistributedContext.for_planning(job.config.mesh) as ctx, refused:
+        plan_job(job, ctx)
+
+
+def test_the_trainer_builds_from_its_plan(tmp_path):
+    with Trainer.from_config(job_config(str(tmp_path / "runs"))) as trainer:
+        plan = trainer.plan
+        assert plan.batching is not None and plan.batching.microbatches_per_step == 4
+        assert plan.precision == trainer.train_step.settings.precision  # type: ignore[attr-defined]
+        assert plan.sequence.seq_len is None  # RandomTokens declares no length
