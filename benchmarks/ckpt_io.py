@@ -98,9 +98,9 @@ def _do(op: str, model, folder: str, shard_mb: int) -> float:  # type: ignore[no
         model.load_state_dict(torch.load(f"{folder}/model.pt"))
     elif op in ("d9d_ckpt_save", "d9d_ckpt_save_nocrc"):
         if op == "d9d_ckpt_save_nocrc":  # the same save, the read-back checksum left out
-            from d9d.ckpt.checkpoint import checksum
+            from d9d.ckpt.checkpoint import integrity
 
-            checksum.checksum_file = lambda path: "crc32:00000000"
+            integrity.checksum_file = lambda path: "crc32:00000000"
         with CheckpointManager(folder, f"bench-{op}") as manager:
             manager.save(1, model)
     elif op == "dcp_save":

@@ -61,6 +61,20 @@ def test_flags_incomplete_leftover_and_damaged(runner, messy_run):
     assert not any(line.split()[0] == "6" for line in lines if line.split())
 
 
+def test_damage_counts_missing_and_resized_files(runner, messy_run):
+    meta = json.loads((messy_run / "save-2" / "commit.json").read_text())
+    first, second, third = sorted(meta["files"])[:3]
+    (messy_run / "save-2" / first).unlink()
+    (messy_run / "save-2" / second).write_bytes(b"")
+    with open(messy_run / "save-2" / third, "ab") as f:
+        f.write(b"longer")
+    (messy_run / ".save-3.tmp-zzz").mkdir()  # not a name d9d-ckpt gives: not flagged as its leftover
+    result = runner.invoke(cli, ["checkpoints", str(messy_run)])
+    assert result.exit_code == 0, result.output
+    assert _row(result.output, 2).endswith("damaged: 1 file missing, 2 files resized")
+    assert ".save-3.tmp-zzz" not in result.output
+
+
 def test_run_without_checkpoints(runner, tmp_path):
     (tmp_path / "fresh").mkdir()
     result = runner.invoke(cli, ["checkpoints", str(tmp_path / "fresh")])

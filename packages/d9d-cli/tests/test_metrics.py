@@ -174,6 +174,22 @@ def test_metrics_in_a_subprocess(tiny_run, tmp_path):
     assert missing.returncode == 2 and missing.stderr.startswith("error: ")
 
 
+def test_metrics_of_a_run_directory_imports_no_torch(tiny_run):
+    """The run's names are d9d-ckpt's (which imports torch); a run with a metrics file needs none of them."""
+    import subprocess
+
+    code = (
+        "import sys; from d9d.cli import main; sys.argv = ['d9d', 'metrics', sys.argv[1]]\n"
+        "try:\n    main()\nexcept SystemExit as exc:\n    assert exc.code in (0, None), exc.code\n"
+        "print('torch' in sys.modules, file=sys.stderr)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tiny_run.run_dir)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert "steps: 1..4" in out.stdout and out.stderr.strip().splitlines()[-1] == "False", out.stderr
+
+
 def test_the_plot_hint_names_a_uv_command_that_installs_matplotlib_here():
     """The uv command of the hint resolves matplotlib from this workspace's lock (dry run: installs nothing)."""
     import os

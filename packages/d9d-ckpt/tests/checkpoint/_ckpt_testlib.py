@@ -69,6 +69,15 @@ def sharded_job(
     return ctx, model, adamw(model)
 
 
+def one_error(results: list[dict[str, Any]]) -> str:
+    """The error every rank of `results` (`run_distributed`'s, each with an "error") reported alike."""
+    messages = {r["error"] for r in results}
+    assert len(messages) == 1, messages
+    (message,) = messages
+    assert message is not None, results
+    return str(message)
+
+
 def run_forked(fn: Callable[..., Any], *args: Any, timeout: float = 60.0) -> Any:
     """Run `fn(*args)` in a forked process (no process group) and return its result or raise its error."""
     ctx = multiprocessing.get_context("fork")

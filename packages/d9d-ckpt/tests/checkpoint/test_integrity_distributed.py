@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from _ckpt_testlib import sharded_job, train_step
+from _ckpt_testlib import one_error, sharded_job, train_step
 
 from d9d.ckpt import (
     CheckpointDamagedError,
@@ -45,9 +45,7 @@ def test_save_dir_not_shared_by_all_nodes_is_refused_at_commit(tmp_path):
     shared, node1 = tmp_path / "shared", tmp_path / "node1"
     results = run_distributed(_save_then_save_on_a_node_local_dir, 2, str(shared), str(node1))
     assert {r["type"] for r in results} == {"SaveDirNotSharedError"}
-    messages = {r["error"] for r in results}
-    assert len(messages) == 1, messages
-    (message,) = messages
+    message = one_error(results)
     assert message.startswith(
         f"save_dir {shared} is not on a file system shared by all nodes (rank 1's files are not visible "
         "to rank 0); put trainer.checkpointing.save_dir on a shared file system"
@@ -116,10 +114,8 @@ def _rank1_disk_full(save_dir: str) -> dict[str, Any]:
 
 def test_disk_full_on_one_rank_is_named_on_every_rank(tmp_path):
     results = run_distributed(_rank1_disk_full, 2, str(tmp_path))
-    messages = {r["error"] for r in results}
-    assert len(messages) == 1, messages
-    (message,) = messages
-    assert message is not None and message.startswith(
+    message = one_error(results)
+    assert message.startswith(
         f"no space left on device while writing checkpoint step 2 to {tmp_path / 'run'}; the previous "
         "checkpoint stays the latest; free space or set trainer.checkpointing.save_dir (OSError: "
         "[Errno 28] No space left on device: "

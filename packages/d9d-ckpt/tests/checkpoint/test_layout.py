@@ -3,7 +3,7 @@
 import msgspec
 import pytest
 
-from d9d.ckpt import CheckpointError, CheckpointMeta, read_checkpoint_info
+from d9d.ckpt import CheckpointError, CheckpointMeta, RunEntryKind, classify_run_entry, read_checkpoint_info
 from d9d.ckpt.checkpoint.layout import (
     COMMIT_FILE,
     list_checkpoints,
@@ -63,6 +63,15 @@ def test_only_committed_directories_are_checkpoints_sorted_by_step(tmp_path):
     assert [i.step for i in infos] == [2, 10, 100]
     assert [i.path.name for i in infos] == ["save-2", "save-10", "save-100"]
     assert infos[0].meta == _meta(2)
+
+
+def test_run_entries_are_classified_by_the_names_this_package_gives():
+    assert classify_run_entry(step_dir_name(12)) is RunEntryKind.CHECKPOINT
+    assert classify_run_entry(temp_dir_name(12, "0a1b2c3d0001")) is RunEntryKind.UNFINISHED_SAVE
+    assert classify_run_entry(trash_dir_name(12, "ff00aa11bb22")) is RunEntryKind.INTERRUPTED_DELETION
+    for name in ("metrics.jsonl", "save-", "save-1.tmp", ".save-3.tmp-NOTHEX", ".save-3.tmp-zzz",
+                 ".trash-save-1-", ".trash-save-x-ab", "save-4.damaged"):  # fmt: skip
+        assert classify_run_entry(name) is RunEntryKind.OTHER, name
 
 
 def test_stale_dirs_are_only_our_leftovers(tmp_path):

@@ -7,7 +7,8 @@ manager.save(step, model, optimizer, extra_state={"data": data_state}, rank_stat
 loaded = manager.load(manager.latest(), model, optimizer)
 
 Every commit records a checksum per file; `CheckpointManager(..., verify_on_load=True)` and
-`verify_checkpoint(info)` compare them.
+`verify_checkpoint(info)` compare them (`integrity.py`). `classify_run_entry` tells the names of a
+run directory apart (`layout.py`).
 """
 
 from d9d.ckpt.checkpoint.errors import (
@@ -16,10 +17,22 @@ from d9d.ckpt.checkpoint.errors import (
     CheckpointError,
     SaveDirNotSharedError,
 )
-from d9d.ckpt.checkpoint.layout import CheckpointInfo, CheckpointMeta, read_checkpoint_info
+from d9d.ckpt.checkpoint.integrity import (
+    CheckpointVerification,
+    FileProblem,
+    FileProblemKind,
+    check_checkpoint_files,
+    verify_checkpoint,
+)
+from d9d.ckpt.checkpoint.layout import (
+    CheckpointInfo,
+    CheckpointMeta,
+    RunEntryKind,
+    classify_run_entry,
+    read_checkpoint_info,
+)
 from d9d.ckpt.checkpoint.manager import CheckpointManager, LoadedCheckpoint
 from d9d.ckpt.checkpoint.rng import capture_rng_state, restore_rng_state
-from d9d.ckpt.checkpoint.verify import CheckpointVerification, verify_checkpoint
 
 __all__ = [
     "CheckpointDamagedError",
@@ -29,9 +42,14 @@ __all__ = [
     "CheckpointManager",
     "CheckpointMeta",
     "CheckpointVerification",
+    "FileProblem",
+    "FileProblemKind",
     "LoadedCheckpoint",
+    "RunEntryKind",
     "SaveDirNotSharedError",
     "capture_rng_state",
+    "check_checkpoint_files",
+    "classify_run_entry",
     "read_checkpoint_info",
     "restore_rng_state",
     "verify_checkpoint",

@@ -1,11 +1,14 @@
 """Where checkpoints live on disk and how a committed one is told apart from an unfinished one.
 
 A run directory `<save_dir>/<run_name>/` holds committed checkpoints `save-<step>/` and, while a save
-runs (or after one crashed), temporary directories `.save-<step>.tmp-<id>/`. A directory counts as a
-checkpoint only when its name is `save-<step>` *and* it holds a readable commit marker whose step
-matches: the marker is written last, just before the atomic rename.
+runs (or after one crashed), temporary directories `.save-<step>.tmp-<id>/`; a deletion renames a
+checkpoint to `.trash-save-<step>-<id>/` first. This module is the one owner of those names
+(`classify_run_entry` tells them apart). A directory counts as a checkpoint only when its name is
+`save-<step>` *and* it holds a readable commit marker whose step matches: the marker is written
+last, just before the atomic rename.
 """
 
+import enum
 import os
 import re
 from dataclasses import dataclass
@@ -20,6 +23,8 @@ __all__ = [
     "EXTRA_FILE",
     "CheckpointInfo",
     "CheckpointMeta",
+    "RunEntryKind",
+    "classify_run_entry",
     "list_checkpoints",
     "parse_step_dir",
     "rank_file_name",
@@ -43,8 +48,24 @@ EXTRA_FILE = "extra.msgpack"
 FORMAT_VERSION = 2
 
 _STEP_DIR = re.compile(r"save-(\d+)")
-# Leftovers of crashed saves (`.save-<step>.tmp-<id>`) and of interrupted deletions (`.trash-...`).
-_STALE_DIR = re.compile(r"\.save-\d+\.tmp-[0-9a-f]+|\.trash-save-\d+-[0-9a-f]+")
+_TEMP_DIR = re.compile(r"\.save-\d+\.tmp-[0-9a-f]+")  # `temp_dir_name`: the id is hex
+_TRASH_DIR = re.compile(r"\.trash-save-\d+-[0-9a-f]+")  # `trash_dir_name`
+
+
+class RunEntryKind(enum.Enum):
+    """What an entry of a run directory is, by its name alone (`classify_run_entry`)."""
+
+    #: `save-<step>`: a checkpoint, committed only if it holds a valid commit record.
+    CHECKPOINT = "checkpoint"
+    #: `.save-<step>.tmp-<id>`: a save in progress, or the leftover of one that did not finish.
+    UNFINISHED_SAVE = "unfinished save"
+    #: `.trash-save-<step>-<id>`: a checkpoint being deleted, or the leftover of an interrupted deletion.
+    INTERRUPTED_DELETION = "interrupted deletion"
+    #: Anything else (metrics, logs, ...): not d9d-ckpt's.
+    OTHER = "other"
+
+
+_LEFTOVERS = (RunEntryKind.UNFINISHED_SAVE, RunEntryKind.INTERRUPTED_DELETION)
 
 
 class CheckpointMeta(msgspec.Struct, frozen=True, kw_only=True):
@@ -54,7 +75,7 @@ class CheckpointMeta(msgspec.Struct, frozen=True, kw_only=True):
         files: every file of the checkpoint (path relative to its directory) and its size in bytes,
             listed at commit time; loading refuses a checkpoint whose files do not match.
         mesh: the mesh degrees of the job that wrote it (`MeshConfig` fields), None if unknown.
-        checksums: every file's checksum (`crc32:<hex>`, see `checksum.py`), computed by the rank
+        checksums: every file's checksum (`crc32:<hex>`, see `integrity.py`), computed by the rank
             that wrote it; None in checkpoints written before d9d recorded checksums.
         trainable_only: the model's frozen parameters were left out (`save(trainable_only=True)`).
     """
@@ -89,9 +110,20 @@ def step_dir_name(step: int) -> str:
 
 
 def parse_step_dir(name: str) -> int | None:
-    """The step of a `save-<step>` directory name, or None for any other name."""
+    """The step of a `save-<step>` directory name, or None for any other name (`RunEntryKind.CHECKPOINT`)."""
     match = _STEP_DIR.fullmatch(name)
     return int(match.group(1)) if match else None
+
+
+def classify_run_entry(name: str) -> RunEntryKind:
+    """What the entry `name` of a run directory is, by the names d9d-ckpt gives its directories."""
+    if parse_step_dir(name) is not None:
+        return RunEntryKind.CHECKPOINT
+    if _TEMP_DIR.fullmatch(name):
+        return RunEntryKind.UNFINISHED_SAVE
+    if _TRASH_DIR.fullmatch(name):
+        return RunEntryKind.INTERRUPTED_DELETION
+    return RunEntryKind.OTHER
 
 
 def rank_file_name(rank: int) -> str:
@@ -160,7 +192,7 @@ def stale_dirs(run_dir: Path) -> list[Path]:
     return sorted(
         entry
         for entry in run_dir.iterdir()
-        if _STALE_DIR.fullmatch(entry.name) and entry.is_dir() and not entry.is_symlink()
+        if classify_run_entry(entry.name) in _LEFTOVERS and entry.is_dir() and not entry.is_symlink()
     )
 
 

@@ -6,11 +6,11 @@ any number of ranks, or one plain process, can read them back). The caller's sma
 rank. A save is written into `.save-<step>.tmp-<id>/`; once every rank finished writing, rank 0 writes
 the commit marker, renames the directory to `save-<step>/` and fsyncs the run directory. Only then
 are older checkpoints beyond `num_to_keep` and leftovers of crashed saves removed, in the background
-(`retention.py`). Each rank checksums the files it wrote (`checksum.py`); before committing, rank 0
+(`retention.py`). Each rank checksums the files it wrote (`integrity.py`); before committing, rank 0
 checks that it sees every rank's files (`visibility.py`: a `save_dir` not shared by all nodes fails
 the save) and records the checksums. A full disk in any layer fails the save as such (`_failure.py`).
 An asynchronous save stages into reused host buffers (`staging.py`); a load is validated, and with
-`verify_on_load` its checksums verified, by one rank for all (`validate.py`).
+`verify_on_load` its checksums verified, by one rank for all (`integrity.py`).
 """
 
 import concurrent.futures
@@ -49,9 +49,18 @@ from d9d.ckpt.checkpoint._testhooks import (  # re-exported: crash tests import 
     PAUSE_IN_PRUNE_ENV,  # noqa: F401
     pause_for_test,
 )
-from d9d.ckpt.checkpoint.checksum import ChecksummingWriter, WrittenFile, checksum_bytes
 from d9d.ckpt.checkpoint.errors import CheckpointDamagedError, CheckpointError, SaveDirNotSharedError
 from d9d.ckpt.checkpoint.extra import decode_state, encode_state
+from d9d.ckpt.checkpoint.integrity import (
+    CheckpointReport,
+    ChecksummingWriter,
+    KnownMetadataReader,
+    WrittenFile,
+    check_keys,
+    checksum_bytes,
+    inspect_checkpoint,
+    problem_report,
+)
 from d9d.ckpt.checkpoint.layout import (
     COMMIT_FILE,
     EXTRA_FILE,
@@ -69,13 +78,6 @@ from d9d.ckpt.checkpoint.layout import (
 )
 from d9d.ckpt.checkpoint.retention import Retention
 from d9d.ckpt.checkpoint.staging import HostStaging
-from d9d.ckpt.checkpoint.validate import (
-    CheckpointReport,
-    KnownMetadataReader,
-    check_keys,
-    inspect_checkpoint,
-    problem_report,
-)
 from d9d.ckpt.checkpoint.visibility import collect_files
 from d9d.mesh import DistributedContext, get_logger
 
@@ -494,9 +496,7 @@ class CheckpointManager:
             )
 
         report: CheckpointReport = self._group.broadcast(
-            inspect_checkpoint(
-                info.path, info.meta, with_metadata=model is not None, verify=self._verify_on_load
-            )
+            inspect_checkpoint(info, with_metadata=model is not None, verify=self._verify_on_load)
             if self._group.rank == 0
             else None
         )

@@ -13,8 +13,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from d9d.ckpt.checkpoint.checksum import WrittenFile, checksum_file
 from d9d.ckpt.checkpoint.errors import SaveDirNotSharedError
+from d9d.ckpt.checkpoint.integrity import WrittenFile, checksum_file
 from d9d.ckpt.checkpoint.layout import COMMIT_FILE
 
 __all__ = ["collect_files", "not_shared_message", "unseen_files"]

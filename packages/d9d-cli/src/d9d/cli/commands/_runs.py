@@ -1,6 +1,11 @@
-"""Finding a run directory's checkpoints (committed, damaged, unfinished) from the CLI's side."""
+"""Finding a run directory's checkpoints (committed, damaged, unfinished) from the CLI's side.
 
-import re
+The names of a run directory and the size check of a checkpoint's files are d9d-ckpt's
+(`d9d.ckpt.classify_run_entry`, `d9d.ckpt.check_checkpoint_files`), imported inside the functions:
+this module imports no torch.
+"""
+
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,9 +16,8 @@ __all__ = ["METRICS_FILE", "RunScan", "Stray", "check_run_dir", "scan_run_dir"]
 
 #: The trainer's per-step metrics file in a run directory (`d9d.trainer.METRICS_FILE`, kept torch-free).
 METRICS_FILE = "metrics.jsonl"
-_STEP_DIR = re.compile(r"save-\d+")
-_TMP_DIR = re.compile(r"\.save-\d+\.tmp-.+")
-_TRASH_DIR = re.compile(r"\.trash-save-\d+-.+")
+# How the `d9d checkpoints` status sums up the kinds of `d9d.ckpt.FileProblem` ("1 file missing").
+_DAMAGE_WORDS = {"missing": "missing", "unreadable": "missing", "truncated": "resized", "changed": "resized"}
 
 
 @dataclass(frozen=True)
@@ -43,17 +47,20 @@ def check_run_dir(path: str | Path) -> Path:
         )
     if not run_dir.is_dir():
         raise CliError(f"{run_dir} is a file, not a run directory (save_dir/run.name, e.g. runs/quickstart)")
-    if _STEP_DIR.fullmatch(run_dir.name):
-        raise CliError(f"{run_dir} is one checkpoint; pass its run directory {run_dir.parent}")
     names = {p.name for p in run_dir.iterdir()}
-    looks_like_run = (
-        any(_STEP_DIR.fullmatch(n) or _TMP_DIR.fullmatch(n) for n in names) or METRICS_FILE in names
-    )
-    if not looks_like_run:
+    if METRICS_FILE in names:  # a run (a checkpoint never holds it): `d9d metrics` stays torch-free
+        return run_dir
+    from d9d.ckpt import RunEntryKind, classify_run_entry
+
+    checkpoint, unfinished = RunEntryKind.CHECKPOINT, RunEntryKind.UNFINISHED_SAVE
+    if classify_run_entry(run_dir.name) is checkpoint:
+        raise CliError(f"{run_dir} is one checkpoint; pass its run directory {run_dir.parent}")
+    if not any(classify_run_entry(n) in (checkpoint, unfinished) for n in names):
         runs = sorted(
             p.name
             for p in run_dir.iterdir()
-            if p.is_dir() and any(_STEP_DIR.fullmatch(c.name) or c.name == METRICS_FILE for c in p.iterdir())
+            if p.is_dir()
+            and any(classify_run_entry(c.name) is checkpoint or c.name == METRICS_FILE for c in p.iterdir())
         )
         if runs:
             raise CliError(
@@ -64,46 +71,43 @@ def check_run_dir(path: str | Path) -> Path:
 
 def scan_run_dir(run_dir: Path) -> RunScan:
     """Classify every checkpoint-like directory of `run_dir` (reads only the commit markers)."""
-    from d9d.ckpt import CheckpointError, read_checkpoint_info
+    from d9d.ckpt import (
+        CheckpointError,
+        RunEntryKind,
+        check_checkpoint_files,
+        classify_run_entry,
+        read_checkpoint_info,
+    )
 
     committed: list[Any] = []
     damaged: dict[int, str] = {}
     strays: list[Stray] = []
     for entry in sorted(run_dir.iterdir()):
-        name = entry.name
         if not entry.is_dir():
             continue
-        if _STEP_DIR.fullmatch(name):
+        kind = classify_run_entry(entry.name)
+        if kind is RunEntryKind.CHECKPOINT:
             try:
                 info = read_checkpoint_info(entry)
             except CheckpointError:
                 strays.append(Stray(entry, "incomplete: no valid commit.json, never loaded; delete it"))
                 continue
             committed.append(info)
-            problem = _check_files(entry, info.meta.files)
-            if problem:
-                damaged[info.step] = problem
-        elif _TMP_DIR.fullmatch(name):
+            problems = check_checkpoint_files(info)
+            if problems:
+                damaged[info.step] = _damage_summary([p.kind for p in problems])
+        elif kind is RunEntryKind.UNFINISHED_SAVE:
             strays.append(Stray(entry, "leftover of a save that did not finish (a crash?); safe to delete"))
-        elif _TRASH_DIR.fullmatch(name):
+        elif kind is RunEntryKind.INTERRUPTED_DELETION:
             strays.append(Stray(entry, "leftover of an interrupted deletion; safe to delete"))
     committed.sort(key=lambda info: info.step)
     return RunScan(run_dir=run_dir, committed=committed, damaged=damaged, strays=strays)
 
 
-def _check_files(directory: Path, files: dict[str, int]) -> str | None:
-    missing = resized = 0
-    for rel, size in files.items():
-        path = directory / rel
-        if not path.is_file():
-            missing += 1
-        elif path.stat().st_size != size:
-            resized += 1
-    if not missing and not resized:
-        return None
+def _damage_summary(kinds: list[str]) -> str:
+    """The status of a checkpoint whose files failed d9d-ckpt's size check: `damaged: 1 file missing, ...`."""
+    counts = Counter(_DAMAGE_WORDS[kind] for kind in kinds)
     parts = [
-        f"{n} file{'s' if n > 1 else ''} {what}"
-        for n, what in ((missing, "missing"), (resized, "resized"))
-        if n
+        f"{n} file{'s' if n > 1 else ''} {what}" for what in ("missing", "resized") if (n := counts[what])
     ]
     return "damaged: " + ", ".join(parts)

@@ -14,10 +14,12 @@ from d9d.ckpt import (
     CheckpointDamagedError,
     CheckpointDiskFullError,
     CheckpointManager,
+    FileProblem,
+    check_checkpoint_files,
     read_checkpoint_info,
     verify_checkpoint,
 )
-from d9d.ckpt.checkpoint import checksum
+from d9d.ckpt.checkpoint import integrity
 from d9d.ckpt.checkpoint import manager as manager_module
 from d9d.ckpt.checkpoint.layout import COMMIT_FILE, list_checkpoints, stale_dirs
 
@@ -102,6 +104,27 @@ def test_damaged_files_of_the_first_checkpoint_say_start_afresh(run):
     assert lines[-1] == "  move save-2 aside to start the run afresh (it has no earlier committed checkpoint)"
 
 
+def test_file_check_names_each_file_of_another_size_by_kind(run):
+    path = run / "run" / "save-4"
+    assert check_checkpoint_files(read_checkpoint_info(path)) == []
+    recorded = read_checkpoint_info(path).meta.files
+    (path / "rank-00000.msgpack").unlink()
+    os.truncate(path / ".metadata", 10)
+    with open(path / "extra.msgpack", "ab") as f:
+        f.write(b"x")
+    problems = check_checkpoint_files(read_checkpoint_info(path))
+    assert problems == [
+        FileProblem(".metadata", "truncated", recorded[".metadata"], 10),
+        FileProblem("extra.msgpack", "changed", recorded["extra.msgpack"], recorded["extra.msgpack"] + 1),
+        FileProblem("rank-00000.msgpack", "missing", recorded["rank-00000.msgpack"]),
+    ]
+    assert (
+        problems[2].describe("save-4") == "save-4/rank-00000.msgpack is missing (the commit recorded 4 bytes)"
+    )
+    unreadable = FileProblem("x", "unreadable", 3, error="[Errno 13] Permission denied")
+    assert unreadable.describe("save-4") == "save-4/x cannot be read: [Errno 13] Permission denied"
+
+
 def test_checkpoint_without_checksums_loads_and_verification_says_so(run):
     commit = run / "run" / "save-4" / COMMIT_FILE
     record = json.loads(commit.read_text())
@@ -131,13 +154,13 @@ def test_verify_checkpoint_reports_each_damaged_file(run):
 
 def test_checksums_are_computed_by_reading_back_what_was_written(tmp_path, monkeypatch):
     read: list[str] = []
-    original = checksum.checksum_file
+    original = integrity.checksum_file
 
     def counting(path):  # type: ignore[no-untyped-def]
         read.append(path.name)
         return original(path)
 
-    monkeypatch.setattr(checksum, "checksum_file", counting)
+    monkeypatch.setattr(integrity, "checksum_file", counting)
     with CheckpointManager(tmp_path, "run") as manager:
         manager.save(1, nn.Linear(3, 3), extra_state={"step": 1})
     # The shards and DCP's metadata are read back once each; msgpack files are summed from memory.
