@@ -3,8 +3,8 @@
 build (mesh → logging → data, eval set → model: meta → parallelize → materialize → optimizer, LR
 schedule, checkpoints, step strategy) → resume → loop (step → eval → records → checkpoint) → export.
 Each concern lives in its own module: `build` (the model), `step/` (one optimizer step), `records`
-(metrics file, log line, progress), `evaluation` (the validation loop), `lifecycle` (resume, save,
-export); this file only wires them.
+(metrics file, log line, progress), `evaluation` (the validation loop), `starting_weights` (the
+import folder, a LoRA run's base), `run_checkpoints` (save, resume), `export`; this file only wires them.
 """
 
 import contextlib
@@ -25,16 +25,18 @@ from d9d.trainer._fault_injection import FaultInjection
 from d9d.trainer.build import build_model, check_model_mesh, check_sequence_length
 from d9d.trainer.errors import TrainingError, is_out_of_memory, step_out_of_memory
 from d9d.trainer.evaluation import EvalResult, Evaluator, load_eval_set
+from d9d.trainer.export import Exporter
 from d9d.trainer.failures import FailureBoard, job_store
 from d9d.trainer.job import ResolvedJob, resolve_job
-from d9d.trainer.lifecycle import RunLifecycle
 from d9d.trainer.loading import LoadedJob, load_job_config
 from d9d.trainer.metrics import ProgressLine, batch_flops_per_token, device_peak_flops
 from d9d.trainer.profiling import StepProfiler
 from d9d.trainer.providers import BuildDataProviderContext, BuildDatasetContext
 from d9d.trainer.records import METRICS_FILE, StepRecords, truncate_metrics
+from d9d.trainer.run_checkpoints import RunCheckpoints
 from d9d.trainer.run_lock import RunLock
 from d9d.trainer.signals import StopRequests
+from d9d.trainer.starting_weights import StartingWeights
 from d9d.trainer.step import (
     MicrobatchStep,
     PipelineStep,
@@ -167,9 +169,11 @@ class Trainer:
             verify_on_load=ckpt.verify_on_load,
             context=ctx,
         )
-        self._lifecycle = RunLifecycle(
-            job, ctx, model, self._optimizer, self._scheduler, self._data, checkpoints, pipelined=pipelined
+        starting = StartingWeights(job, ctx, model)  # one for both: the provider is asked once
+        self._checkpoints = RunCheckpoints(
+            job, checkpoints, model, self._optimizer, self._scheduler, self._data, starting
         )
+        self._exporter = Exporter(job, ctx, model, starting, pipelined=pipelined)
         self._timer = StepTimer.for_device(ctx.device)  # the step-time breakdown, read when records flush
         settings = StepSettings(
             device=ctx.device,
@@ -274,7 +278,7 @@ class Trainer:
     @property
     def run_dir(self) -> Path:
         """`save_dir/run.name`: checkpoints and the metrics file."""
-        return self._lifecycle.run_dir
+        return self._checkpoints.manager.run_dir
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -287,7 +291,7 @@ class Trainer:
         Raises:
             TrainingError: `step` is given but the run has no committed checkpoint of that step.
         """
-        resumed = self._lifecycle.resume(step)
+        resumed = self._checkpoints.resume(step)
         if resumed is None:
             return False
         self._step = resumed
@@ -296,7 +300,7 @@ class Trainer:
     def save_checkpoint(self) -> None:
         """Save model, optimizer, data position, LR schedule, RNG and config as `save-<step>`."""
         self._refuse_if_read_only("save a checkpoint")
-        self._lifecycle.save(self._step)
+        self._checkpoints.save(self._step)
 
     def _refuse_if_read_only(self, what: str) -> None:
         if self._read_only:
@@ -308,7 +312,7 @@ class Trainer:
 
     def export(self, out_dir: str | Path | None = None) -> Path:
         """Write the model as safetensors through the model provider's export mapper."""
-        return self._lifecycle.export(out_dir)
+        return self._exporter.export(out_dir)
 
     # ------------------------------------------------------------------ train
 
@@ -379,7 +383,7 @@ class Trainer:
                     if output.stop and self._step < total:
                         stopped_by = self._stops.signal_name or "a signal on another rank"
                         break
-                self._lifecycle.checkpoints.wait()
+                self._checkpoints.manager.wait()
             except Exception as caught:
                 exc: Exception = caught
                 if is_out_of_memory(caught):
@@ -402,7 +406,7 @@ class Trainer:
                 raise
         records.close()
         unrecorded = read_phases([self._timer.take()])[0]  # the stall of the last checkpoint
-        latest = self._lifecycle.checkpoints.checkpoints()
+        latest = self._checkpoints.manager.checkpoints()
         _log.info(
             "run summary",
             steps=self._step - start,
@@ -434,9 +438,9 @@ class Trainer:
             watchdog = getattr(self, "_watchdog", None)
             if watchdog is not None:
                 watchdog.close()
-            lifecycle = getattr(self, "_lifecycle", None)
-            if lifecycle is not None:
-                lifecycle.checkpoints.close()
+            checkpoints = getattr(self, "_checkpoints", None)
+            if checkpoints is not None:
+                checkpoints.manager.close()
             data = getattr(self, "_data", None)
             if data is not None and hasattr(data, "close"):
                 data.close()
