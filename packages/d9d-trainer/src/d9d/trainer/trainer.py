@@ -3,15 +3,15 @@
 build (mesh → logging → data, eval set → model: meta → parallelize → materialize → optimizer, LR
 schedule, checkpoints, step strategy) → resume → loop (step → eval → records → checkpoint) → export.
 Each concern lives in its own module: `build` (the model), `step/` (one optimizer step), `records`
-(metrics file, log line, progress), `evaluation` (the validation loop), `lifecycle` (resume, save,
-export); this file only wires them.
+(metrics file, log line, progress), `evaluation` (the validation loop), `starting_weights` (the
+import folder, a LoRA run's base), `run_checkpoints` (save, resume), `export`; this file only wires them.
 """
 
 import contextlib
 import datetime
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,17 +25,19 @@ from d9d.trainer._fault_injection import FaultInjection
 from d9d.trainer.build import materialize_model, shape_model
 from d9d.trainer.errors import TrainingError, is_out_of_memory, step_out_of_memory
 from d9d.trainer.evaluation import EvalResult, Evaluator, load_eval_set
+from d9d.trainer.export import Exporter
 from d9d.trainer.failures import FailureBoard, job_store
 from d9d.trainer.job import ResolvedJob, resolve_job
-from d9d.trainer.lifecycle import RunLifecycle
 from d9d.trainer.loading import LoadedJob, load_job_config
 from d9d.trainer.metrics import ProgressLine, batch_flops_per_token, device_peak_flops
 from d9d.trainer.planning import JobPlan, check_model_mesh, plan_job
 from d9d.trainer.profiling import StepProfiler
 from d9d.trainer.providers import BuildDataProviderContext, BuildDatasetContext, SupportsClose
 from d9d.trainer.records import METRICS_FILE, StepRecords, truncate_metrics
+from d9d.trainer.run_checkpoints import RunCheckpoints
 from d9d.trainer.run_lock import RunLock
 from d9d.trainer.signals import StopRequests
+from d9d.trainer.starting_weights import StartingWeights
 from d9d.trainer.step import MicrobatchStep, PipelineStep, StepSettings, TrainStep, token_group
 from d9d.trainer.timing import StepTimer, read_phases
 from d9d.trainer.tracking import Trackers, check_trackers, open_trackers
@@ -74,12 +76,10 @@ class Trainer:
         lock, no clean-up in the run directory; `train()` and `save_checkpoint()` refuse."""
         self._job = job
         self._read_only = read_only
-        # What close() releases, set as the build gets to it (a failed build closes what it opened).
-        self._watchdog: StepWatchdog | None = None
-        self._lifecycle: RunLifecycle | None = None
-        self._data: Any = None
-        self._failures: FailureBoard | None = None
-        self._lock: RunLock | None = None
+        # What close() releases, registered as the build acquires it (a failed build releases what it
+        # got): `_closers` before the process group closes (the last acquired first), `_releasers` after.
+        self._closers: list[Callable[[], None]] = []
+        self._releasers: list[Callable[[], None]] = []
         tcfg = job.config.trainer
         self._context = DistributedContext.from_env(
             job.config.mesh,
@@ -130,6 +130,8 @@ class Trainer:
         self._data = job.data_factory.build_data_provider(
             BuildDataProviderContext(context=ctx, dataset=dataset)
         )
+        if isinstance(self._data, SupportsClose):
+            self._closers.append(self._data.close)
         eval_set = load_eval_set(job, ctx)  # None without eval:; a set too small fails before any write
         precision = plan.precision
         if ctx.device.type == "cuda":
@@ -166,16 +168,12 @@ class Trainer:
             verify_on_load=ckpt.verify_on_load,
             context=ctx,
         )
-        self._lifecycle = RunLifecycle(
-            job,
-            ctx,
-            model,
-            self._optimizer,
-            self._scheduler,
-            self._data,
-            checkpoints,
-            pipelined=pipeline is not None,
+        self._closers.append(checkpoints.close)  # finishes a pending asynchronous save
+        starting = StartingWeights(job, ctx, model)  # one for both: the provider is asked once
+        self._checkpoints = RunCheckpoints(
+            job, checkpoints, model, self._optimizer, self._scheduler, self._data, starting
         )
+        self._exporter = Exporter(job, ctx, model, starting, pipelined=pipeline is not None)
         self._timer = StepTimer.for_device(ctx.device)  # the step-time breakdown, read when records flush
         settings = StepSettings(
             device=ctx.device,
@@ -208,7 +206,9 @@ class Trainer:
         # Fault handling: one job per run directory, one report per failure, no silent hang.
         store = job_store(ctx)
         self._failures = FailureBoard(store, ctx.rank, ctx.world_size)
-        self._lock = None if self._read_only else RunLock.acquire(self.run_dir, ctx)
+        self._releasers.append(self._failures.linger)
+        if not self._read_only:
+            self._releasers.append(RunLock.acquire(self.run_dir, ctx).release)
         if ctx.is_main_process and not self._read_only:  # no other job writes the run now: clean up
             checkpoints.remove_leftovers()
         self._watchdog = (
@@ -223,6 +223,8 @@ class Trainer:
             if store is not None
             else None
         )
+        if self._watchdog is not None:
+            self._closers.append(self._watchdog.close)
         self._faults = FaultInjection.from_env(ctx.rank)
         prof = tcfg.profiling
         profile_dir = job.loaded.resolve_path(prof.dir) if prof.dir is not None else self.run_dir / "profile"
@@ -285,7 +287,7 @@ class Trainer:
     @property
     def run_dir(self) -> Path:
         """`save_dir/run.name`: checkpoints and the metrics file."""
-        return self._lifecycle.run_dir
+        return self._checkpoints.manager.run_dir
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -298,7 +300,7 @@ class Trainer:
         Raises:
             TrainingError: `step` is given but the run has no committed checkpoint of that step.
         """
-        resumed = self._lifecycle.resume(step)
+        resumed = self._checkpoints.resume(step)
         if resumed is None:
             return False
         self._step = resumed
@@ -307,7 +309,7 @@ class Trainer:
     def save_checkpoint(self) -> None:
         """Save model, optimizer, data position, LR schedule, RNG and config as `save-<step>`."""
         self._refuse_if_read_only("save a checkpoint")
-        self._lifecycle.save(self._step)
+        self._checkpoints.save(self._step)
 
     def _refuse_if_read_only(self, what: str) -> None:
         if self._read_only:
@@ -319,7 +321,7 @@ class Trainer:
 
     def export(self, out_dir: str | Path | None = None) -> Path:
         """Write the model as safetensors through the model provider's export mapper."""
-        return self._lifecycle.export(out_dir)
+        return self._exporter.export(out_dir)
 
     # ------------------------------------------------------------------ train
 
@@ -390,7 +392,7 @@ class Trainer:
                     if output.stop and self._step < total:
                         stopped_by = self._stops.signal_name or "a signal on another rank"
                         break
-                self._lifecycle.checkpoints.wait()
+                self._checkpoints.manager.wait()
             except Exception as caught:
                 exc: Exception = caught
                 if is_out_of_memory(caught):
@@ -413,7 +415,7 @@ class Trainer:
                 raise
         records.close()
         unrecorded = read_phases([self._timer.take()])[0]  # the stall of the last checkpoint
-        latest = self._lifecycle.checkpoints.checkpoints()
+        latest = self._checkpoints.manager.checkpoints()
         _log.info(
             "run summary",
             steps=self._step - start,
@@ -442,18 +444,12 @@ class Trainer:
     def close(self) -> None:
         """Finish a pending checkpoint, then release the process group and the run lock."""
         try:
-            if self._watchdog is not None:
-                self._watchdog.close()
-            if self._lifecycle is not None:
-                self._lifecycle.checkpoints.close()
-            if isinstance(self._data, SupportsClose):
-                self._data.close()
+            while self._closers:  # the watchdog, the checkpoint manager, the data provider
+                self._closers.pop()()
         finally:
             self._context.close()  # also breaks the collectives that other ranks wait in
-            if self._failures is not None:
-                self._failures.linger()
-            if self._lock is not None:
-                self._lock.release()
+            while self._releasers:  # the failure board's linger, then the run lock
+                self._releasers.pop(0)()
 
     def __enter__(self) -> "Trainer":
         return self

@@ -1,0 +1,219 @@
+"""A run's checkpoints as the trainer writes and reads them: what a save holds besides model and
+optimizer, and what a resume restores and checks (a changed optimizer, the LR schedule as configured
+now, the settings that changed). The checkpoint mechanics themselves are d9d.ckpt's."""
+
+from typing import Any
+
+import msgspec
+import torch
+from torch import nn
+
+from d9d.ckpt import CheckpointManager, capture_rng_state, restore_rng_state
+from d9d.mesh import get_logger
+from d9d.trainer.config import OptimizerConfig, ProvidersConfig
+from d9d.trainer.errors import TrainingError
+from d9d.trainer.job import ResolvedJob
+from d9d.trainer.starting_weights import StartingWeights
+
+__all__ = ["RunCheckpoints", "config_changes", "optimizer_change"]
+
+_log = get_logger("d9d.trainer")
+
+
+class RunCheckpoints:
+    """Save and resume for one run; the trainer owns the step count and passes it in.
+
+    `manager` is the run's `CheckpointManager` (its directory, pending save, committed checkpoints).
+    """
+
+    def __init__(
+        self,
+        job: ResolvedJob,
+        manager: CheckpointManager,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        data: Any,
+        starting: StartingWeights,
+    ) -> None:
+        self.manager = manager
+        self._job = job
+        self._model = model
+        self._optimizer = optimizer
+        self._scheduler = scheduler
+        self._data = data
+        self._starting = starting
+
+    def resume(self, step: int | None = None) -> int | None:
+        """Load the latest (or the given step's) committed checkpoint; the step it holds, or None.
+
+        A run without a checkpoint starts from the model provider's import folder when it names one.
+
+        Raises:
+            TrainingError: `step` is given but the run has no committed checkpoint of that step.
+        """
+        self.manager.check_uncommitted()
+        found = self.manager.checkpoints()
+        if step is not None:
+            matching = [c for c in found if c.step == step]
+            if not matching:
+                steps = [c.step for c in found]
+                raise TrainingError(
+                    f"run {self.manager.run_dir} has no committed checkpoint of step {step}; it has {steps}"
+                )
+            found = matching
+        latest = found[-1] if found else None
+        if latest is None:
+            self._starting.load()
+            return None
+        saved = self.manager.read_extra_state(latest)
+        saved_config = saved.get("config")
+        if latest.meta.trainable_only:  # a LoRA checkpoint: the frozen base comes from where it came
+            self._starting.check_base(latest.path, saved.get("lora_base"))
+            self._starting.load()
+        changed = optimizer_change(saved_config, self._job.loaded.raw)
+        reset = changed is not None
+        if reset and not self._job.config.trainer.resume.reset_optimizer:
+            raise TrainingError(
+                f"the optimizer changed since checkpoint {latest.path} ({changed}): its state cannot be carried "
+                "over; set trainer.resume.reset_optimizer=true to start the new optimizer fresh from the "
+                "checkpoint's weights, or start a new run (another trainer.run.name)"
+            )
+        loaded = self.manager.load(latest, self._model, None if reset else self._optimizer)
+        if reset:
+            _log.warning("optimizer state reset: the optimizer changed since the checkpoint", change=changed)
+        extra = loaded.extra_state
+        self._data.load_state_dict(extra["data"])
+        self._scheduler.load_state_dict(extra["lr_scheduler"])
+        # One base lr per parameter group of *this* rank's optimizer: the checkpoint's scheduler state
+        # came from rank 0, whose stage may have had other groups (another pipeline layout).
+        self._scheduler.base_lrs = [
+            group.get("initial_lr", group["lr"]) for group in self._optimizer.param_groups
+        ]
+        _reapply_schedule(self._scheduler, self._optimizer)
+        if loaded.rank_state is not None:
+            restore_rng_state(loaded.rank_state)
+        resumed = int(extra["step"])
+        _log.info("resumed", step=resumed, checkpoint=str(latest.path))
+        for key, (before, now) in config_changes(extra.get("config"), self._job.loaded.raw).items():
+            _log.warning("resumed with a changed setting", key=key, checkpoint=before, now=now)
+        return resumed
+
+    def save(self, step: int) -> None:
+        """Save model, optimizer, data position, LR schedule, RNG and config as `save-<step>`."""
+        lora = self._job.config.peft.lora is not None
+        extra = {
+            "step": step,
+            "data": self._data.state_dict(),
+            "lr_scheduler": _plain(self._scheduler.state_dict()),
+            "config": self._job.loaded.raw,
+            "config_dir": str(self._job.loaded.base_dir.resolve()),
+            **({"lora_base": self._starting.base_reference()} if lora else {}),
+        }
+        # A LoRA run's checkpoint holds the adapters (and their optimizer state), not the frozen base.
+        self.manager.save(
+            step,
+            self._model,
+            self._optimizer,
+            extra_state=extra,
+            rank_state=capture_rng_state(),
+            trainable_only=lora,
+        )
+        _log.info("checkpoint saved", step=step, run_dir=str(self.manager.run_dir))
+
+
+def _reapply_schedule(
+    scheduler: torch.optim.lr_scheduler.LRScheduler, optimizer: torch.optim.Optimizer
+) -> None:
+    """Set the learning rate of the resumed step from the schedule as configured now.
+
+    The optimizer's checkpoint holds the learning rate the old schedule gave; with a changed
+    total_steps (or schedule) the next step must use the new schedule's value, not the old one's
+    (which was 0 at the end of a finished cosine run).
+    """
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):  # its own state is all it has
+        return
+    step = scheduler.last_epoch
+    old = [group["lr"] for group in optimizer.param_groups]
+    new = [base * fn(step) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
+    for group, lr in zip(optimizer.param_groups, new, strict=True):
+        group["lr"] = lr
+    scheduler._last_lr = list(new)  # what get_last_lr() reports for this step
+    if any(abs(a - b) > 1e-12 * max(abs(a), abs(b), 1e-30) for a, b in zip(old, new, strict=True)):
+        _log.warning(
+            "learning rate follows the schedule as configured now",
+            step=step + 1,
+            checkpoint=old[0],
+            now=new[0],
+        )
+
+
+#: Config sections whose change on resume is worth a line each (what the run now does differently).
+_WATCHED = (
+    "mesh",
+    "data",
+    "optimizer",
+    "lr_scheduler",
+    "trainer.schedule",
+    "trainer.precision",
+    "model",
+    "peft",
+)
+
+
+def config_changes(saved: Any, current: Any) -> dict[str, tuple[Any, Any]]:
+    """{key path: (value in the checkpoint's config, value now)} for the watched sections' leaves."""
+    changes: dict[str, tuple[Any, Any]] = {}
+    if not isinstance(saved, dict) or not isinstance(current, dict):
+        return changes
+
+    def section(config: dict[str, Any], path: str) -> Any:
+        node: Any = config
+        for part in path.split("."):
+            node = node.get(part, {}) if isinstance(node, dict) else {}
+        return node
+
+    def walk(path: str, before: Any, now: Any) -> None:
+        if isinstance(before, dict) and isinstance(now, dict):
+            for key in sorted(set(before) | set(now)):
+                walk(f"{path}.{key}", before.get(key), now.get(key))
+        elif before != now:
+            changes[path] = (before, now)
+
+    for path in _WATCHED:
+        walk(path, section(saved, path), section(current, path))
+    return changes
+
+
+def optimizer_change(saved: Any, current: Any) -> str | None:
+    """ "optimizer.name adamw → sgd" when the checkpoint's config picked another optimizer; else None.
+
+    The optimizer is picked by `providers.optimizer` and, for the built-in provider, `optimizer.name`
+    (a key left out counts as its default); its hyperparameters (lr, betas, ...) keep the state valid.
+    """
+    if not isinstance(saved, dict) or not isinstance(current, dict):
+        return None
+    builtin, default_name = ProvidersConfig(model="").optimizer, OptimizerConfig().name
+
+    def picked(config: dict[str, Any]) -> tuple[Any, Any]:
+        provider = _get(config, "providers", "optimizer", builtin)
+        name = _get(config, "optimizer", "name", default_name) if provider == builtin else None
+        return provider, name
+
+    (provider_before, name_before), (provider_now, name_now) = picked(saved), picked(current)
+    if provider_before != provider_now:
+        return f"providers.optimizer {provider_before} → {provider_now}"
+    if name_before != name_now:
+        return f"optimizer.name {name_before} → {name_now}"
+    return None
+
+
+def _get(config: dict[str, Any], section: str, key: str, default: Any) -> Any:
+    """`config[section][key]`, or `default` when either is missing."""
+    node = config.get(section)
+    return node.get(key, default) if isinstance(node, dict) else default
+
+
+def _plain(state: Any) -> Any:
+    """Round-trip through msgspec so only plain data (no tensors or callables) is checkpointed."""
+    return msgspec.json.decode(msgspec.json.encode(state, enc_hook=lambda o: None))
