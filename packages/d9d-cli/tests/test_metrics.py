@@ -11,7 +11,7 @@ from _cli_job import run_cli
 
 from d9d.cli import cli
 from d9d.cli.commands.metrics import PLOT_INSTALL_HINT, find_restarts, read_metrics, summarize
-from d9d.trainer import METRICS_FILE
+from d9d.trainer.metrics_file import METRICS_FILE
 
 
 def _record(step, loss, tokens=100.0, time=0.5, **extra):
@@ -33,10 +33,17 @@ def _write(path: Path, records, tail: str = "") -> Path:
     return path
 
 
-def test_metrics_file_name_is_the_trainers():
-    from d9d.cli.commands._runs import METRICS_FILE as cli_name
+def test_a_damaged_line_is_skipped_and_counted_as_the_trainer_reads_it(tmp_path):
+    from d9d.trainer.metrics_file import read_metrics_file
 
-    assert cli_name == METRICS_FILE
+    run = _write(
+        tmp_path / "run", [_record(1, 3.0)], tail='{"step": 2, "lo\n' + json.dumps(_record(3, 2.0)) + "\n"
+    )
+    records, bad = read_metrics(run / METRICS_FILE)
+    trainers = read_metrics_file(run / METRICS_FILE)
+    assert (
+        (records, bad) == (trainers.records, len(trainers.damaged)) == ([_record(1, 3.0), _record(3, 2.0)], 1)
+    )
 
 
 def test_summary_of_a_run_with_a_restart():

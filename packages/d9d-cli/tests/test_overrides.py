@@ -5,7 +5,8 @@ import json
 import pytest
 
 from d9d.cli import cli
-from d9d.trainer import METRICS_FILE, main
+from d9d.trainer import main
+from d9d.trainer.metrics_file import METRICS_FILE
 
 
 def _steps(run_dir) -> int:

@@ -12,13 +12,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _job import job_config
 
 from d9d.mesh.testing import run_distributed
-from d9d.trainer import (
-    BuiltinOptimizerProvider,
-    ConfigError,
-    OptimizerConfig,
-    Trainer,
-    optimizer_kernels,
-)
+from d9d.trainer import BuiltinOptimizerProvider, ConfigError, Trainer
+from d9d.trainer.builtins import optimizer_kernels
+from d9d.trainer.config import OptimizerConfig
 
 
 def _plain(n: int = 3) -> list[nn.Parameter]:

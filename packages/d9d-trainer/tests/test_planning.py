@@ -17,11 +17,11 @@ from d9d.trainer import (
     ConfigError,
     Trainer,
     TrainingError,
-    estimate_memory,
     load_job_config,
     plan_job,
     resolve_job,
 )
+from d9d.trainer.planning import estimate_memory
 
 
 def _job(tmp_path, **sections):

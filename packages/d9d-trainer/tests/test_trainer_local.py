@@ -8,7 +8,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _job import job_config
 
-from d9d.trainer import METRICS_FILE, Trainer
+from d9d.trainer import Trainer
+from d9d.trainer.metrics_file import METRICS_FILE
 
 
 def _train(config, overrides=()):

@@ -52,14 +52,12 @@ def reports_errors(func: Callable[_P, _R]) -> Callable[_P, _R]:
             if _debug():
                 raise
             if "d9d.trainer" in sys.modules and not isinstance(exc, CliError):
-                # A job's error: the ranks agreed on who reports it (d9d.trainer.report_error), as
-                # `python train.py` does, so a rank-specific error is printed by its rank.
-                from d9d.trainer import report_error, verdict_of
+                # A job's error: the ranks agreed on who reports it, as `python train.py` does, so
+                # a rank-specific error is printed by its rank (a bug keeps its traceback).
+                from d9d.trainer import report_job_error
 
-                verdict = verdict_of(exc)
-                if not _is_user_error(exc) and (verdict is None or verdict.kind != "peer"):
-                    raise  # a bug: its traceback (another rank's failure: quiet)
-                report_error(exc)
+                if not report_job_error(exc):
+                    raise
                 sys.exit(EXIT_ERROR)
             if not _is_user_error(exc):
                 raise
@@ -75,14 +73,9 @@ def reports_errors(func: Callable[_P, _R]) -> Callable[_P, _R]:
 
 
 def _met_by_every_rank(exc: BaseException) -> bool:
-    """Whether every rank raises this error alike, so that rank 0 reports it for all."""
-    if isinstance(exc, CliError):
-        return True
-    if "d9d.trainer" not in sys.modules:  # nothing that raises a job error was imported
-        return isinstance(exc, ValueError)
-    from d9d.trainer import is_shared_by_every_rank
-
-    return is_shared_by_every_rank(exc)
+    """Whether every rank raises this error alike, so that rank 0 reports it for all (a job's errors,
+    once d9d.trainer is imported, are reported by `report_job_error` instead)."""
+    return isinstance(exc, CliError | ValueError)
 
 
 def _debug() -> bool:

@@ -2,117 +2,119 @@
 
     python train.py config.yaml            # train.py calls d9d.trainer.main()
 
-A job names its providers by import path in `providers:`; the trainer builds the model on the meta
-device, lets the model provider parallelize it, materializes and initializes it identically on any
-mesh, then trains with loss-weighted gradient accumulation, checkpoints, resumes and exports.
+A job names its providers by import path in `providers:`; `plan_job` decides what the job builds
+(mesh layout, precision, batching, pipeline stages, sequence length, memory) from the config and the
+providers' declared abilities, and the trainer builds from that plan: the model on the meta device,
+parallelized by the model provider, materialized and initialized identically on any mesh; then it
+trains with loss-weighted gradient accumulation, checkpoints, resumes and exports.
+
+The names below are the whole public face. They load on first use (PEP 562), so importing one that
+needs no torch (`read_metrics`) does not import torch: `d9d metrics` stays fast.
 """
 
-from d9d.trainer._materialize import ModelInitError, materialize_and_initialize
-from d9d.trainer.build import check_parallelisms_applied
-from d9d.trainer.builtins import (
-    IGNORE_INDEX,
-    AutoDataProviderFactory,
-    BuiltinLRSchedulerProvider,
-    BuiltinOptimizerProvider,
-    CausalLMTask,
-    lr_multiplier,
-    optimizer_kernels,
-)
-from d9d.trainer.config import (
-    ActivationCheckpointingConfig,
-    CheckpointingConfig,
-    CompileConfig,
-    DeterminismConfig,
-    EvalConfig,
-    ExportConfig,
-    GradientClippingConfig,
-    JobConfig,
-    LoggingConfig,
-    LRSchedulerConfig,
-    OptimizerConfig,
-    PeftConfig,
-    PipeliningConfig,
-    PrecisionConfig,
-    ProfilingConfig,
-    ProvidersConfig,
-    RunConfig,
-    ScheduleConfig,
-    TimeoutsConfig,
-    TrackingConfig,
-    TrainerConfig,
-)
-from d9d.trainer.entry import main, run_job
-from d9d.trainer.errors import PeerFailedError, RunLockedError, TrainingError
-from d9d.trainer.evaluation import EvalResult
-from d9d.trainer.failures import ErrorVerdict, verdict_of
-from d9d.trainer.job import ResolvedJob, resolve_job
-from d9d.trainer.loading import ConfigError, LoadedJob, apply_overrides, load_job_config, resolve_object
-from d9d.trainer.metrics import device_peak_flops, model_flops_per_token
-from d9d.trainer.planning import (
-    ActivationEstimate,
-    JobPlan,
-    MemoryEstimate,
-    MemoryPlan,
-    PipelinePlan,
-    SequencePlan,
-    check_model_mesh,
-    estimate_activations,
-    estimate_memory,
-    pipeline_layout,
-    plan_job,
-    plan_memory,
-)
-from d9d.trainer.providers import (
-    Batching,
-    BuildDataProviderContext,
-    BuildDatasetContext,
-    BuildDatasetResult,
-    ChecksMesh,
-    DataProviderFactory,
-    DatasetProvider,
-    DeclaresBatching,
-    DeclaresOptimizerStates,
-    ImportsModelWeights,
-    InitializeModelStageContext,
-    InitializeModelStageResult,
-    LossContext,
-    LossResult,
-    LRSchedulerProvider,
-    ModelProvider,
-    OptimizerProvider,
-    OptimizerStates,
-    ParallelizeModelStageContext,
-    PipelineModelProvider,
-    PipelineTask,
-    PrepareExportModelStageContext,
-    PrepareExportModelStageResult,
-    PrepareImportModelStageContext,
-    PrepareImportModelStageResult,
-    SupportsClose,
-    Task,
-)
-from d9d.trainer.records import METRICS_FILE, StepRecords, read_metrics, truncate_metrics
-from d9d.trainer.reporting import PEER_ERROR_GRACE_S, is_shared_by_every_rank, report_error
-from d9d.trainer.run_lock import LOCK_FILE, RunLock
-from d9d.trainer.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED, INTERRUPTED_MESSAGE, StopRequests
-from d9d.trainer.step import MicrobatchStep, PipelineStep, StepOutput, StepSettings, TrainStep
-from d9d.trainer.timing import PHASES, StepPhases, StepTimer
-from d9d.trainer.tracking import Tracker, Trackers
-from d9d.trainer.trainer import Trainer, TrainResult
-from d9d.trainer.watchdog import EXIT_STEP_TIMEOUT
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports these on first use
+    from d9d.trainer.builtins import (
+        AutoDataProviderFactory,
+        BuiltinLRSchedulerProvider,
+        BuiltinOptimizerProvider,
+        CausalLMTask,
+    )
+    from d9d.trainer.config import JobConfig
+    from d9d.trainer.entry import main, run_command, run_job
+    from d9d.trainer.errors import PeerFailedError, RunLockedError, TrainingError
+    from d9d.trainer.evaluation import EvalResult
+    from d9d.trainer.job import ResolvedJob, resolve_job
+    from d9d.trainer.loading import ConfigError, LoadedJob, load_job_config
+    from d9d.trainer.materialize import ModelInitError, materialize_and_initialize
+    from d9d.trainer.metrics_file import read_metrics
+    from d9d.trainer.planning import JobPlan, MemoryPlan, PipelinePlan, SequencePlan, plan_job
+    from d9d.trainer.providers import (
+        Batching,
+        BuildDataProviderContext,
+        BuildDatasetContext,
+        BuildDatasetResult,
+        ChecksMesh,
+        DataProviderFactory,
+        DatasetProvider,
+        DeclaresBatching,
+        DeclaresOptimizerStates,
+        ImportsModelWeights,
+        InitializeModelStageContext,
+        InitializeModelStageResult,
+        LossContext,
+        LossResult,
+        LRSchedulerProvider,
+        ModelProvider,
+        OptimizerProvider,
+        OptimizerStates,
+        ParallelizeModelStageContext,
+        PipelineModelProvider,
+        PipelineTask,
+        PrepareExportModelStageContext,
+        PrepareExportModelStageResult,
+        PrepareImportModelStageContext,
+        PrepareImportModelStageResult,
+        SupportsClose,
+        Task,
+    )
+    from d9d.trainer.reporting import report_job_error
+    from d9d.trainer.trainer import Trainer, TrainResult
+
+#: Module → the public names it defines (the run-time twin of the imports above; a test keeps them equal).
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    "builtins": (
+        "AutoDataProviderFactory",
+        "BuiltinLRSchedulerProvider",
+        "BuiltinOptimizerProvider",
+        "CausalLMTask",
+    ),
+    "config": ("JobConfig",),
+    "entry": ("main", "run_command", "run_job"),
+    "errors": ("PeerFailedError", "RunLockedError", "TrainingError"),
+    "evaluation": ("EvalResult",),
+    "job": ("ResolvedJob", "resolve_job"),
+    "loading": ("ConfigError", "LoadedJob", "load_job_config"),
+    "materialize": ("ModelInitError", "materialize_and_initialize"),
+    "metrics_file": ("read_metrics",),
+    "planning": ("JobPlan", "MemoryPlan", "PipelinePlan", "SequencePlan", "plan_job"),
+    "providers": (
+        "Batching",
+        "BuildDataProviderContext",
+        "BuildDatasetContext",
+        "BuildDatasetResult",
+        "ChecksMesh",
+        "DataProviderFactory",
+        "DatasetProvider",
+        "DeclaresBatching",
+        "DeclaresOptimizerStates",
+        "ImportsModelWeights",
+        "InitializeModelStageContext",
+        "InitializeModelStageResult",
+        "LRSchedulerProvider",
+        "LossContext",
+        "LossResult",
+        "ModelProvider",
+        "OptimizerProvider",
+        "OptimizerStates",
+        "ParallelizeModelStageContext",
+        "PipelineModelProvider",
+        "PipelineTask",
+        "PrepareExportModelStageContext",
+        "PrepareExportModelStageResult",
+        "PrepareImportModelStageContext",
+        "PrepareImportModelStageResult",
+        "SupportsClose",
+        "Task",
+    ),
+    "reporting": ("report_job_error",),
+    "trainer": ("TrainResult", "Trainer"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = [
-    "EXIT_INTERRUPTED",
-    "EXIT_PREEMPTED",
-    "EXIT_STEP_TIMEOUT",
-    "IGNORE_INDEX",
-    "INTERRUPTED_MESSAGE",
-    "LOCK_FILE",
-    "METRICS_FILE",
-    "PEER_ERROR_GRACE_S",
-    "PHASES",
-    "ActivationCheckpointingConfig",
-    "ActivationEstimate",
     "AutoDataProviderFactory",
     "Batching",
     "BuildDataProviderContext",
@@ -121,98 +123,65 @@ __all__ = [
     "BuiltinLRSchedulerProvider",
     "BuiltinOptimizerProvider",
     "CausalLMTask",
-    "CheckpointingConfig",
     "ChecksMesh",
-    "CompileConfig",
     "ConfigError",
     "DataProviderFactory",
     "DatasetProvider",
     "DeclaresBatching",
     "DeclaresOptimizerStates",
-    "DeterminismConfig",
-    "ErrorVerdict",
-    "EvalConfig",
     "EvalResult",
-    "ExportConfig",
-    "GradientClippingConfig",
     "ImportsModelWeights",
     "InitializeModelStageContext",
     "InitializeModelStageResult",
     "JobConfig",
     "JobPlan",
-    "LRSchedulerConfig",
     "LRSchedulerProvider",
     "LoadedJob",
-    "LoggingConfig",
     "LossContext",
     "LossResult",
-    "MemoryEstimate",
     "MemoryPlan",
-    "MicrobatchStep",
     "ModelInitError",
     "ModelProvider",
-    "OptimizerConfig",
     "OptimizerProvider",
     "OptimizerStates",
     "ParallelizeModelStageContext",
     "PeerFailedError",
-    "PeftConfig",
     "PipelineModelProvider",
     "PipelinePlan",
-    "PipelineStep",
     "PipelineTask",
-    "PipeliningConfig",
-    "PrecisionConfig",
     "PrepareExportModelStageContext",
     "PrepareExportModelStageResult",
     "PrepareImportModelStageContext",
     "PrepareImportModelStageResult",
-    "ProfilingConfig",
-    "ProvidersConfig",
     "ResolvedJob",
-    "RunConfig",
-    "RunLock",
     "RunLockedError",
-    "ScheduleConfig",
     "SequencePlan",
-    "StepOutput",
-    "StepPhases",
-    "StepRecords",
-    "StepSettings",
-    "StepTimer",
-    "StopRequests",
     "SupportsClose",
     "Task",
-    "TimeoutsConfig",
-    "Tracker",
-    "Trackers",
-    "TrackingConfig",
     "TrainResult",
-    "TrainStep",
     "Trainer",
-    "TrainerConfig",
     "TrainingError",
-    "apply_overrides",
-    "check_model_mesh",
-    "check_parallelisms_applied",
-    "device_peak_flops",
-    "estimate_activations",
-    "estimate_memory",
-    "is_shared_by_every_rank",
     "load_job_config",
-    "lr_multiplier",
     "main",
     "materialize_and_initialize",
-    "model_flops_per_token",
-    "optimizer_kernels",
-    "pipeline_layout",
     "plan_job",
-    "plan_memory",
     "read_metrics",
-    "report_error",
+    "report_job_error",
     "resolve_job",
-    "resolve_object",
+    "run_command",
     "run_job",
-    "truncate_metrics",
-    "verdict_of",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first use (PEP 562) and keep the name here."""
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'd9d.trainer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"d9d.trainer.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -15,9 +15,9 @@ from d9d.parallel import (
     context_parallel_of,
     lora_parameters,
 )
-from d9d.trainer._materialize import materialize_and_initialize
 from d9d.trainer.errors import OutOfMemoryError, TrainingError, first_line, is_out_of_memory
 from d9d.trainer.job import ResolvedJob
+from d9d.trainer.materialize import materialize_and_initialize
 from d9d.trainer.providers import InitializeModelStageContext, ParallelizeModelStageContext
 
 __all__ = [

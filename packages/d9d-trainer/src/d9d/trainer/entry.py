@@ -1,17 +1,18 @@
-"""`run_job` and `main`: the one code path behind `python train.py config.yaml` and `d9d train`."""
+"""`run_job`, `run_command` and `main`: the one code path behind `python train.py config.yaml` and
+`d9d train`."""
 
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from d9d.mesh import D9dError, RendezvousError
+from d9d.mesh import RendezvousError
 from d9d.trainer.failures import agree_on_error, error_store, mark_own_error, verdict_of
-from d9d.trainer.reporting import report_error
+from d9d.trainer.reporting import report_job_error
 from d9d.trainer.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED, INTERRUPTED_MESSAGE
 from d9d.trainer.trainer import Trainer, TrainResult
 
-__all__ = ["main", "run_job"]
+__all__ = ["main", "run_command", "run_job"]
 
 
 def run_job(config_path: str | Path, overrides: Sequence[str] = ()) -> TrainResult:
@@ -30,6 +31,21 @@ def run_job(config_path: str | Path, overrides: Sequence[str] = ()) -> TrainResu
     except Exception as exc:
         _agree(exc)
         raise
+
+
+def run_command(config_path: str | Path, overrides: Sequence[str] = ()) -> None:
+    """`run_job` with a command's exit: Ctrl-C prints how to resume and exits `EXIT_INTERRUPTED`
+    (130); a run stopped and saved by SIGTERM exits `EXIT_PREEMPTED`; a finished run returns.
+
+    Errors propagate, for the caller to report (`report_job_error`).
+    """
+    try:
+        result = run_job(config_path, overrides)
+    except KeyboardInterrupt:
+        print(INTERRUPTED_MESSAGE, file=sys.stderr, flush=True)
+        sys.exit(EXIT_INTERRUPTED)
+    if result.stopped_by is not None:  # saved after SIGTERM / Ctrl-C: run the same command to resume
+        sys.exit(EXIT_PREEMPTED)
 
 
 def _agree(exc: Exception) -> None:
@@ -65,15 +81,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(0 if args else 2)
     overrides = _overrides(args[1:])
     try:
-        result = run_job(args[0], overrides)
-    except KeyboardInterrupt:
-        print(INTERRUPTED_MESSAGE, file=sys.stderr, flush=True)
-        sys.exit(EXIT_INTERRUPTED)
+        run_command(args[0], overrides)
     except Exception as exc:
-        verdict = verdict_of(exc)
-        if not isinstance(exc, D9dError | OSError) and (verdict is None or verdict.kind != "peer"):
-            raise  # a bug, not a user's mistake: its traceback (another rank's failure: quiet)
-        report_error(exc)
+        if not report_job_error(exc):
+            raise  # a bug, not a user's mistake: its traceback
         sys.exit(2)
-    if result.stopped_by is not None:  # saved after SIGTERM / Ctrl-C: run the same command to resume
-        sys.exit(EXIT_PREEMPTED)

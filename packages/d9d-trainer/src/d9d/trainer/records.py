@@ -34,10 +34,7 @@ from d9d.trainer.step import StepOutput
 from d9d.trainer.timing import StepPhases, read_phases
 from d9d.trainer.tracking import Trackers
 
-__all__ = ["METRICS_FILE", "StepRecords", "read_metrics", "truncate_metrics"]
-
-#: Per-step metrics of a run, one JSON object per line, in `save_dir/run.name/`.
-METRICS_FILE = "metrics.jsonl"
+__all__ = ["StepRecords"]
 
 _log = get_logger("d9d.trainer")
 
@@ -217,43 +214,6 @@ def _log_eval(result: EvalResult) -> None:
         tokens=int(result.tokens),
         wall_s=round(result.wall_s, 2),
     )
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The records of a metrics file; a damaged line (a cut write, garbage) and all after it are left out."""
-    return [record for _, record in _read_lines(path)]
-
-
-def _read_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
-    if not path.exists():
-        return []
-    records = []
-    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-                raise ValueError("not a step record")
-        except ValueError:
-            _log.warning("metrics file has a damaged line; it and the lines after it are dropped",
-                         file=str(path), line=number)  # fmt: skip
-            break
-        records.append((line, record))
-    return records
-
-
-def truncate_metrics(path: Path, step: int) -> None:
-    """Keep the records of steps up to `step` (later ones were lost with the crash and are redone).
-
-    A damaged tail (a cut write on a full disk) is dropped with a warning, never a reason to fail.
-    """
-    if not path.exists():
-        return
-    kept = [line for line, record in _read_lines(path) if record["step"] <= step]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-    tmp.replace(path)
 
 
 def _memory(device: torch.device) -> dict[str, float]:

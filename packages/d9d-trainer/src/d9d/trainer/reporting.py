@@ -15,9 +15,10 @@ import re
 import sys
 import time
 
+from d9d.mesh import D9dError
 from d9d.trainer.failures import verdict_of
 
-__all__ = ["PEER_ERROR_GRACE_S", "is_shared_by_every_rank", "one_line", "report_error"]
+__all__ = ["PEER_ERROR_GRACE_S", "is_shared_by_every_rank", "one_line", "report_error", "report_job_error"]
 
 #: Seconds a rank other than 0 waits before exiting on an error that rank 0 reports.
 PEER_ERROR_GRACE_S = 10.0
@@ -61,6 +62,21 @@ def report_error(exc: BaseException) -> None:
         _say(f"error: {one_line(exc)}")
     else:
         time.sleep(PEER_ERROR_GRACE_S)
+
+
+def report_job_error(exc: BaseException) -> bool:
+    """Report a job's error as `python train.py` and `d9d train` do, when it is a user's to fix.
+
+    A user's error is a `D9dError` (a bad config, launch, checkpoint, ...) or an `OSError` (a path),
+    or the consequence on this rank of another rank's failure; it becomes the job's one `error:` line
+    (`report_error`). Anything else is a bug: nothing is printed and False returned, for the caller
+    to re-raise with its traceback.
+    """
+    verdict = verdict_of(exc)
+    if not isinstance(exc, D9dError | OSError) and (verdict is None or verdict.kind != "peer"):
+        return False
+    report_error(exc)
+    return True
 
 
 def _say(line: str) -> None:

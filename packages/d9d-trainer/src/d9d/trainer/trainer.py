@@ -30,10 +30,11 @@ from d9d.trainer.failures import FailureBoard, job_store
 from d9d.trainer.job import ResolvedJob, resolve_job
 from d9d.trainer.loading import LoadedJob, load_job_config
 from d9d.trainer.metrics import ProgressLine, batch_flops_per_token, device_peak_flops
+from d9d.trainer.metrics_file import METRICS_FILE, truncate_metrics
 from d9d.trainer.planning import JobPlan, check_model_mesh, plan_job
 from d9d.trainer.profiling import StepProfiler
 from d9d.trainer.providers import BuildDataProviderContext, BuildDatasetContext, SupportsClose
-from d9d.trainer.records import METRICS_FILE, StepRecords, truncate_metrics
+from d9d.trainer.records import StepRecords
 from d9d.trainer.run_checkpoints import RunCheckpoints
 from d9d.trainer.run_lock import RunLock
 from d9d.trainer.signals import StopRequests
@@ -43,7 +44,7 @@ from d9d.trainer.timing import StepTimer, read_phases
 from d9d.trainer.tracking import Trackers, check_trackers, open_trackers
 from d9d.trainer.watchdog import REPORT_GRACE_S, StepWatchdog
 
-__all__ = ["METRICS_FILE", "TrainResult", "Trainer", "TrainingError"]
+__all__ = ["TrainResult", "Trainer"]
 
 #: The process-group timeout once steps run is step_s plus this: the step watchdog acts first.
 _COLLECTIVE_BACKSTOP_S = 2 * REPORT_GRACE_S + 5.0
@@ -339,7 +340,10 @@ class Trainer:
         ctx = self._context
         metrics_path = self.run_dir / METRICS_FILE
         if ctx.is_main_process:  # steps after the checkpoint were lost with the crash: redo them
-            truncate_metrics(metrics_path, start)
+            damaged = truncate_metrics(metrics_path, start)
+            if damaged:  # a line cut by a crash or a full disk: never a reason to fail
+                _log.warning("metrics file had damaged lines; they are dropped", file=str(metrics_path),
+                             lines=damaged[:10])  # fmt: skip
         trackers = Trackers()  # opened in the loop's try: one that cannot start stops every rank, reported
         records = StepRecords(
             metrics_path,

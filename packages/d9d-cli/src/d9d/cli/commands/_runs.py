@@ -11,11 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from d9d.cli.errors import CliError
+from d9d.trainer.metrics_file import METRICS_FILE  # torch-free, like this module
 
-__all__ = ["METRICS_FILE", "RunScan", "Stray", "check_run_dir", "scan_run_dir"]
+__all__ = ["RunScan", "Stray", "check_run_dir", "scan_run_dir"]
 
-#: The trainer's per-step metrics file in a run directory (`d9d.trainer.METRICS_FILE`, kept torch-free).
-METRICS_FILE = "metrics.jsonl"
 # How the `d9d checkpoints` status sums up the kinds of `d9d.ckpt.FileProblem` ("1 file missing").
 _DAMAGE_WORDS = {"missing": "missing", "unreadable": "missing", "truncated": "resized", "changed": "resized"}
 

@@ -1,12 +1,12 @@
 """`d9d metrics`: a summary of a run's per-step metrics file, and optionally a plot of it.
 
-Reads only the JSON-lines file the trainer writes (no torch import). A restart shows in the file as
+Reads only the JSON-lines file the trainer writes, with the trainer's reader
+(`d9d.trainer.metrics_file`, no torch import): a damaged line is skipped and counted. A restart shows in the file as
 a step that does not follow the previous one (the trainer rewinds to the checkpoint it resumed
 from), or, when the records carry a `launch` field, as a change of its value.
 """
 
 import itertools
-import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -15,8 +15,9 @@ from typing import Any
 
 import click
 
-from d9d.cli.commands._runs import METRICS_FILE, check_run_dir
+from d9d.cli.commands._runs import check_run_dir
 from d9d.cli.errors import CliError, reports_errors
+from d9d.trainer.metrics_file import METRICS_FILE, read_metrics_file
 
 __all__ = [
     "PLOT_INSTALL_HINT",
@@ -71,21 +72,8 @@ class MetricsSummary:
 
 def read_metrics(path: Path) -> tuple[list[dict[str, Any]], int]:
     """The records of a metrics file in file order, and how many lines were unreadable (skipped)."""
-    records: list[dict[str, Any]] = []
-    bad = 0
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            bad += 1  # e.g. a line cut short by a crash
-            continue
-        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-            bad += 1
-            continue
-        records.append(record)
-    return records, bad
+    read = read_metrics_file(path)
+    return read.records, len(read.damaged)
 
 
 def find_restarts(records: Sequence[dict[str, Any]]) -> list[tuple[int, int]]:

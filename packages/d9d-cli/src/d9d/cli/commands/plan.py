@@ -4,10 +4,9 @@ The plan is the trainer's own (`d9d.trainer.plan_job` on a planning context of t
 CUDA): this command only formats it, so it accepts and refuses what the trainer does, with its words.
 It prints the mesh layout, the batching, under context parallelism each rank's share of a sequence,
 under pipeline parallelism each pp rank's stages and the schedule's theoretical bubble, the precision
-and a per-rank memory estimate (see `d9d.trainer.plan_memory`), and the launch command.
+and a per-rank memory estimate (`plan_job(..., memory=True)`), and the launch command.
 """
 
-import dataclasses
 import itertools
 import shlex
 from collections.abc import Sequence
@@ -149,7 +148,7 @@ def plan(
             "--world-size" if world_size is not None else f"--nnodes {nodes} × --nproc-per-node {per_node}"
         )
         raise _mismatch(mesh.describe_degrees(), need, mesh.data_parallel_shard, nodes * per_node, given)
-    job_plan = _plan(config, loaded, seq_len)
+    job_plan = _plan(loaded, seq_len)
     command = launch_command(config, overrides, nnodes=nodes, nproc_per_node=per_node, d9d=d9d_invocation())
     where = "on every node: " if nodes > 1 else ""
     lines = [
@@ -161,29 +160,19 @@ def plan(
     click.echo("\n".join(lines))
 
 
-def _plan(config: str, loaded: "LoadedJob", seq_len: int | None) -> "JobPlan":
+def _plan(loaded: "LoadedJob", seq_len: int | None) -> "JobPlan":
     """The trainer's plan of rank 0 of the launch, on a planning context, for CUDA, with its memory.
 
     Raises:
-        CliError: the model provider refuses the mesh, or what it builds cannot run the job (naming
-            the config); every other refusal is the trainer's own error.
+        D9dError: whatever the trainer refuses the job with, in its words (the model provider's
+            check of the mesh, the pipeline layout, the sequence length, what the provider builds).
     """
     from d9d.mesh import DistributedContext
-    from d9d.parallel import ParallelizeError
-    from d9d.trainer import TrainingError, check_model_mesh, plan_job, plan_memory, resolve_job
+    from d9d.trainer import plan_job, resolve_job
 
     job = resolve_job(loaded)  # imports the providers and checks their config sections
-    try:
-        check_model_mesh(job)  # the model provider's own check of the degrees
-    except TrainingError as exc:
-        raise CliError(f"{config}: {exc}") from None
     with DistributedContext.for_planning(job.config.mesh) as ctx:  # any world size, in this process
-        job_plan = plan_job(job, ctx, seq_len=seq_len, device="cuda")
-        try:
-            memory = plan_memory(job, job_plan, ctx)  # builds rank 0's model on meta, as the trainer
-        except (TrainingError, ParallelizeError) as exc:
-            raise CliError(f"{config}: {exc}") from None
-    return dataclasses.replace(job_plan, memory=memory)
+        return plan_job(job, ctx, seq_len=seq_len, device="cuda", memory=True)
 
 
 def _plan_lines(job_plan: "JobPlan", config: "JobConfig") -> list[str]:

@@ -26,14 +26,6 @@ def train(config: str, overrides: Sequence[str]) -> None:
       torchrun --nproc-per-node 2 -m d9d.cli train config.yaml --set mesh.data_parallel_shard=2
     """
     check_config_path(config)
-    import sys
+    from d9d.trainer import run_command
 
-    from d9d.trainer import EXIT_INTERRUPTED, EXIT_PREEMPTED, INTERRUPTED_MESSAGE, run_job
-
-    try:
-        result = run_job(config, list(overrides))
-    except KeyboardInterrupt:
-        click.echo(INTERRUPTED_MESSAGE, err=True)
-        sys.exit(EXIT_INTERRUPTED)
-    if result.stopped_by is not None:  # saved after SIGTERM / Ctrl-C: run the same command to resume
-        sys.exit(EXIT_PREEMPTED)
+    run_command(config, list(overrides))  # Ctrl-C and a saved SIGTERM exit as `python train.py` does
