@@ -224,6 +224,7 @@ def test_numeric_fields_takes_every_number_but_the_step_and_flags():
 class _Recorder:
     def __init__(self, name: str, fail: bool = False) -> None:
         self.name, self.fail, self.rows, self.closed = name, fail, [], []
+        self.last_step = 0
 
     def log(self, rows) -> None:
         if self.fail:

@@ -481,11 +481,12 @@ def _resolved(config: Path, *overrides: str):
 
 def _activations(job, *, seq_len: int, microbatch_size: int):
     """The trainer's activation estimate of `job` in bfloat16, on rank 0 of a planning context."""
-    import torch
+    from d9d.parallel import PrecisionConfig, resolve_precision
 
+    bf16 = resolve_precision(PrecisionConfig(param_dtype="bfloat16"), "cpu")
     with DistributedContext.for_planning(job.config.mesh) as ctx:
         return estimate_activations(
-            job, ctx, seq_len=seq_len, microbatch_size=microbatch_size, dtype=torch.bfloat16
+            job, ctx, seq_len=seq_len, microbatch_size=microbatch_size, precision=bf16
         )
 
 

@@ -439,6 +439,8 @@ def test_document_masking_on_pretraining_text(tmp_path):
         TextDataset(tmp_path, seq_len=4, tokenizer=NoEos(), document_masking=True)
 
 
-def test_ignore_index_matches_the_trainer():
+def test_the_trainers_task_ignores_the_label_d9d_data_pads_with():
     trainer = pytest.importorskip("d9d.trainer", reason="d9d-trainer is not installed")
-    assert trainer.IGNORE_INDEX == IGNORE_INDEX == -100
+    labels = torch.tensor([[5, IGNORE_INDEX, 7, IGNORE_INDEX]])
+    assert int(trainer.CausalLMTask().batch_weight({"labels": labels})) == 2
+    assert IGNORE_INDEX == -100  # torch's cross-entropy default

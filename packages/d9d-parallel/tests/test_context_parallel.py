@@ -14,12 +14,12 @@ from d9d.parallel import (
     ContextParallel,
     ParallelizeError,
     SequenceLengthError,
+    SequenceShare,
     check_sequence_length,
     context_parallel_attention,
     context_parallel_of,
     parallelize_context_parallel,
     sequence_length_problem,
-    sequence_share,
 )
 from d9d.parallel.context_parallel import _positions
 
@@ -240,10 +240,10 @@ def test_parallelize_context_parallel_sets_the_group_and_shard_batch_splits_ever
 
 
 def test_sequence_share_is_chunks_r_and_its_mirror_and_positions_follow_it():
-    share = sequence_share(16, 2, 1)
+    share = SequenceShare(16, 2, 1)
     assert (share.num_chunks, share.chunks, share.chunk_tokens, share.local_tokens) == (4, (1, 2), 4, 8)
     assert _positions(16, 2, 1).tolist() == [*range(4, 8), *range(8, 12)]
-    whole = sequence_share(10, 1)
+    whole = SequenceShare(10, 1, 0)
     assert (whole.num_chunks, whole.chunks, whole.local_tokens) == (1, (0,), 10)
 
 
@@ -260,6 +260,4 @@ def test_one_sequence_length_rule_names_the_source_and_the_fix():
         check_sequence_length(
             6, 2, subject="the eval set's sequences have", fix="set eval_dataset.seq_len to"
         )
-    with pytest.raises(SequenceLengthError):
-        sequence_share(6, 2)
     assert issubclass(SequenceLengthError, ParallelizeError)

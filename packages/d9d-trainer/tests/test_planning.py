@@ -62,7 +62,7 @@ def test_a_local_plan_holds_the_declared_batching_precision_and_optimizer_state(
     assert plan.batching is not None
     assert (plan.batching.global_batch_size, plan.batching.microbatches_per_step) == (8, 4)
     assert plan.precision.param_dtype == torch.float32  # auto on CPU
-    assert plan.optimizer_states.per_parameter == 1 and plan.optimizer_states_declared
+    assert plan.optimizer_states.per_parameter == 1
     assert plan.pipeline is None and plan.stages == (None,)
     assert plan.vocab_size == 64 and plan.memory is None
     assert (
@@ -93,6 +93,40 @@ def test_the_sequence_length_comes_from_the_built_dataset_or_the_config(tmp_path
         assert plan_job(job, ctx, seq_len=16).sequence.source == "--seq-len"
         with pytest.raises(SequenceLengthError, match="--seq-len gives 10 tokens"):
             plan_job(job, ctx, seq_len=10)
+
+
+def test_a_dataset_with_its_own_seq_len_declares_it_and_each_rank_plans_its_share(tmp_path):
+    class Sequences:  # any dataset with an int `seq_len` (and maybe `vocab_size`) declares them
+        seq_len = 16
+
+        def __len__(self) -> int:
+            return 4
+
+    built = BuildDatasetResult(dataset=Sequences())
+    assert (built.seq_len, built.vocab_size) == (16, None)
+    assert BuildDatasetResult(dataset=Sequences(), seq_len=8).seq_len == 8  # given: kept
+    job = _job(tmp_path, mesh={"context_parallel": 2, "data_parallel_shard": 1})
+    with DistributedContext.for_planning(job.config.mesh, rank=1) as ctx:
+        share = plan_job(job, ctx, dataset=built).sequence.share
+    assert share is not None and (share.rank, share.chunks, share.local_tokens) == (1, (1, 2), 8)
+
+
+def test_an_attribute_named_like_an_ability_is_refused_not_called(tmp_path):
+    job_file = tmp_path / "own.py"
+    job_file.write_text(
+        "from d9d.trainer import BuiltinOptimizerProvider\n\n"
+        "class Optimizer(BuiltinOptimizerProvider):\n"
+        "    def __init__(self, config):\n"
+        "        super().__init__(config)\n"
+        "        self.optimizer_states = {}  # its own bookkeeping, not the DeclaresOptimizerStates method\n",
+        encoding="utf-8",
+    )
+    config = job_config(str(tmp_path / "runs"))
+    config["providers"]["optimizer"] = f"{job_file}:Optimizer"
+    with pytest.raises(
+        ConfigError, match=r"attribute optimizer_states that is not a method.*DeclaresOptimizerStates"
+    ):
+        resolve_job(load_job_config(config))
 
 
 def test_a_batch_that_does_not_split_is_refused_by_the_declaration(tmp_path):

@@ -47,7 +47,7 @@ from d9d.data.packing import (
     pack_lengths,
 )
 from d9d.data.placement import DataPlacement
-from d9d.data.protocol import DataProvider, SizedDataProvider, TokenDataset
+from d9d.data.protocol import DataProvider, DeclaresSeqLen, DeclaresVocabSize, SizedDataProvider
 
 __all__ = [
     "IGNORE_INDEX",
@@ -64,6 +64,8 @@ __all__ = [
     "DataProvider",
     "DataStateError",
     "DatasetError",
+    "DeclaresSeqLen",
+    "DeclaresVocabSize",
     "EpochOrder",
     "MapDataset",
     "PackedTokens",
@@ -72,7 +74,6 @@ __all__ = [
     "SFTStats",
     "SizedDataProvider",
     "TextDataset",
-    "TokenDataset",
     "TokenFileDataset",
     "TokenFileInfo",
     "Tokenizer",

@@ -1,10 +1,10 @@
 """`DataProvider`: the small protocol every data provider (built-in or custom) implements; and
-`TokenDataset`, what a dataset of token sequences declares about its samples."""
+what a dataset may declare about its samples (`DeclaresSeqLen`, `DeclaresVocabSize`)."""
 
 from collections.abc import Iterator, Mapping
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-__all__ = ["DataProvider", "SizedDataProvider", "TokenDataset"]
+__all__ = ["DataProvider", "DeclaresSeqLen", "DeclaresVocabSize", "SizedDataProvider"]
 
 BatchT_co = TypeVar("BatchT_co", covariant=True)
 
@@ -42,12 +42,10 @@ class SizedDataProvider(DataProvider[BatchT_co], Protocol[BatchT_co]):
 
 
 @runtime_checkable
-class TokenDataset(Protocol):
-    """A map-style dataset of token sequences that declares its sample length and vocabulary.
+class DeclaresSeqLen(Protocol):
+    """A dataset whose samples all have one length, which it declares (every d9d.data dataset).
 
-    Every d9d.data dataset is one (`TextDataset`, `TokenFileDataset`, `SFTDataset`); the trainer checks
-    `seq_len` against context parallelism and `vocab_size` against the model's input embedding before
-    anything runs.
+    The trainer checks it against context parallelism before anything runs.
     """
 
     @property
@@ -55,15 +53,15 @@ class TokenDataset(Protocol):
         """Tokens per sample."""
         ...
 
+
+@runtime_checkable
+class DeclaresVocabSize(Protocol):
+    """A dataset that declares the vocabulary its ids come from (every d9d.data dataset).
+
+    The trainer checks it against the model's input embedding before anything runs.
+    """
+
     @property
     def vocab_size(self) -> int | None:
         """Every token id is below it; None when unknown."""
-        ...
-
-    def __len__(self) -> int:
-        """Samples in the dataset."""
-        ...
-
-    def __getitem__(self, index: int) -> Any:
-        """Sample `index`."""
         ...

@@ -329,9 +329,7 @@ class DistributedContext:
             dist.destroy_process_group()
         self._owns_process_group = False
         if self._mode == "planning":
-            clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # where torch has it
-            if clear is not None:
-                clear()
+            _clear_dtensor_caches()
         self._meshes = None if self._mode != "local" else self._meshes
 
     def __enter__(self) -> "DistributedContext":
@@ -347,6 +345,18 @@ class DistributedContext:
 
     def __repr__(self) -> str:
         return f"DistributedContext(mode={self._mode}, {self.log_tag}, world_size={self.world_size})"
+
+
+def _clear_dtensor_caches() -> None:
+    """Empty torch's DTensor sharding-propagation caches (Python and C++ fast path), see `close`."""
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:  # a torch without the debug helper: clear the Python cache it keeps
+        from torch.distributed.tensor import DTensor
+
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache.cache_clear()  # type: ignore[attr-defined]
+        return
+    _clear_sharding_prop_cache()
 
 
 def _select(device: torch.device) -> None:

@@ -26,7 +26,6 @@ from d9d.parallel.context_parallel import (
     context_parallel_of,
     parallelize_context_parallel,
     sequence_length_problem,
-    sequence_share,
 )
 from d9d.parallel.data_parallel import (
     GradientReduction,
@@ -165,7 +164,6 @@ __all__ = [
     "resolve_precision",
     "saved_activation_bytes",
     "sequence_length_problem",
-    "sequence_share",
     "set_gradient_accumulation",
     "set_gradient_sync",
 ]

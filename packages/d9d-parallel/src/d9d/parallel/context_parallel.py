@@ -36,7 +36,6 @@ __all__ = [
     "context_parallel_of",
     "parallelize_context_parallel",
     "sequence_length_problem",
-    "sequence_share",
 ]
 
 # torch >= 2.15 gives `all_gather_single` a backward and deprecates the `_autograd` variant.
@@ -117,16 +116,6 @@ def check_sequence_length(seq_len: int, context_parallel: int, *, subject: str, 
     problem = sequence_length_problem(seq_len, context_parallel, subject=subject, fix=fix)
     if problem is not None:
         raise SequenceLengthError(problem)
-
-
-def sequence_share(seq_len: int, context_parallel: int, rank: int = 0) -> SequenceShare:
-    """`rank`'s share of a sequence of `seq_len` tokens over `context_parallel` ranks.
-
-    Raises:
-        SequenceLengthError: `seq_len` is not a positive multiple of 2·cp.
-    """
-    check_sequence_length(seq_len, context_parallel, subject="a sequence has", fix="make it")
-    return SequenceShare(seq_len, context_parallel, rank)
 
 
 class ContextParallel:

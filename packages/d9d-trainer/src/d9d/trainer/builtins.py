@@ -9,7 +9,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from d9d.data import AutoDataConfig, AutoDataProvider, DataProvider, SFTDataset, microbatches_per_rank
+from d9d.data import (
+    IGNORE_INDEX,
+    AutoDataConfig,
+    AutoDataProvider,
+    DataProvider,
+    SFTDataset,
+    microbatches_per_rank,
+)
 from d9d.mesh import MeshConfig, get_logger
 from d9d.trainer.config import LRSchedulerConfig, OptimizerConfig
 from d9d.trainer.errors import TrainingError
@@ -24,7 +31,6 @@ from d9d.trainer.providers import (
 _log = get_logger("d9d.trainer")
 
 __all__ = [
-    "IGNORE_INDEX",
     "AutoDataProviderFactory",
     "BuiltinLRSchedulerProvider",
     "BuiltinOptimizerProvider",
@@ -32,9 +38,6 @@ __all__ = [
     "lr_multiplier",
     "optimizer_kernels",
 ]
-
-#: Label value that contributes neither loss nor weight.
-IGNORE_INDEX = -100
 
 
 #: Keys of a packed batch that the model takes besides `input_ids` (positions restart per document).

@@ -30,6 +30,7 @@ from d9d.trainer.config import EvalConfig
 from d9d.trainer.errors import TrainingError
 from d9d.trainer.job import ResolvedJob
 from d9d.trainer.loading import ConfigError
+from d9d.trainer.planning.job_plan import EVAL_LENGTH
 from d9d.trainer.providers import BuildDatasetContext, LossContext, Task
 from d9d.trainer.step import StepSettings
 
@@ -110,12 +111,8 @@ def load_eval_set(job: ResolvedJob, ctx: DistributedContext) -> EvalSet | None:
             f"lower eval.microbatch_size to at most {max(1, num_samples // dp_size)} or use a larger eval set"
         )
     if built.seq_len is not None:
-        check_sequence_length(
-            built.seq_len,
-            config.mesh.context_parallel,
-            subject="eval_dataset: the eval set's sequences have",
-            fix="set eval_dataset.seq_len to",
-        )
+        subject, fix = EVAL_LENGTH  # the words `d9d plan` refuses it with
+        check_sequence_length(built.seq_len, config.mesh.context_parallel, subject=subject, fix=fix)
     mine, forwards = eval_microbatches(
         num_samples, microbatch_size, config.eval.steps, dp_size, ctx.coordinate("dp")
     )

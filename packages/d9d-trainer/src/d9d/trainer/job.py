@@ -17,18 +17,32 @@ from d9d.mesh import D9dError
 from d9d.trainer.config import JobConfig
 from d9d.trainer.loading import ConfigError, LoadedJob, check_values, convert_section, resolve_object
 from d9d.trainer.providers import (
+    ChecksMesh,
     DataProviderFactory,
     DatasetProvider,
     DeclaresBatching,
+    DeclaresOptimizerStates,
+    ImportsModelWeights,
     LRSchedulerProvider,
     ModelProvider,
     OptimizerProvider,
+    PipelineModelProvider,
+    PipelineTask,
     Task,
+    undeclared_methods,
 )
 
 __all__ = ["ResolvedJob", "resolve_job"]
 
 _BUILTIN_DATA = "d9d.trainer:AutoDataProviderFactory"
+
+#: The optional abilities (protocols of `d9d.trainer.providers`) a provider of each role may declare.
+_ABILITIES: dict[str, tuple[type, ...]] = {
+    "model": (ChecksMesh, PipelineModelProvider, ImportsModelWeights),
+    "task": (PipelineTask,),
+    "data": (DeclaresBatching,),
+    "optimizer": (DeclaresOptimizerStates,),
+}
 
 
 @dataclass(frozen=True)
@@ -167,6 +181,13 @@ def _construct(
         raise ConfigError(
             f"{where}: providers.{role} ({cls.__name__}) lacks {', '.join(missing)}; implement it"
         )
+    for ability in _ABILITIES.get(role, ()):
+        for name in undeclared_methods(instance, ability):
+            raise ConfigError(
+                f"{where}: providers.{role} ({cls.__name__}) has an attribute {name} that is not a method, "
+                f"but d9d reads {name}() as the {ability.__name__} ability (d9d.trainer.{ability.__name__}); "
+                f"rename the attribute or make it that method"
+            )
     return instance, argument
 
 

@@ -4,7 +4,7 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO, runtime_checkable
 
 import torch
 
@@ -41,12 +41,20 @@ def device_peak_flops(device: torch.device) -> float | None:
     return None
 
 
+@runtime_checkable
+class CountsFlops(Protocol):
+    """A model, or a model's `config` (Hugging Face's place for it), that counts its training FLOPs."""
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs (forward + backward) per token at sequence length `seq_len`."""
+        ...
+
+
 def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> float | None:
-    """Training FLOPs per token when the model (or its `config`) defines `flops_per_token(seq_len)`."""
-    for owner in (model, getattr(model, "config", None)):
-        method = getattr(owner, "flops_per_token", None)
-        if callable(method):
-            return float(method(seq_len))
+    """Training FLOPs per token when the model (or its `config`) is `CountsFlops`; None otherwise."""
+    for owner in (model, getattr(model, "config", None)):  # `config`: the model's own attribute, if any
+        if isinstance(owner, CountsFlops):
+            return float(owner.flops_per_token(seq_len))
     return None
 
 

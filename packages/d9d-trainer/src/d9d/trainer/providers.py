@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from d9d.data import DataProvider, TokenDataset
+from d9d.data import DataProvider, DeclaresSeqLen, DeclaresVocabSize
 from d9d.mesh import DistributedContext, MeshConfig
 from d9d.parallel import ActivationCheckpointingConfig, CompileConfig, LoraConfig, MixedPrecision
 
@@ -53,6 +53,7 @@ __all__ = [
     "PrepareImportModelStageResult",
     "SupportsClose",
     "Task",
+    "undeclared_methods",
 ]
 
 
@@ -255,10 +256,10 @@ class BuildDatasetResult:
 
     Attributes:
         seq_len: tokens per sample, checked against context parallelism before the model is built;
-            None when samples have no one length. Taken from the dataset when it is a
-            `d9d.data.TokenDataset` (every d9d.data dataset is) and not given.
+            None when samples have no one length. When not given, the dataset's own `seq_len` (an
+            int attribute: `d9d.data.DeclaresSeqLen`, as every d9d.data dataset has).
         vocab_size: every token id is below it, checked against the model's input embedding; None
-            when unknown. Taken from a `d9d.data.TokenDataset` like `seq_len`.
+            when unknown. When not given, the dataset's own (`d9d.data.DeclaresVocabSize`).
     """
 
     dataset: Any
@@ -267,11 +268,15 @@ class BuildDatasetResult:
     vocab_size: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.dataset, TokenDataset):
-            if self.seq_len is None:
-                object.__setattr__(self, "seq_len", self.dataset.seq_len)
-            if self.vocab_size is None:
-                object.__setattr__(self, "vocab_size", self.dataset.vocab_size)
+        if self.seq_len is None and isinstance(self.dataset, DeclaresSeqLen):
+            object.__setattr__(self, "seq_len", _count(self.dataset.seq_len))
+        if self.vocab_size is None and isinstance(self.dataset, DeclaresVocabSize):
+            object.__setattr__(self, "vocab_size", _count(self.dataset.vocab_size))
+
+
+def _count(value: object) -> int | None:
+    """`value` when it is an int (a declared length or size), else None (nothing declared)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 @runtime_checkable
@@ -384,8 +389,8 @@ class Task(Protocol):
 
 
 @runtime_checkable
-class PipelineTask(Protocol):
-    """A task that can run under pipeline parallelism (the pipeline runs the forward itself)."""
+class PipelineTask(Task, Protocol):
+    """A task that can also run under pipeline parallelism (the pipeline runs the forward itself)."""
 
     def pipeline_inputs(self, batch: Any) -> tuple[Any, Any]:
         """(the first stage's input, the target given to `pipeline_loss`) of a microbatch."""
@@ -439,3 +444,16 @@ class LRSchedulerProvider(Protocol):
     ) -> torch.optim.lr_scheduler.LRScheduler:
         """Return a scheduler stepped once per optimizer step."""
         ...
+
+
+def undeclared_methods(instance: object, ability: type) -> list[str]:
+    """The methods of `ability` (a protocol above) that `instance` has as attributes but not as methods.
+
+    `isinstance(instance, ability)` only sees that the names exist; an attribute that happens to
+    share a name (`self.batching = {...}`) is no declaration, and the trainer refuses it rather than
+    call it (`d9d.trainer.job.resolve_job`).
+    """
+    if not isinstance(instance, ability):
+        return []
+    names = [name for name, value in vars(ability).items() if not name.startswith("_") and callable(value)]
+    return [name for name in names if not callable(getattr(instance, name))]

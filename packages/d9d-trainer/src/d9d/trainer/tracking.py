@@ -116,9 +116,18 @@ def numeric_fields(record: Mapping[str, Any], prefix: str = "") -> dict[str, flo
 
 
 class Tracker(Protocol):
-    """One backend: takes (step, numeric fields) rows in step order, and is closed once."""
+    """One backend: takes (step, numeric fields) rows in step order, and is closed once.
+
+    `last_step` is the last step its run already holds from earlier launches (0 when it keeps none,
+    or when a resumed launch replaces the steps it redoes, as TensorBoard's `purge_step` does).
+    """
 
     name: str
+
+    @property
+    def last_step(self) -> int:
+        """The last step the tracker's run kept from earlier launches."""
+        ...
 
     def log(self, rows: Rows) -> None:
         """Record these steps' values."""
@@ -222,7 +231,7 @@ def open_trackers(loaded: LoadedJob, run_dir: Path, *, start_step: int, writer: 
         raise
     _log.info("trackers", backends=[t.name for t in opened], resumed_after=start_step or None)
     for tracker in opened:
-        kept = getattr(tracker, "last_step", 0)
+        kept = tracker.last_step
         if kept > start_step:  # the run logged steps that this launch redoes
             _log.warning(
                 f"the {tracker.name} run already has steps {start_step + 1}..{kept}, which this launch redoes: "
@@ -262,6 +271,7 @@ class _TensorBoardTracker:
     """Scalars per field in `directory`; a resumed launch purges the steps it redoes (`purge_step`)."""
 
     name = "tensorboard"
+    last_step = 0  # a resumed launch purges the steps it redoes
 
     def __init__(self, directory: Path, run_name: str, job_config: dict[str, Any], start_step: int) -> None:
         from tensorboard.compat.proto.summary_pb2 import Summary

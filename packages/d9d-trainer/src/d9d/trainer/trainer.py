@@ -1,10 +1,11 @@
 """`Trainer`: the one place where the lower packages are wired into a training job.
 
-build (mesh → logging → data, eval set → model: meta → parallelize → materialize → optimizer, LR
-schedule, checkpoints, step strategy) → resume → loop (step → eval → records → checkpoint) → export.
-Each concern lives in its own module: `build` (the model), `step/` (one optimizer step), `records`
-(metrics file, log line, progress), `evaluation` (the validation loop), `starting_weights` (the
-import folder, a LoRA run's base), `run_checkpoints` (save, resume), `export`; this file only wires them.
+build (mesh → logging → dataset → plan → data provider, eval set → model: meta → parallelize →
+materialize → optimizer, LR schedule, checkpoints, step strategy) → resume → loop (step → eval →
+records → checkpoint) → export. Each concern lives in its own module: `planning` (what the job
+builds, decided once), `build` (the model), `step/` (one optimizer step), `records` (metrics file,
+log line, progress), `evaluation` (the validation loop), `starting_weights` (the import folder, a
+LoRA run's base), `run_checkpoints` (save, resume), `export`; this file only wires them.
 """
 
 import contextlib
@@ -24,7 +25,7 @@ from d9d.parallel import ContextParallel, context_parallel_of, enable_tf32, merg
 from d9d.trainer._fault_injection import FaultInjection
 from d9d.trainer.build import materialize_model, shape_model
 from d9d.trainer.errors import TrainingError, is_out_of_memory, step_out_of_memory
-from d9d.trainer.evaluation import EvalResult, Evaluator, load_eval_set
+from d9d.trainer.evaluation import EvalResult, EvalSet, Evaluator, load_eval_set
 from d9d.trainer.export import Exporter
 from d9d.trainer.failures import FailureBoard, job_store
 from d9d.trainer.job import ResolvedJob, resolve_job
@@ -33,7 +34,13 @@ from d9d.trainer.metrics import ProgressLine, batch_flops_per_token, device_peak
 from d9d.trainer.metrics_file import METRICS_FILE, truncate_metrics
 from d9d.trainer.planning import JobPlan, check_model_mesh, plan_job
 from d9d.trainer.profiling import StepProfiler
-from d9d.trainer.providers import BuildDataProviderContext, BuildDatasetContext, SupportsClose
+from d9d.trainer.providers import (
+    BuildDataProviderContext,
+    BuildDatasetContext,
+    PipelineTask,
+    SupportsClose,
+    undeclared_methods,
+)
 from d9d.trainer.records import StepRecords
 from d9d.trainer.run_checkpoints import RunCheckpoints
 from d9d.trainer.run_lock import RunLock
@@ -115,9 +122,9 @@ class Trainer:
     # ------------------------------------------------------------------ build
 
     def _build(self) -> None:
+        """Plan, then build what the plan says: data, eval set, model, optimizer, checkpoints, step."""
         job, ctx = self._job, self._context
-        config = job.config
-        tcfg = config.trainer
+        tcfg = job.config.trainer
         check_model_mesh(job)  # before any data, model or file
         if not self._read_only:
             check_trackers(tcfg.tracking)  # a missing tracker library, before any file
@@ -126,36 +133,21 @@ class Trainer:
             if job.dataset_provider is not None
             else None
         )
-        plan = plan_job(job, ctx, dataset=dataset)  # every decision below, checked before data or model
-        self._plan = plan
+        plan = self._plan = plan_job(
+            job, ctx, dataset=dataset
+        )  # every decision, checked before data or model
         self._data = job.data_factory.build_data_provider(
             BuildDataProviderContext(context=ctx, dataset=dataset)
         )
-        if isinstance(self._data, SupportsClose):
+        if isinstance(self._data, SupportsClose) and not undeclared_methods(self._data, SupportsClose):
             self._closers.append(self._data.close)
         eval_set = load_eval_set(job, ctx)  # None without eval:; a set too small fails before any write
-        precision = plan.precision
         if ctx.device.type == "cuda":
             enable_tf32(tcfg.precision.tf32)
-        pipeline = plan.pipeline
-        if pipeline is not None:
-            _log.info(
-                "pipeline stages",
-                schedule=config.pipelining.schedule,
-                stages=[s.index for s in pipeline.stages],
-                layers=[f"{s.layers.start}..{s.layers.stop - 1}" for s in pipeline.stages],
-            )
-        layout = pipeline.layout if pipeline is not None else None
-        chunks = [  # one module per pipeline stage of this rank (the whole model without pp)
-            materialize_model(
-                job,
-                ctx,
-                shape_model(job, ctx, precision, layout=layout, stage=stage, data_vocab_size=plan.vocab_size),
-            )
-            for stage in plan.stages
-        ]
-        model = merge_stage_modules(chunks)  # several stages on this rank: one module, whole-model names
-        self._model = model
+        chunks = self._build_model(plan)
+        model = self._model = merge_stage_modules(
+            chunks
+        )  # several stages here: one module, whole-model names
         self._optimizer = job.optimizer_provider.build_optimizer(model.named_parameters())
         self._scheduler = job.lr_scheduler_provider.build_lr_scheduler(
             self._optimizer, tcfg.schedule.total_steps
@@ -174,11 +166,45 @@ class Trainer:
         self._checkpoints = RunCheckpoints(
             job, checkpoints, model, self._optimizer, self._scheduler, self._data, starting
         )
-        self._exporter = Exporter(job, ctx, model, starting, pipelined=pipeline is not None)
+        self._exporter = Exporter(job, ctx, model, starting, pipelined=plan.pipeline is not None)
+        self._build_step(plan, chunks, eval_set)
+        self._step = 0
+        self._guard_run(checkpoints)
+        self._log_built(plan)
+
+    def _build_model(self, plan: JobPlan) -> list[torch.nn.Module]:
+        """This rank's model: one module per pipeline stage of the plan (the whole model without pp)."""
+        job, ctx = self._job, self._context
+        pipeline = plan.pipeline
+        if pipeline is not None:
+            _log.info(
+                "pipeline stages",
+                schedule=job.config.pipelining.schedule,
+                stages=[s.index for s in pipeline.stages],
+                layers=[f"{s.layers.start}..{s.layers.stop - 1}" for s in pipeline.stages],
+            )
+        layout = pipeline.layout if pipeline is not None else None
+        return [
+            materialize_model(
+                job,
+                ctx,
+                shape_model(
+                    job, ctx, plan.precision, layout=layout, stage=stage, data_vocab_size=plan.vocab_size
+                ),
+            )
+            for stage in plan.stages
+        ]
+
+    def _build_step(self, plan: JobPlan, chunks: list[torch.nn.Module], eval_set: EvalSet | None) -> None:
+        """The step strategy (microbatches, or the plan's pipeline schedule) and the evaluator."""
+        job, ctx, model = self._job, self._context, self._model
+        tcfg = job.config.trainer
+        pipeline = plan.pipeline
         self._timer = StepTimer.for_device(ctx.device)  # the step-time breakdown, read when records flush
+        self._stops = StopRequests()
         settings = StepSettings(
             device=ctx.device,
-            precision=precision,
+            precision=plan.precision,
             max_norm=tcfg.gradient_clipping.max_norm,
             on_nonfinite=tcfg.on_nonfinite,
             dp_group=None if ctx.is_local else token_group(ctx),
@@ -187,13 +213,14 @@ class Trainer:
             context_parallel=context_parallel_of(model) or ContextParallel(),
             timer=self._timer,
         )
-        self._stops = StopRequests()
         self._evaluator = Evaluator(eval_set, model, job.task, settings)
         self._train_step: TrainStep
         if pipeline is not None:
+            task = job.task
+            assert isinstance(task, PipelineTask)  # the plan refuses a pipeline without one
             self._train_step = PipelineStep(
                 model,
-                job.task,
+                task,
                 self._optimizer,
                 self._scheduler,
                 settings,
@@ -203,8 +230,10 @@ class Trainer:
             )
         else:
             self._train_step = MicrobatchStep(model, job.task, self._optimizer, self._scheduler, settings)
-        self._step = 0
-        # Fault handling: one job per run directory, one report per failure, no silent hang.
+
+    def _guard_run(self, checkpoints: CheckpointManager) -> None:
+        """Fault handling: one job per run directory, one report per failure, no silent hang."""
+        ctx, tcfg = self._context, self._job.config.trainer
         store = job_store(ctx)
         self._failures = FailureBoard(store, ctx.rank, ctx.world_size)
         self._releasers.append(self._failures.linger)
@@ -228,8 +257,13 @@ class Trainer:
             self._closers.append(self._watchdog.close)
         self._faults = FaultInjection.from_env(ctx.rank)
         prof = tcfg.profiling
-        profile_dir = job.loaded.resolve_path(prof.dir) if prof.dir is not None else self.run_dir / "profile"
+        resolve = self._job.loaded.resolve_path
+        profile_dir = resolve(prof.dir) if prof.dir is not None else self.run_dir / "profile"
         self._profiler = StepProfiler(prof, profile_dir if prof.active_steps else None, ctx.rank, ctx.device)
+
+    def _log_built(self, plan: JobPlan) -> None:
+        ctx, config, model = self._context, self._job.config, self._model
+        tcfg = config.trainer
         _log.info(
             "job built",
             run=tcfg.run.name,
@@ -242,7 +276,7 @@ class Trainer:
             device=str(ctx.device),
             device_name=ctx.device_name,
             cpu_threads=self._threads,
-            precision=precision.describe(),
+            precision=plan.precision.describe(),
             activation_checkpointing=tcfg.activation_checkpointing.mode,
             compile=tcfg.compile.enabled,
         )
@@ -447,13 +481,20 @@ class Trainer:
 
     def close(self) -> None:
         """Finish a pending checkpoint, then release the process group and the run lock."""
-        try:
-            while self._closers:  # the watchdog, the checkpoint manager, the data provider
-                self._closers.pop()()
-        finally:
-            self._context.close()  # also breaks the collectives that other ranks wait in
-            while self._releasers:  # the failure board's linger, then the run lock
-                self._releasers.pop(0)()
+        # Each runs even when one before it raised (the first error is raised at the end). Closers go
+        # last-acquired first (the watchdog, the checkpoint manager's pending save, the data provider);
+        # releasers after the process group, first-acquired first: the failure board lingers for the
+        # other ranks' reports, and only then is the run lock released for the next job.
+        errors: list[BaseException] = []
+        for release in [*reversed(self._closers), self._context.close, *self._releasers]:
+            try:
+                release()
+            except BaseException as exc:  # reraised below, after the rest ran
+                errors.append(exc)
+        self._closers.clear()
+        self._releasers.clear()
+        if errors:
+            raise errors[0]
 
     def __enter__(self) -> "Trainer":
         return self

@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # the trainer imports torch: only inside the command at run t
     from d9d.mesh import MeshConfig
     from d9d.parallel import StageSpec
     from d9d.trainer import JobConfig, JobPlan, LoadedJob, PipelinePlan, SequencePlan
+    from d9d.trainer.config import PipeliningConfig
 
 __all__ = ["launch_command", "plan"]
 
@@ -171,7 +172,13 @@ def _plan(loaded: "LoadedJob", seq_len: int | None) -> "JobPlan":
     from d9d.trainer import plan_job, resolve_job
 
     job = resolve_job(loaded)  # imports the providers and checks their config sections
-    with DistributedContext.for_planning(job.config.mesh) as ctx:  # any world size, in this process
+    mesh = job.config.mesh
+    context = (  # one process: local, as the job runs; any other size on a fake process group
+        DistributedContext.from_env(mesh, environ={}, device="cpu")
+        if mesh.is_local
+        else DistributedContext.for_planning(mesh)
+    )
+    with context as ctx:
         return plan_job(job, ctx, seq_len=seq_len, device="cuda", memory=True)
 
 
@@ -182,9 +189,9 @@ def _plan_lines(job_plan: "JobPlan", config: "JobConfig") -> list[str]:
     mesh = job_plan.mesh
     lines = [format_layout(mesh), _data_line(job_plan, config.providers.data)]
     if mesh.context_parallel > 1:
-        lines += _context_parallel_lines(job_plan.sequence)
+        lines += _context_parallel_lines(job_plan.sequence, mesh.context_parallel)
     if job_plan.pipeline is not None:
-        lines += _pipeline_lines(job_plan.pipeline)
+        lines += _pipeline_lines(job_plan.pipeline, config.pipelining)
     return lines + _precision_lines(job_plan, config) + _memory_lines(job_plan, config)
 
 
@@ -246,9 +253,8 @@ def _memory_lines(job_plan: "JobPlan", config: "JobConfig") -> list[str]:
     return lines
 
 
-def _context_parallel_lines(sequence: "SequencePlan") -> list[str]:
+def _context_parallel_lines(sequence: "SequencePlan", cp: int) -> list[str]:
     """The cp groups (in cp-rank order) and each rank's share of a sequence, for a mesh with cp > 1."""
-    cp = sequence.context_parallel
     chunks = 2 * cp
     groups = [list(g) for g in sequence.cp_groups]
     shown = ", ".join(_format_group(g) for g in groups[:4])
@@ -280,7 +286,7 @@ def _format_group(group: list[int]) -> str:
     return "[" + ",".join(map(str, group)) + "]"
 
 
-def _pipeline_lines(pipeline: "PipelinePlan") -> list[str]:
+def _pipeline_lines(pipeline: "PipelinePlan", pipelining: "PipeliningConfig") -> list[str]:
     """The schedule, each pp rank's stages (global ranks, layers, embedding and head) and the bubble."""
     layout = pipeline.layout
     p, v, n = layout.pp_size, layout.stages_per_rank, layout.num_stages
@@ -293,8 +299,8 @@ def _pipeline_lines(pipeline: "PipelinePlan") -> list[str]:
         shape = f"{p} × {v} = {n} stages, looped (stage s on pp rank s mod {p})"
     lines = [
         f"pipeline parallel: pp {p}, schedule {layout.config.schedule}, {shape}; {num_layers} layers split "
-        f"with the embedding and the head counted as {pipeline.embedding_weight:g} and "
-        f"{pipeline.head_weight:g} layers (pipelining.embedding_weight, head_weight)"
+        f"with the embedding and the head counted as {pipelining.embedding_weight:g} and "
+        f"{pipelining.head_weight:g} layers (pipelining.embedding_weight, head_weight)"
     ]
     for rank in range(p):
         ranks = _format_ranks(list(pipeline.pp_ranks[rank]))

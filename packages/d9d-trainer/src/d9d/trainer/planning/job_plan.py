@@ -64,15 +64,13 @@ class SequencePlan:
     Attributes:
         seq_len: tokens per sample; None when not known without loading data.
         source: where `seq_len` came from (`dataset.seq_len`, `--seq-len`, ...), or why it is unknown.
-        context_parallel: the ranks that split every sequence (mesh.context_parallel).
-        cp_groups: the global ranks of each cp group, in cp-rank order.
-        share: cp rank 0's share of a sequence (every cp rank holds as many tokens); None when
+        cp_groups: the global ranks of each cp group (mesh.context_parallel of them), in cp-rank order.
+        share: this rank's share of a sequence (every cp rank holds as many tokens); None when
             `seq_len` is unknown.
     """
 
     seq_len: int | None
     source: str
-    context_parallel: int
     cp_groups: tuple[tuple[int, ...], ...]
     share: SequenceShare | None
 
@@ -87,8 +85,6 @@ class PipelinePlan:
         microbatches_per_step: what the schedule runs per step (the data provider's declaration).
         bubble: the schedule's theoretical bubble for those microbatches.
         pp_ranks: the global ranks of each pp rank (index: the pp coordinate).
-        embedding_weight: what the embedding counts as in the split, in layers.
-        head_weight: what the head counts as in the split, in layers.
     """
 
     layout: PipelineLayout
@@ -96,8 +92,6 @@ class PipelinePlan:
     microbatches_per_step: int
     bubble: PipelineBubble
     pp_ranks: tuple[tuple[int, ...], ...]
-    embedding_weight: float
-    head_weight: float
 
 
 @dataclass(frozen=True)
@@ -113,8 +107,8 @@ class JobPlan:
         pipeline: the pipeline plan; None without pipeline parallelism.
         sequence: the sequence length, its source and its cp split.
         vocab_size: the dataset's vocabulary (checked against the model's embedding); None unknown.
-        optimizer_states: optimizer tensors per trainable parameter (declared, or assumed).
-        optimizer_states_declared: False when the optimizer provider declares none (2 assumed).
+        optimizer_states: optimizer tensors per trainable parameter (declared, or assumed: its
+            description says so).
         memory: the per-rank memory estimate, when asked for (`plan_job(..., memory=True)`).
     """
 
@@ -127,7 +121,6 @@ class JobPlan:
     sequence: SequencePlan
     vocab_size: int | None
     optimizer_states: OptimizerStates
-    optimizer_states_declared: bool
     memory: MemoryPlan | None = None
 
     @property
@@ -166,8 +159,11 @@ def plan_job(
     check_model_mesh(job)
     batching = declared_batching(job, mesh)
     pipeline = _pipeline_plan(job, context, batching) if mesh.pipeline_parallel > 1 else None
-    sequence = _sequence_plan(job, dataset, seq_len)
-    states, declared = _optimizer_states(job)
+    sequence = _sequence_plan(job, context, dataset, seq_len)
+    if (
+        dataset is None
+    ):  # `d9d plan`: the eval set's length as the config tells it (the trainer checks the built one)
+        _check_eval_seq_len(job)
     device = torch.device(device) if device is not None else context.device
     plan = JobPlan(
         mesh=mesh,
@@ -178,8 +174,7 @@ def plan_job(
         pipeline=pipeline,
         sequence=sequence,
         vocab_size=dataset.vocab_size if dataset is not None else None,
-        optimizer_states=states,
-        optimizer_states_declared=declared,
+        optimizer_states=_optimizer_states(job),
     )
     return replace(plan, memory=plan_memory(job, plan, context)) if memory else plan
 
@@ -258,15 +253,12 @@ def _pipeline_plan(job: ResolvedJob, context: DistributedContext, batching: Batc
     mesh = job.config.mesh
     groups = axis_groups(mesh, "dense", "pp")
     pp_ranks = tuple(tuple(sorted(g[r] for g in groups)) for r in range(layout.pp_size))
-    pcfg = job.config.pipelining
     return PipelinePlan(
         layout=layout,
         stages=layout.stages_of_rank(context.coordinate("pp")),
         microbatches_per_step=m,
         bubble=pipeline_bubble(layout.config.schedule, layout.pp_size, layout.stages_per_rank, m),
         pp_ranks=pp_ranks,
-        embedding_weight=pcfg.embedding_weight,
-        head_weight=pcfg.head_weight,
     )
 
 
@@ -277,7 +269,9 @@ _DATASET_LENGTH = ("the dataset's sequences have", "set the dataset's seq_len (e
 _OPTION_LENGTH = ("--seq-len gives", "pass")
 
 
-def _sequence_plan(job: ResolvedJob, dataset: BuildDatasetResult | None, seq_len: int | None) -> SequencePlan:
+def _sequence_plan(
+    job: ResolvedJob, context: DistributedContext, dataset: BuildDatasetResult | None, seq_len: int | None
+) -> SequencePlan:
     """The sequence length (the option's, else the dataset's), each source checked against cp."""
     mesh = job.config.mesh
     cp = mesh.context_parallel
@@ -286,33 +280,52 @@ def _sequence_plan(job: ResolvedJob, dataset: BuildDatasetResult | None, seq_len
         if length is None:
             source = "the dataset declares none (BuildDatasetResult.seq_len)"
     else:
-        length, source = configured_seq_len(job)
+        length, source = configured_seq_len(job, "dataset")
     if length is not None:
         check_sequence_length(length, cp, subject=_DATASET_LENGTH[0], fix=_DATASET_LENGTH[1])
     if seq_len is not None:
         check_sequence_length(seq_len, cp, subject=_OPTION_LENGTH[0], fix=_OPTION_LENGTH[1])
         length, source = seq_len, "--seq-len"
     groups = tuple(tuple(g) for g in axis_groups(mesh, "batch", "cp"))
-    share = SequenceShare(length, cp, 0) if length is not None else None
-    return SequencePlan(seq_len=length, source=source, context_parallel=cp, cp_groups=groups, share=share)
+    share = SequenceShare(length, cp, context.coordinate("cp")) if length is not None else None
+    return SequencePlan(seq_len=length, source=source, cp_groups=groups, share=share)
 
 
-def configured_seq_len(job: ResolvedJob) -> tuple[int | None, str]:
-    """The dataset's sequence length as far as the config tells it without loading data, and from where.
+#: Where the eval set's length is refused from (the trainer's `load_eval_set` says the same).
+EVAL_LENGTH = ("eval_dataset: the eval set's sequences have", "set eval_dataset.seq_len to")
 
-    The `seq_len` key of the `dataset:` section when the config sets it, else the default of that key
-    in the dataset provider's `config_type`; (None, why) when neither exists.
+
+def _check_eval_seq_len(job: ResolvedJob) -> None:
+    """The eval set's length from the config (when it gives one) against cp, as the trainer refuses it."""
+    if job.config.eval is None:
+        return
+    length, _ = configured_seq_len(job, "eval_dataset")
+    if length is not None:
+        check_sequence_length(
+            length, job.config.mesh.context_parallel, subject=EVAL_LENGTH[0], fix=EVAL_LENGTH[1]
+        )
+
+
+def configured_seq_len(job: ResolvedJob, role: str = "dataset") -> tuple[int | None, str]:
+    """A dataset's sequence length as far as the config tells it without loading data, and from where.
+
+    `role` is "dataset" or "eval_dataset": the `seq_len` key of that section when the config sets it,
+    else the default of that key in its provider's `config_type`; (None, why) when neither exists.
     """
-    section = job.config.dataset
+    config = job.config
+    section, spec = {
+        "dataset": (config.dataset, config.providers.dataset),
+        "eval_dataset": (config.eval_dataset, config.providers.eval_dataset),
+    }[role]
     value = section.get("seq_len") if isinstance(section, dict) else None
     if _is_length(value):
-        return value, "dataset.seq_len"
-    converted = job.sections.get("dataset")
+        return value, f"{role}.seq_len"
+    converted = job.sections.get(role)
     if isinstance(converted, msgspec.Struct) or _is_dataclass_instance(converted):
         value = msgspec.to_builtins(converted).get("seq_len")
         if _is_length(value):
-            return value, f"the seq_len default of providers.dataset ({job.config.providers.dataset})"
-    return None, "neither dataset.seq_len nor the dataset provider's config_type gives it"
+            return value, f"the seq_len default of providers.{role} ({spec})"
+    return None, f"neither {role}.seq_len nor the {role} provider's config_type gives it"
 
 
 def _is_length(value: Any) -> bool:
@@ -328,17 +341,14 @@ def _is_dataclass_instance(value: Any) -> bool:
 # ---------------------------------------------------------------------------------------- optimizer
 
 
-def _optimizer_states(job: ResolvedJob) -> tuple[OptimizerStates, bool]:
-    """The optimizer provider's declared state per parameter, or the assumption (AdamW-like) and False."""
+def _optimizer_states(job: ResolvedJob) -> OptimizerStates:
+    """The optimizer provider's declared state per parameter, or the assumption (AdamW-like)."""
     provider = job.optimizer_provider
     if isinstance(provider, DeclaresOptimizerStates):
-        return provider.optimizer_states(), True
+        return provider.optimizer_states()
     spec = job.config.providers.optimizer
-    return (
-        OptimizerStates(
-            ASSUMED_OPTIMIZER_STATES,
-            f"assumed AdamW-like, {ASSUMED_OPTIMIZER_STATES} states per parameter: {spec} is a custom "
-            "optimizer that declares none (optimizer_states())",
-        ),
-        False,
+    return OptimizerStates(
+        ASSUMED_OPTIMIZER_STATES,
+        f"assumed AdamW-like, {ASSUMED_OPTIMIZER_STATES} states per parameter: {spec} is a custom "
+        "optimizer that declares none (optimizer_states())",
     )

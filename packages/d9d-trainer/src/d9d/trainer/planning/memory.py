@@ -20,6 +20,7 @@ from torch.overrides import TorchFunctionMode
 from d9d.mesh import DistributedContext
 from d9d.parallel import (
     ActivationCheckpointingConfig,
+    MixedPrecision,
     apply_activation_checkpointing,
     parallelize_context_parallel,
     saved_activation_bytes,
@@ -192,7 +193,7 @@ def _activations(
             context,
             seq_len=sequence.seq_len,
             microbatch_size=plan.batching.microbatch_size,
-            dtype=plan.precision.param_dtype,
+            precision=plan.precision,
         )
     except Exception as exc:  # a forward that cannot run on meta (e.g. MoE routing) is not an error
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -206,11 +207,11 @@ def estimate_activations(
     *,
     seq_len: int,
     microbatch_size: int,
-    dtype: torch.dtype,
+    precision: MixedPrecision,
 ) -> ActivationEstimate:
     """Run the task's loss on the meta device (no memory) and count what autograd saves for backward.
 
-    The model is cast to `dtype` (as FSDP2 computes); blocks are the entries of the model's
+    The model is cast to the compute dtype (`precision.param_dtype`, as FSDP2 computes); blocks are the entries of the model's
     largest ModuleList/ModuleDict. `seq_len` is the dataset's full sequence length. Under context
     parallelism the model gets the context's cp group (`parallelize_context_parallel`; on a
     planning context a fake process group) and the forward runs rank 0's share of each sequence
@@ -230,9 +231,9 @@ def estimate_activations(
     mesh = job.config.mesh
     with torch.device("meta"):
         base = job.model_provider.initialize_model_stage(
-            InitializeModelStageContext(context=context, base_dir=job.loaded.base_dir)
+            InitializeModelStageContext(context=context, base_dir=job.loaded.base_dir, precision=precision)
         ).model
-    base = base.to(dtype)
+    base = base.to(precision.param_dtype)
     shape = (microbatch_size, seq_len)  # ids and labels are two tensors, as a dataset gives them
     batch: Any = {
         name: torch.zeros(shape, dtype=torch.long, device="meta") for name in ("input_ids", "labels")

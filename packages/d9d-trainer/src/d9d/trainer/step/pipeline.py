@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from d9d.parallel import Pipeline, PipelineLayout, autocast_forward
-from d9d.trainer.providers import Task
+from d9d.trainer.providers import PipelineTask
 from d9d.trainer.step.base import StepBase, StepOutput, StepSettings
 
 __all__ = ["PipelineStep"]
@@ -20,7 +20,7 @@ class PipelineStep(StepBase):
     def __init__(
         self,
         model: nn.Module,
-        task: Task,
+        task: PipelineTask,
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         settings: StepSettings,
@@ -32,6 +32,7 @@ class PipelineStep(StepBase):
         """`model` holds all of this rank's parameters (a `StageChunks` over `chunks` when the schedule
         gives the rank several stages); `chunks` are the stage modules the schedule runs."""
         super().__init__(model, task, optimizer, scheduler, settings)
+        self.pipeline_task = task
         self._scale = torch.ones((), device=settings.device)
         chunks = list(chunks) if chunks is not None else [model]
         for chunk in chunks:
@@ -46,7 +47,7 @@ class PipelineStep(StepBase):
         )
 
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
-        result = self.task.pipeline_loss(output, target)  # type: ignore[attr-defined]
+        result = self.pipeline_task.pipeline_loss(output, target)
         return result.loss_sum / self._scale
 
     def run(self, microbatches: Sequence[Any], step: int) -> StepOutput:
@@ -58,7 +59,7 @@ class PipelineStep(StepBase):
         self._scale = weight.to(torch.float32)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        pairs = [self.task.pipeline_inputs(mb) for mb in microbatches]  # type: ignore[attr-defined]
+        pairs = [self.pipeline_task.pipeline_inputs(mb) for mb in microbatches]
         inputs = [x.to(device) for x, _ in pairs]
         targets = [y.to(device) for _, y in pairs]
         share = self.pipeline.step(inputs, targets, broadcast_loss=True)
