@@ -5,8 +5,9 @@ from pathlib import Path
 import pytest
 
 from d9d.mesh import DistributedContext
-from d9d.trainer import RunLockedError, TrainingError
+from d9d.trainer import TrainingError
 from d9d.trainer._fault_injection import FaultInjection
+from d9d.trainer.errors import RunLockedError
 from d9d.trainer.run_lock import LOCK_FILE, RunLock
 from d9d.trainer.watchdog import _message
 

@@ -24,11 +24,11 @@ if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports t
     )
     from d9d.trainer.config import JobConfig
     from d9d.trainer.entry import main, run_command, run_job
-    from d9d.trainer.errors import PeerFailedError, RunLockedError, TrainingError
+    from d9d.trainer.errors import TrainingError
     from d9d.trainer.evaluation import EvalResult
     from d9d.trainer.job import ResolvedJob, resolve_job
     from d9d.trainer.loading import ConfigError, LoadedJob, load_job_config
-    from d9d.trainer.materialize import ModelInitError, materialize_and_initialize
+    from d9d.trainer.materialize import materialize_and_initialize
     from d9d.trainer.metrics_file import read_metrics
     from d9d.trainer.planning import JobPlan, MemoryPlan, PipelinePlan, SequencePlan, plan_job
     from d9d.trainer.providers import (
@@ -73,11 +73,11 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     ),
     "config": ("JobConfig",),
     "entry": ("main", "run_command", "run_job"),
-    "errors": ("PeerFailedError", "RunLockedError", "TrainingError"),
+    "errors": ("TrainingError",),
     "evaluation": ("EvalResult",),
     "job": ("ResolvedJob", "resolve_job"),
     "loading": ("ConfigError", "LoadedJob", "load_job_config"),
-    "materialize": ("ModelInitError", "materialize_and_initialize"),
+    "materialize": ("materialize_and_initialize",),
     "metrics_file": ("read_metrics",),
     "planning": ("JobPlan", "MemoryPlan", "PipelinePlan", "SequencePlan", "plan_job"),
     "providers": (
@@ -140,12 +140,10 @@ __all__ = [
     "LossContext",
     "LossResult",
     "MemoryPlan",
-    "ModelInitError",
     "ModelProvider",
     "OptimizerProvider",
     "OptimizerStates",
     "ParallelizeModelStageContext",
-    "PeerFailedError",
     "PipelineModelProvider",
     "PipelinePlan",
     "PipelineTask",
@@ -154,7 +152,6 @@ __all__ = [
     "PrepareImportModelStageContext",
     "PrepareImportModelStageResult",
     "ResolvedJob",
-    "RunLockedError",
     "SequencePlan",
     "SupportsClose",
     "Task",
