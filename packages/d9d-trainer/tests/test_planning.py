@@ -151,3 +151,28 @@ def test_the_trainer_builds_from_its_plan(tmp_path):
         assert plan.batching is not None and plan.batching.microbatches_per_step == 4
         assert plan.precision == trainer.train_step.settings.precision  # type: ignore[attr-defined]
         assert plan.sequence.seq_len is None  # RandomTokens declares no length
+
+
+def test_a_model_provider_refuses_a_sequence_length_before_anything_runs(tmp_path):
+    job_file = tmp_path / "windowed.py"
+    job_file.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from _job import TinyModelProvider\n\n"
+        "class Windowed(TinyModelProvider):\n"
+        "    def check_sequence_length(self, seq_len):\n"
+        "        if seq_len > 4:\n"
+        "            raise ValueError(f'model.sliding_window=4 is shorter than the {seq_len}-token sequences')\n",
+        encoding="utf-8",
+    )
+    config = job_config(str(tmp_path / "runs"))
+    config["providers"]["model"] = f"{job_file}:Windowed"
+    job = resolve_job(load_job_config(config))
+    local = DistributedContext.from_env(environ={}, device="cpu")
+    with pytest.raises(TrainingError, match=r"sliding_window=4 is shorter .* \(the sequence length: 8 from"):
+        plan_job(job, local)  # RandomTokensProvider's config_type gives seq_len 8
+    short = resolve_job(load_job_config({**config, "dataset": {"seq_len": 4}}))
+    assert plan_job(short, local).sequence.seq_len == 4
+    with pytest.raises(TrainingError, match=r"\(the sequence length: 6 from --seq-len\)"):
+        plan_job(short, local, seq_len=6)
+    assert not (tmp_path / "runs").exists()

@@ -18,6 +18,7 @@ from d9d.trainer.config import JobConfig
 from d9d.trainer.loading import ConfigError, LoadedJob, check_values, convert_section, resolve_object
 from d9d.trainer.providers import (
     ChecksMesh,
+    ChecksSequenceLength,
     DataProviderFactory,
     DatasetProvider,
     DeclaresBatching,
@@ -38,7 +39,7 @@ _BUILTIN_DATA = "d9d.trainer:AutoDataProviderFactory"
 
 #: The optional abilities (protocols of `d9d.trainer.providers`) a provider of each role may declare.
 _ABILITIES: dict[str, tuple[type, ...]] = {
-    "model": (ChecksMesh, PipelineModelProvider, ImportsModelWeights),
+    "model": (ChecksMesh, ChecksSequenceLength, PipelineModelProvider, ImportsModelWeights),
     "task": (PipelineTask,),
     "data": (DeclaresBatching,),
     "optimizer": (DeclaresOptimizerStates,),

@@ -6,7 +6,7 @@ constructed with one argument: its config section, converted into the class's `c
 declares one (else the raw mapping).
 
 Optional abilities are declared, never probed: a provider has one when it implements the small
-protocol of that ability (`ChecksMesh`, `PipelineModelProvider`, `ImportsModelWeights`,
+protocol of that ability (`ChecksMesh`, `ChecksSequenceLength`, `PipelineModelProvider`, `ImportsModelWeights`,
 `PipelineTask`, `DeclaresBatching`, `DeclaresOptimizerStates`), and the planning module
 (`d9d.trainer.plan_job`) asks with `isinstance`. So a user's provider with the same declarations gets
 exactly the plan, the checks and the `d9d plan` output a built-in one gets.
@@ -31,6 +31,7 @@ __all__ = [
     "BuildDatasetContext",
     "BuildDatasetResult",
     "ChecksMesh",
+    "ChecksSequenceLength",
     "DataProviderFactory",
     "DatasetProvider",
     "DeclaresBatching",
@@ -200,8 +201,8 @@ class ModelProvider(Protocol):
         """Return the mapper `Trainer.export()` saves through."""
         ...
 
-    # Optional abilities, each its own protocol below: `ChecksMesh`, `PipelineModelProvider`,
-    # `ImportsModelWeights`.
+    # Optional abilities, each its own protocol below: `ChecksMesh`, `ChecksSequenceLength`,
+    # `PipelineModelProvider`, `ImportsModelWeights`.
 
 
 @runtime_checkable
@@ -211,6 +212,17 @@ class ChecksMesh(Protocol):
     def check_mesh(self, mesh: MeshConfig) -> None:
         """Raise ValueError naming the key when the model cannot be split by `mesh` (heads by tp,
         experts by ep, layers by pp); called before anything is built or written, and by `d9d plan`."""
+        ...
+
+
+@runtime_checkable
+class ChecksSequenceLength(Protocol):
+    """A model provider that refuses sequence lengths its model cannot compute exactly (optional)."""
+
+    def check_sequence_length(self, seq_len: int) -> None:
+        """Raise ValueError naming the key when sequences of `seq_len` tokens would not be computed
+        as the model's own code computes them (e.g. a sliding window shorter than the sequence);
+        called with the plan's length before anything is built, and by `d9d plan`."""
         ...
 
 

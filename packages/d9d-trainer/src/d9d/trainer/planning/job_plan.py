@@ -34,6 +34,7 @@ from d9d.trainer.providers import (
     Batching,
     BuildDatasetResult,
     ChecksMesh,
+    ChecksSequenceLength,
     DeclaresBatching,
     DeclaresOptimizerStates,
     OptimizerStates,
@@ -150,7 +151,8 @@ def plan_job(
             (`plan_memory`), which runs the model provider's code and the trainer's checks of it.
 
     Raises:
-        TrainingError: the model provider refuses the mesh, or cannot run a pipeline.
+        TrainingError: the model provider refuses the mesh or the sequence length, or cannot run a
+            pipeline.
         PipelineError: the schedule, stage, layer or microbatch counts do not fit.
         SequenceLengthError: context parallelism cannot cut the sequences.
         BatchSizeError: the declared batching does not split over the data-parallel ranks.
@@ -281,11 +283,18 @@ def _sequence_plan(
             source = "the dataset declares none (BuildDatasetResult.seq_len)"
     else:
         length, source = configured_seq_len(job, "dataset")
-    if length is not None:
-        check_sequence_length(length, cp, subject=_DATASET_LENGTH[0], fix=_DATASET_LENGTH[1])
+    lengths = [(length, source, _DATASET_LENGTH)] if length is not None else []
     if seq_len is not None:
-        check_sequence_length(seq_len, cp, subject=_OPTION_LENGTH[0], fix=_OPTION_LENGTH[1])
+        lengths.append((seq_len, "--seq-len", _OPTION_LENGTH))
         length, source = seq_len, "--seq-len"
+    provider = job.model_provider
+    for each, where, (subject, fix) in lengths:  # the dataset's own length is checked under --seq-len too
+        check_sequence_length(each, cp, subject=subject, fix=fix)
+        if isinstance(provider, ChecksSequenceLength):
+            try:
+                provider.check_sequence_length(each)
+            except (ValueError, TypeError) as exc:
+                raise TrainingError(f"{exc} (the sequence length: {each} from {where})") from None
     groups = tuple(tuple(g) for g in axis_groups(mesh, "batch", "cp"))
     share = SequenceShare(length, cp, context.coordinate("cp")) if length is not None else None
     return SequencePlan(seq_len=length, source=source, cp_groups=groups, share=share)
