@@ -160,9 +160,9 @@ def test_a_model_provider_refuses_a_sequence_length_before_anything_runs(tmp_pat
         f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
         "from _job import TinyModelProvider\n\n"
         "class Windowed(TinyModelProvider):\n"
-        "    def check_sequence_length(self, seq_len):\n"
-        "        if seq_len > 4:\n"
-        "            raise ValueError(f'model.sliding_window=4 is shorter than the {seq_len}-token sequences')\n",
+        "    def check_sequence_length(self, context):\n"
+        "        if context.seq_len > 4:\n"
+        "            raise ValueError(f'model.sliding_window=4 is shorter than the {context.seq_len}-token sequences')\n",
         encoding="utf-8",
     )
     config = job_config(str(tmp_path / "runs"))
@@ -176,3 +176,22 @@ def test_a_model_provider_refuses_a_sequence_length_before_anything_runs(tmp_pat
     with pytest.raises(TrainingError, match=r"\(the sequence length: 6 from --seq-len\)"):
         plan_job(short, local, seq_len=6)
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_model_provider_adds_its_own_fields_to_the_job_built_line(tmp_path, capsys):
+    job_file = tmp_path / "described.py"
+    job_file.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from _job import TinyModelProvider\n\n"
+        "class Described(TinyModelProvider):\n"
+        "    def describe_model(self):\n"
+        "        return {'backend': 'tiny-reference'}\n",
+        encoding="utf-8",
+    )
+    config = job_config(str(tmp_path / "runs"))
+    config["providers"]["model"] = f"{job_file}:Described"
+    with Trainer.from_config(config):
+        pass
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if "job built" in line]
+    assert "backend=tiny-reference" in line

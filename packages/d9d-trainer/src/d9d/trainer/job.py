@@ -23,6 +23,7 @@ from d9d.trainer.providers import (
     DatasetProvider,
     DeclaresBatching,
     DeclaresOptimizerStates,
+    DescribesModel,
     ImportsModelWeights,
     LRSchedulerProvider,
     ModelProvider,
@@ -39,7 +40,7 @@ _BUILTIN_DATA = "d9d.trainer:AutoDataProviderFactory"
 
 #: The optional abilities (protocols of `d9d.trainer.providers`) a provider of each role may declare.
 _ABILITIES: dict[str, tuple[type, ...]] = {
-    "model": (ChecksMesh, ChecksSequenceLength, PipelineModelProvider, ImportsModelWeights),
+    "model": (ChecksMesh, ChecksSequenceLength, PipelineModelProvider, ImportsModelWeights, DescribesModel),
     "task": (PipelineTask,),
     "data": (DeclaresBatching,),
     "optimizer": (DeclaresOptimizerStates,),

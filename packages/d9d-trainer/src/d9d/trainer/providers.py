@@ -30,12 +30,14 @@ __all__ = [
     "BuildDataProviderContext",
     "BuildDatasetContext",
     "BuildDatasetResult",
+    "CheckSequenceLengthContext",
     "ChecksMesh",
     "ChecksSequenceLength",
     "DataProviderFactory",
     "DatasetProvider",
     "DeclaresBatching",
     "DeclaresOptimizerStates",
+    "DescribesModel",
     "ImportsModelWeights",
     "InitializeModelStageContext",
     "InitializeModelStageResult",
@@ -202,7 +204,7 @@ class ModelProvider(Protocol):
         ...
 
     # Optional abilities, each its own protocol below: `ChecksMesh`, `ChecksSequenceLength`,
-    # `PipelineModelProvider`, `ImportsModelWeights`.
+    # `PipelineModelProvider`, `ImportsModelWeights`, `DescribesModel`.
 
 
 @runtime_checkable
@@ -215,14 +217,37 @@ class ChecksMesh(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class CheckSequenceLengthContext:
+    """What `check_sequence_length` may look at.
+
+    Attributes:
+        seq_len: the tokens per sample the job would train on (the dataset's, or `d9d plan --seq-len`).
+        base_dir: the config file's directory (for a model folder named relative to it).
+    """
+
+    seq_len: int
+    base_dir: Path = Path()
+
+
 @runtime_checkable
 class ChecksSequenceLength(Protocol):
     """A model provider that refuses sequence lengths its model cannot compute exactly (optional)."""
 
-    def check_sequence_length(self, seq_len: int) -> None:
-        """Raise ValueError naming the key when sequences of `seq_len` tokens would not be computed
-        as the model's own code computes them (e.g. a sliding window shorter than the sequence);
-        called with the plan's length before anything is built, and by `d9d plan`."""
+    def check_sequence_length(self, context: CheckSequenceLengthContext) -> None:
+        """Raise ValueError naming the key when sequences of `context.seq_len` tokens would not be
+        computed as the model's own code computes them (e.g. a sliding window shorter than the
+        sequence); called with the plan's length before anything is built, and by `d9d plan`."""
+        ...
+
+
+@runtime_checkable
+class DescribesModel(Protocol):
+    """A model provider that says what it built, in the trainer's "job built" line (optional)."""
+
+    def describe_model(self) -> Mapping[str, str]:
+        """Fields for the "job built" line (e.g. {"backend": "reference", "architecture": "mistral"});
+        called once the model is built."""
         ...
 
 

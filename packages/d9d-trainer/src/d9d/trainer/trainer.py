@@ -37,6 +37,7 @@ from d9d.trainer.profiling import StepProfiler
 from d9d.trainer.providers import (
     BuildDataProviderContext,
     BuildDatasetContext,
+    DescribesModel,
     PipelineTask,
     SupportsClose,
     undeclared_methods,
@@ -264,6 +265,8 @@ class Trainer:
     def _log_built(self, plan: JobPlan) -> None:
         ctx, config, model = self._context, self._job.config, self._model
         tcfg = config.trainer
+        provider = self._job.model_provider
+        described = dict(provider.describe_model()) if isinstance(provider, DescribesModel) else {}
         _log.info(
             "job built",
             run=tcfg.run.name,
@@ -279,6 +282,7 @@ class Trainer:
             precision=plan.precision.describe(),
             activation_checkpointing=tcfg.activation_checkpointing.mode,
             compile=tcfg.compile.enabled,
+            **described,  # the model provider's own account (e.g. which backend built the model)
         )
 
     # ------------------------------------------------------------------ accessors

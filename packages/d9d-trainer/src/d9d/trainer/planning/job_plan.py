@@ -33,6 +33,7 @@ from d9d.trainer.planning.memory import MemoryPlan, plan_memory
 from d9d.trainer.providers import (
     Batching,
     BuildDatasetResult,
+    CheckSequenceLengthContext,
     ChecksMesh,
     ChecksSequenceLength,
     DeclaresBatching,
@@ -292,7 +293,7 @@ def _sequence_plan(
         check_sequence_length(each, cp, subject=subject, fix=fix)
         if isinstance(provider, ChecksSequenceLength):
             try:
-                provider.check_sequence_length(each)
+                provider.check_sequence_length(CheckSequenceLengthContext(each, job.loaded.base_dir))
             except (ValueError, TypeError) as exc:
                 raise TrainingError(f"{exc} (the sequence length: {each} from {where})") from None
     groups = tuple(tuple(g) for g in axis_groups(mesh, "batch", "cp"))
