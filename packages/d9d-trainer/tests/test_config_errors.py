@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _job import job_config
@@ -120,3 +121,29 @@ def test_lr_schedule_shapes():
     )
     assert all(a >= b for a, b in itertools.pairwise(cosine[2:]))
     assert linear[7] == pytest.approx(1 - 0.9 * 5 / 9)
+
+
+def test_a_config_path_field_arrives_absolute_from_the_config_files_directory(tmp_path):
+    import msgspec
+
+    from d9d.trainer import ConfigPath, resolve_job
+
+    (tmp_path / "own.py").write_text(
+        "import msgspec\n"
+        "from d9d.trainer import ConfigPath\n\n"
+        "class Inner(msgspec.Struct):\n    file: ConfigPath\n\n"
+        "class Section(msgspec.Struct):\n"
+        "    folder: ConfigPath\n    optional: ConfigPath | None = None\n    name: str = 'x'\n    inner: Inner | None = None\n\n"
+        "class Data:\n    config_type = Section\n\n"
+        "    def __init__(self, config):\n        self.config = config\n\n"
+        "    def build_dataset(self, context):\n        raise NotImplementedError\n",
+        encoding="utf-8",
+    )
+    config = job_config(str(tmp_path / "runs"))
+    config["providers"]["dataset"] = "own.py:Data"
+    config["dataset"] = {"folder": "models/m", "name": "rel", "inner": {"file": "/abs/f"}}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
+    section = resolve_job(load_job_config(tmp_path / "config.yaml")).sections["dataset"]
+    assert section.folder == str(tmp_path / "models" / "m") and section.optional is None
+    assert section.name == "rel" and section.inner.file == "/abs/f"  # a plain str stays as written
+    assert msgspec.convert("p", ConfigPath) == "p"

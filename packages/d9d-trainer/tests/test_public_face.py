@@ -9,7 +9,7 @@ import d9d.trainer as trainer
 
 
 def test_every_public_name_resolves_from_the_module_that_defines_it():
-    assert len(trainer.__all__) <= 55  # what a user of the trainer needs, not the CLI's internals
+    assert len(trainer.__all__) <= 56  # what a user of the trainer needs, not the CLI's internals
     assert sorted(trainer.__all__) == sorted(trainer._MODULE_OF)
     for name in trainer.__all__:
         value = getattr(trainer, name)

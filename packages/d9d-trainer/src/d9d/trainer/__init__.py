@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports t
     from d9d.trainer.errors import TrainingError
     from d9d.trainer.evaluation import EvalResult
     from d9d.trainer.job import ResolvedJob, resolve_job
-    from d9d.trainer.loading import ConfigError, LoadedJob, load_job_config
+    from d9d.trainer.loading import ConfigError, ConfigPath, LoadedJob, load_job_config
     from d9d.trainer.materialize import materialize_and_initialize
     from d9d.trainer.metrics_file import read_metrics
     from d9d.trainer.planning import JobPlan, MemoryPlan, PipelinePlan, SequencePlan, plan_job
@@ -79,7 +79,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "errors": ("TrainingError",),
     "evaluation": ("EvalResult",),
     "job": ("ResolvedJob", "resolve_job"),
-    "loading": ("ConfigError", "LoadedJob", "load_job_config"),
+    "loading": ("ConfigError", "ConfigPath", "LoadedJob", "load_job_config"),
     "materialize": ("materialize_and_initialize",),
     "metrics_file": ("read_metrics",),
     "planning": ("JobPlan", "MemoryPlan", "PipelinePlan", "SequencePlan", "plan_job"),
@@ -133,6 +133,7 @@ __all__ = [
     "ChecksMesh",
     "ChecksSequenceLength",
     "ConfigError",
+    "ConfigPath",
     "DataProviderFactory",
     "DatasetProvider",
     "DeclaresBatching",

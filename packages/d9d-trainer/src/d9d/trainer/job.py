@@ -15,7 +15,14 @@ import msgspec
 from d9d.data import DataError
 from d9d.mesh import D9dError
 from d9d.trainer.config import JobConfig
-from d9d.trainer.loading import ConfigError, LoadedJob, check_values, convert_section, resolve_object
+from d9d.trainer.loading import (
+    ConfigError,
+    LoadedJob,
+    check_values,
+    convert_section,
+    resolve_config_paths,
+    resolve_object,
+)
 from d9d.trainer.providers import (
     ChecksMesh,
     ChecksSequenceLength,
@@ -119,7 +126,7 @@ def resolve_job(loaded: LoadedJob) -> ResolvedJob:
     for role, (spec, section, section_key, methods) in sections.items():
         cls = resolve_object(spec, loaded.base_dir, key=f"{where}: providers.{role}")
         built[role], arguments[role] = _construct(
-            cls, section, where=where, role=role, section_key=section_key, methods=methods, spec=spec
+            cls, section, loaded, where=where, role=role, section_key=section_key, methods=methods, spec=spec
         )
     if "dataset" in built:
         built["dataset"] = _GuardedDatasetProvider(built["dataset"], spec=providers.dataset or "")
@@ -144,6 +151,7 @@ def resolve_job(loaded: LoadedJob) -> ResolvedJob:
 def _construct(
     cls: Any,
     section: Any,
+    loaded: LoadedJob,
     *,
     where: str,
     role: str,
@@ -169,6 +177,7 @@ def _construct(
                 "msgspec.Struct (or a dataclass) whose fields are the section's keys"
             ) from None
         check_values(argument, where=where, prefix=prefix)
+        argument = resolve_config_paths(argument, loaded)  # `ConfigPath` fields: from the config's directory
     else:
         argument = section
     try:

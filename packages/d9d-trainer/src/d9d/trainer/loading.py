@@ -18,7 +18,7 @@ import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, NewType, Union, get_args, get_origin, get_type_hints
 
 import msgspec
 import yaml
@@ -29,6 +29,7 @@ from d9d.trainer.config import JobConfig
 
 __all__ = [
     "ConfigError",
+    "ConfigPath",
     "LoadedJob",
     "apply_overrides",
     "check_values",
@@ -43,6 +44,33 @@ _UNKNOWN = re.compile(r"Object contains unknown field `(?P<key>[^`]+)`")
 
 class ConfigError(D9dError, ValueError):
     """A job config cannot be used as written; the message names the key path and the fix."""
+
+
+#: A path in a provider's config section: declare a field `ConfigPath` (or `ConfigPath | None`) in
+#: the provider's `config_type` and the provider receives it absolute, taken from the config file's
+#: directory like every path of a job (`LoadedJob.resolve_path`), so it can read the file at once.
+ConfigPath = NewType("ConfigPath", str)
+
+
+def resolve_config_paths(value: Any, loaded: "LoadedJob") -> Any:
+    """`value` (a converted section: a msgspec struct) with each `ConfigPath` field made absolute,
+    nested structs included; anything else is returned as it is."""
+    if not isinstance(value, msgspec.Struct):
+        return value
+    changes: dict[str, Any] = {}
+    for field in msgspec.structs.fields(type(value)):
+        current = getattr(value, field.name)
+        if isinstance(current, str) and _is_config_path(field.type):
+            changes[field.name] = str(loaded.resolve_path(current))
+        elif isinstance(current, msgspec.Struct):
+            resolved = resolve_config_paths(current, loaded)
+            if resolved is not current:
+                changes[field.name] = resolved
+    return msgspec.structs.replace(value, **changes) if changes else value
+
+
+def _is_config_path(annotation: Any) -> bool:
+    return annotation is ConfigPath or ConfigPath in get_args(annotation)
 
 
 @dataclass(frozen=True)
