@@ -39,6 +39,7 @@ BENCHMARKS: list[tuple[str, list[str]]] = [
     ("context_parallel", ["--seq", "1024", "4096"]),
     ("lora_memory", []),
     ("trackers", ["--steps", "61", "--rounds", "2"]),
+    ("moe", ["--repeats", "3"]),
 ]
 
 

@@ -3,7 +3,8 @@
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from d9d.mesh.testing import HostSyncCounter
 
 #: Matmul-like aten ops (by overload packet name) whose input dtypes the precision tests check.
 MATMULS = ("mm", "addmm", "bmm", "baddbmm", "linear", "matmul", "_grouped_mm")
@@ -11,31 +12,19 @@ MATMULS = ("mm", "addmm", "bmm", "baddbmm", "linear", "matmul", "_grouped_mm")
 REDUCTIONS = ("reduce_scatter", "allreduce", "all_reduce")
 
 
-class OpRecorder(TorchDispatchMode):
+class OpRecorder(HostSyncCounter):
     """Records (op name, input dtypes, inside backward) of matmuls and reducing collectives, and counts
-    host syncs: `_local_scalar_dense` (every `.item()`, `float(t)`, `bool(t)`) and `Tensor.tolist()`
-    (which on a CPU tensor reads memory without dispatching any op, so it is counted where it is called)."""
+    host syncs as `d9d.mesh.testing.HostSyncCounter` does (`host_syncs`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.matmuls: list[tuple[str, tuple[torch.dtype, ...]]] = []
         self.reductions: list[tuple[str, tuple[torch.dtype, ...], bool]] = []
-        self.host_syncs = 0
 
-    def __enter__(self) -> "OpRecorder":
-        self._tolist = torch.Tensor.tolist
-        recorder = self
-
-        def tolist(tensor: torch.Tensor) -> Any:
-            recorder.host_syncs += 1
-            return recorder._tolist(tensor)
-
-        torch.Tensor.tolist = tolist  # type: ignore[method-assign]
-        return super().__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        torch.Tensor.tolist = self._tolist  # type: ignore[method-assign]
-        super().__exit__(*exc)
+    @property
+    def host_syncs(self) -> int:
+        """Host syncs a CUDA run would make, so far."""
+        return self.count
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = func._overloadpacket.__name__
@@ -45,9 +34,7 @@ class OpRecorder(TorchDispatchMode):
             self.matmuls.append((name, dtypes))
         elif any(r in name for r in REDUCTIONS):
             self.reductions.append((name, dtypes, torch._C._current_graph_task_id() != -1))
-        elif name == "_local_scalar_dense":
-            self.host_syncs += 1
-        return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

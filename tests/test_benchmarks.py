@@ -49,3 +49,13 @@ def test_lora_memory_tiny_mode_counts_grads_and_state_for_adapters_only(tmp_path
         "LoRA / full: checkpoint bytes",
     ]
     assert 0 < rows[0]["ratio"] < 1 and 0 < rows[1]["ratio"] < 1 and 0 < rows[3]["ratio"] < 1, rows
+
+
+def test_moe_tiny_mode_times_both_banks_and_counts_host_reads(tmp_path):
+    stdout, rows = _run(tmp_path, "moe.py", "--tiny", timeout=300)
+    assert "grouped/loop" in stdout
+    reads = {r["name"]: r["ratio"] for r in rows if "host reads" in r["name"]}
+    assert reads == {
+        "moe host reads per layer, 1 process, 8 experts": 0.0,
+        "moe host reads per layer, EP 2, 8 experts": 1.0,
+    }

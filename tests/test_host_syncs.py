@@ -54,6 +54,38 @@ def test_one_host_sync_per_ordinary_step_on_two_ranks(tmp_path, mesh):
     assert all(n <= 1 for n in per_step), per_step
 
 
+def _moe_quickstart_syncs(save_root: str, mesh_sets: tuple[str, ...]) -> tuple[float, int]:
+    """Host syncs per ordinary step of the MoE quickstart (2 MoE layers), from runs of 4 and 8 steps,
+    and the microbatches each step runs."""
+    from _quickstart import CONFIG, MOE, TINY
+
+    counts = []
+    microbatches = 0
+    for steps in (4, 8):
+        sets = [*TINY, *MOE, *mesh_sets, f"trainer.checkpointing.save_dir={save_root}/s{steps}",
+                f"trainer.schedule.total_steps={steps}", "trainer.logging.period_steps=1000",
+                "trainer.checkpointing.period_steps=0", "optimizer.implementation=fused"]  # fmt: skip
+        with Trainer.from_config(CONFIG, sets) as trainer:
+            recorder = OpRecorder()
+            with recorder:
+                trainer.train()
+            assert trainer.plan.batching is not None
+            microbatches = trainer.plan.batching.microbatches_per_step
+        counts.append(recorder.host_syncs)
+    return (counts[1] - counts[0]) / 4, microbatches
+
+
+def test_a_moe_model_adds_no_host_sync_per_step_on_one_process(tmp_path):
+    per_step, _ = _moe_quickstart_syncs(str(tmp_path), ())
+    assert per_step <= 1
+
+
+def test_expert_parallelism_reads_one_split_size_list_per_moe_layer_forward_2ranks(tmp_path):
+    sets = ("mesh.data_parallel_shard=2", "mesh.expert_parallel=2")
+    for per_step, microbatches in run_distributed(_moe_quickstart_syncs, 2, str(tmp_path), sets, timeout=180):
+        assert per_step <= 1 + 2 * microbatches, per_step  # the step's one, one per MoE layer's forward
+
+
 class _DeviceLikeEvent:
     """Times like `torch.cuda.Event(enable_timing=True)` behaves: `elapsed_time` of an event no wait
     has covered fails (CUDA: not ready), and `synchronize` is a host sync the recorder counts."""

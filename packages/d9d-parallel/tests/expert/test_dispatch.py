@@ -120,6 +120,7 @@ def test_bad_expert_parallel_configs_are_clear_errors_2ranks():
         assert "not supported yet" in errors["tensor_parallel"]
 
 
-def test_grouped_experts_reject_counts_that_do_not_cover_the_tokens():
+@pytest.mark.parametrize("width", [HIDDEN, 20], ids=["grouped", "loop"])
+def test_grouped_experts_reject_counts_that_do_not_cover_the_tokens(width):
     with pytest.raises(RuntimeError):
-        GroupedExperts(2, HIDDEN, FFN)(torch.randn(3, HIDDEN), [1, 1])
+        GroupedExperts(2, width, width)(torch.randn(3, width), torch.tensor([1, 1]))

@@ -31,8 +31,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
 __all__ = [
+    "SYNCING_OPS",
     "DistributedTestError",
+    "HostSyncCounter",
     "TorchrunResult",
     "free_port",
     "run_distributed",
@@ -40,6 +45,50 @@ __all__ = [
 ]
 
 _GRACE_AFTER_FAILURE_S = 3.0
+
+#: Aten ops that wait for the device on the host under CUDA: `_local_scalar_dense` (every `.item()`,
+#: `float(t)`, `bool(t)`) and ops whose output size depends on the values (CUDA's `bincount` reads its
+#: largest id back, `nonzero` its count, ...).
+SYNCING_OPS = frozenset(
+    ("_local_scalar_dense", "bincount", "nonzero", "_unique2", "unique_consecutive", "masked_select")
+)
+
+
+class HostSyncCounter(TorchDispatchMode):
+    """Counts, on CPU, the host syncs a CUDA run would make: the `SYNCING_OPS` and `Tensor.tolist()`
+    (which reads a CPU tensor's memory without dispatching any op, so it is counted where it is
+    called). `names` lists them in order; subclasses extend `__torch_dispatch__` and call super."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    @property
+    def count(self) -> int:
+        """Host syncs seen so far."""
+        return len(self.names)
+
+    def __enter__(self) -> "HostSyncCounter":
+        self._tolist = torch.Tensor.tolist
+        names, original = self.names, self._tolist
+
+        def tolist(tensor: torch.Tensor) -> Any:
+            names.append("tolist")
+            return original(tensor)
+
+        torch.Tensor.tolist = tolist  # type: ignore[method-assign]
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.Tensor.tolist = self._tolist  # type: ignore[method-assign]
+        super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        """Count `func` when it syncs, then run it."""
+        name = func._overloadpacket.__name__
+        if name in SYNCING_OPS:
+            self.names.append(name)
+        return func(*args, **(kwargs or {}))
 
 
 class DistributedTestError(AssertionError):
@@ -119,7 +168,6 @@ def _child_main(
                 **env,
             }
         )
-        import torch
         import torch.distributed as dist
 
         torch.set_num_threads(1)

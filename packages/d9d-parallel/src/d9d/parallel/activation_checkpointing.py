@@ -66,7 +66,23 @@ def apply_activation_checkpointing(
             wrap_forward(module, _checkpointed)
             module._d9d_activation_checkpointed = True  # type: ignore[assignment]
         done.append(module)
+    if done:
+        _compile_forward_side_effects_once()
     return done
+
+
+def _compile_forward_side_effects_once() -> None:
+    """Let torch.compile trace a checkpointed block whose forward records something on a module.
+
+    A MoE layer keeps its load statistics of the last forward (`MoE.last_stats`); dynamo refuses that
+    side effect inside a checkpointed region (the recompute in the backward would replay it) and ran
+    the whole block eagerly. The recorded values are meant once per forward, so the recompute need
+    not replay them: torch's switch for exactly that (where torch has it; a global of dynamo).
+    """
+    import torch._dynamo
+
+    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
 def _checkpointed(inner: Any, module: nn.Module, *args: Any, **kwargs: Any) -> Any:

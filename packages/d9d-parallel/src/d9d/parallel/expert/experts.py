@@ -1,4 +1,12 @@
-"""Expert MLPs: SwiGLU, and a bank of SwiGLU experts stored as stacked weights."""
+"""Expert MLPs: SwiGLU, and a bank of SwiGLU experts stored as stacked weights, run as grouped GEMMs.
+
+The bank computes all its experts in three grouped matrix multiplies (`torch.nn.functional.grouped_mm`,
+torch >= 2.10; `torch._grouped_mm` before), whose group boundaries are the cumulative per-expert
+token counts on the device: no host sync, and shapes that do not depend on the routing, so a
+compiled block keeps one graph. The kernels need each row (hidden and ffn widths) to be a multiple
+of 16 bytes and, on CUDA, bfloat16 inputs; where a bank does not fit (or torch has neither
+function) it runs the per-expert loop, which reads the counts on the host once per forward.
+"""
 
 import math
 
@@ -7,7 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["GroupedExperts", "SwiGLU"]
+__all__ = ["GroupedExperts", "SwiGLU", "grouped_mm_fits"]
+
+#: torch's grouped GEMM: public from torch 2.10, private (`torch._grouped_mm`, CUDA sm90 only) in 2.8-2.9.
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 class SwiGLU(nn.Module):
@@ -48,16 +59,58 @@ class GroupedExperts(nn.Module):
             nn.init.uniform_(weight, -1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in))
         nn.init.uniform_(self.w_down, -1 / math.sqrt(self.ffn_size), 1 / math.sqrt(self.ffn_size))
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Run the local experts on `x` [N, hidden], grouped by expert: `counts[j]` rows for local expert j.
 
-        Groups may be empty; every expert weight still gets a (zero) gradient.
+        `counts` is an integer tensor on `x`'s device (the counts are never read on the host on the
+        grouped path). Groups may be empty; every expert weight still gets a (zero) gradient.
+
+        Raises:
+            RuntimeError: the counts do not add up to the rows of `x`.
         """
-        w_gate, w_up, w_down = _local(self.w_gate), _local(self.w_up), _local(self.w_down)
+        w_gate, w_up, w_down = (_local(w).to(x.dtype) for w in (self.w_gate, self.w_up, self.w_down))
+        if grouped_mm_fits(x, self.hidden_size, self.ffn_size):
+            assert _GROUPED_MM is not None
+            offs = torch.cumsum(counts, dim=0).to(torch.int32)  # the end row of each expert's group
+            # checked on the device (a CUDA device-side assert), never read on the host
+            torch._assert_async(offs[-1] == x.shape[0], "expert counts must add up to the rows of x")
+            gate = _contiguous_grad(_GROUPED_MM(x, w_gate, offs=offs))
+            up = _contiguous_grad(_GROUPED_MM(x, w_up, offs=offs))
+            return _contiguous_grad(_GROUPED_MM(F.silu(gate) * up, w_down, offs=offs))
         outputs = []
-        for j, x_j in enumerate(torch.split(x, counts, dim=0)):
+        for j, x_j in enumerate(torch.split(x, counts.tolist(), dim=0)):  # the fallback's host read
             outputs.append((F.silu(x_j @ w_gate[j]) * (x_j @ w_up[j])) @ w_down[j])
         return torch.cat(outputs, dim=0)
+
+
+def grouped_mm_fits(x: torch.Tensor, hidden_size: int, ffn_size: int) -> bool:
+    """Whether a bank of these widths runs `x` as grouped GEMMs (else the per-expert loop).
+
+    Needs torch's grouped GEMM, rows of 16-byte multiples (both widths), and on CUDA bfloat16
+    (the kernels' only floating dtype there); CPU takes float32 and bfloat16.
+    """
+    if _GROUPED_MM is None or x.device.type not in ("cpu", "cuda"):
+        return False
+    if x.device.type == "cuda" and x.dtype != torch.bfloat16:
+        return False
+    return all(width * x.element_size() % 16 == 0 for width in (hidden_size, ffn_size))
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """The identity, whose backward makes the incoming gradient contiguous (grouped GEMM's backward
+    refuses an expanded one, e.g. the gradient of a `.sum()`)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _contiguous_grad(x: torch.Tensor) -> torch.Tensor:
+    return _ContiguousGrad.apply(x)  # type: ignore[no-any-return]
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:

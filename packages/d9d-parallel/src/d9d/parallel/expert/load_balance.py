@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["LoadBalanceStats", "load_balance_stats"]
+__all__ = ["LoadBalanceStats", "expert_counts", "load_balance_stats"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,17 @@ class LoadBalanceStats:
     aux_loss: torch.Tensor
 
 
+def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Routing slots per expert (int64 [num_experts]) of the flat chosen ids, on their device.
+
+    A scatter-add, not `torch.bincount`: CUDA's bincount reads the largest id back to size its
+    output (a host sync); the number of experts is known.
+    """
+    flat = expert_ids.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
+
+
 def load_balance_stats(
     probs: torch.Tensor, indices: torch.Tensor, *, group: dist.ProcessGroup | None = None
 ) -> LoadBalanceStats:
@@ -45,7 +56,7 @@ def load_balance_stats(
     """
     num_tokens, num_experts = probs.shape
     top_k = indices.shape[-1]
-    counts = torch.bincount(indices.reshape(-1), minlength=num_experts).to(torch.float64)
+    counts = expert_counts(indices, num_experts).to(torch.float64)
     totals = torch.cat([counts, counts.new_tensor([float(num_tokens)])])
     if group is not None:
         dist.all_reduce(totals, group=group)

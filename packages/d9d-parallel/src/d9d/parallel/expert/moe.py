@@ -6,7 +6,7 @@ from torch import nn
 
 from d9d.parallel.expert.dispatch import LocalDispatcher, TokenDispatcher
 from d9d.parallel.expert.experts import GroupedExperts, SwiGLU
-from d9d.parallel.expert.load_balance import LoadBalanceStats, load_balance_stats
+from d9d.parallel.expert.load_balance import LoadBalanceStats, expert_counts, load_balance_stats
 from d9d.parallel.expert.router import TopKRouter
 
 __all__ = ["MoE", "moe_aux_loss"]
@@ -60,7 +60,7 @@ class MoE(nn.Module):
         expert_ids = route.indices.reshape(-1)
         order = torch.argsort(expert_ids, stable=True)
         token_ids = order // self.top_k
-        counts = torch.bincount(expert_ids, minlength=self.num_experts)
+        counts = expert_counts(expert_ids, self.num_experts)
         routed = self.dispatcher(flat[token_ids], counts, self.experts)
         weighted = routed * route.weights.reshape(-1)[order].unsqueeze(-1)
         out = torch.zeros_like(flat).index_add(0, token_ids, weighted)
