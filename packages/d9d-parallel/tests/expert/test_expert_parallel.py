@@ -164,6 +164,9 @@ LAYOUTS = {
     "ep2_ddp2_world2": (MeshConfig(data_parallel_replicate=2, expert_parallel=2), "replicate", True),
     "ep2_fsdp2_world2": (MeshConfig(data_parallel_shard=2, expert_parallel=2), "fsdp", True),
     "ep2_fsdp4_world4": (MeshConfig(data_parallel_shard=4, expert_parallel=2), "fsdp", False),
+    # expert banks replicated over ep_replicate = 2: their gradient sum there is the banks' own, with
+    # no dense data-parallel wrapper after it to reset their divide factor (a dropped sum fails here)
+    "ep2_dp4_world4": (MeshConfig(data_parallel_replicate=4, expert_parallel=2), "allreduce", True),
     "ep2_hsdp2x2_world4": (
         MeshConfig(data_parallel_replicate=2, data_parallel_shard=2, expert_parallel=2),
         "hsdp",
