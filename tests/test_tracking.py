@@ -258,4 +258,4 @@ def test_a_tracker_that_cannot_start_on_rank_0_stops_every_rank_with_its_error(t
         train(2, overrides(tmp_path, "bogus", 2, "mesh.data_parallel_shard=2", bogus), timeout=120)
     assert time.monotonic() - began < 60, "the other rank waited for a step timeout"
     assert "another rank failed first" in str(caught.value) or "ranks [1] failed too" in str(caught.value)
-    assert not (tmp_path / "bogus" / "save-1").exists()
+    assert not (tmp_path / "bogus").exists()  # a job that did not start leaves no run directory, no lock

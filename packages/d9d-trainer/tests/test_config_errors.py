@@ -147,3 +147,41 @@ def test_a_config_path_field_arrives_absolute_from_the_config_files_directory(tm
     assert section.folder == str(tmp_path / "models" / "m") and section.optional is None
     assert section.name == "rel" and section.inner.file == "/abs/f"  # a plain str stays as written
     assert msgspec.convert("p", ConfigPath) == "p"
+
+
+def test_a_profiling_window_after_the_last_step_is_refused(tmp_path):
+    config = job_config(str(tmp_path), total_steps=4)
+    config["trainer"]["profiling"] = {"start_step": 5, "active_steps": 2}
+    with pytest.raises(ConfigError, match=r"trainer\.profiling\.start_step=5 is after the last step"):
+        Trainer.from_config(config)
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("key", "section"),
+    [
+        ("trainer.profiling.dir", {"profiling": {"active_steps": 1, "dir": "blocker/profile"}}),
+        (
+            "trainer.tracking.tensorboard_dir",
+            {"tracking": {"backends": ["tensorboard"], "tensorboard_dir": "blocker/tb"}},
+        ),
+    ],
+    ids=["profiling", "tensorboard"],
+)
+def test_a_file_where_a_profile_or_tracker_dir_goes_is_one_line_naming_the_key(tmp_path, key, section):
+    (tmp_path / "blocker").write_text("a file")
+    config = job_config(str(tmp_path / "runs"))
+    config["trainer"].update(section)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
+    with pytest.raises(ConfigError, match=rf"{key.replace('.', chr(92) + '.')}: .*blocker is a file"):
+        Trainer.from_config(tmp_path / "config.yaml")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_an_unknown_tracker_backend_names_the_valid_ones(tmp_path):
+    config = job_config(str(tmp_path))
+    config["trainer"]["tracking"] = {"backends": ["jsonl", "tensorbord"]}
+    with pytest.raises(
+        ConfigError, match=r"backends\[1\]: Invalid enum value 'tensorbord'; choose one of jsonl, tensorboard"
+    ):
+        load_job_config(config)

@@ -23,11 +23,12 @@ def test_config_changes_lists_each_changed_leaf_of_the_watched_sections():
     now = {
         "mesh": {"data_parallel_shard": 4},
         "optimizer": {"lr": 0.1},
-        "trainer": {"schedule": {"total_steps": 8}, "run": {"name": "b"}},
+        "trainer": {"schedule": {"total_steps": 8}, "run": {"name": "b"}, "determinism": {"seed": 3}},
     }
     assert config_changes(saved, now) == {
         "mesh.data_parallel_shard": (2, 4),
         "trainer.schedule.total_steps": (4, 8),
+        "trainer.determinism.seed": (None, 3),  # a changed seed gets its notice too
     }
     assert config_changes(None, now) == {}
 

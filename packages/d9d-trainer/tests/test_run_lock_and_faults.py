@@ -23,6 +23,19 @@ def test_run_lock_is_exclusive_and_released(tmp_path: Path) -> None:
     RunLock.acquire(tmp_path / "run", context).release()
 
 
+def test_a_job_that_wrote_nothing_leaves_nothing(tmp_path: Path) -> None:
+    context = DistributedContext.from_env(environ={})
+    lock = RunLock.acquire(tmp_path / "save" / "run", context)
+    (tmp_path / "save" / "run" / "hangs").mkdir()  # an empty directory the job made is no write
+    lock.release()
+    assert not (tmp_path / "save").exists()  # the run directory and the save_dir it created
+    (tmp_path / "kept").mkdir()
+    lock = RunLock.acquire(tmp_path / "kept" / "run", context)
+    (tmp_path / "kept" / "run" / "metrics.jsonl").write_text("{}\n")
+    lock.release()
+    assert sorted(p.name for p in (tmp_path / "kept" / "run").iterdir()) == [LOCK_FILE, "metrics.jsonl"]
+
+
 def test_run_lock_on_a_file_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
     with pytest.raises(TrainingError, match=r"cannot create the lock file .*save_dir to a writable"):

@@ -56,13 +56,15 @@ def test_initial_weights_do_not_depend_on_build_order(tmp_path):
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-def test_export_then_start_a_new_run_from_the_export(tmp_path):
+def test_export_then_start_a_new_run_from_the_export(tmp_path, capsys):
     from safetensors.torch import load_file
 
     with Trainer.from_config(job_config(str(tmp_path), name="base", total_steps=2)) as trainer:
         trainer.train()
         out = trainer.export(tmp_path / "export")
         trained = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if "d9d.trainer: exported" in line]
+    assert "weights=['model.safetensors']" in line  # the log names the files written
     saved = load_file(out / "model.safetensors")
     assert saved.keys() == trained.keys()
     assert all(torch.equal(saved[k], trained[k]) for k in trained)

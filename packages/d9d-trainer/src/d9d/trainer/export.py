@@ -89,7 +89,7 @@ class Exporter:
         mapper = result.mapper
         if self._pipelined and mapper is not None:
             mapper = _whole_model_mapper(mapper, self._context.mesh("dense")["pp"].get_group())
-        save_safetensors(
+        weights = save_safetensors(
             source,
             target,
             mapper=mapper,
@@ -102,7 +102,12 @@ class Exporter:
                 tmp.write_text(text, encoding="utf-8")
                 tmp.replace(path)
         self._context.barrier()
-        _log.info("exported", dir=str(target), files=sorted(result.extra_files))
+        _log.info(
+            "exported",
+            dir=str(target),
+            weights=sorted(set(weights.values())),
+            files=sorted(result.extra_files),
+        )
         return Path(target)
 
     def _export_lora(self, target: Path) -> Path:

@@ -231,7 +231,14 @@ def one_line_text(exc: BaseException) -> str:
 
 
 def _check_combinations(config: JobConfig, where: str) -> None:
-    """Settings that each are valid but do not work together (yet)."""
+    """Settings that each are valid but do not work together (yet), or that would do nothing."""
+    profiling, total = config.trainer.profiling, config.trainer.schedule.total_steps
+    if profiling.active_steps and profiling.start_step > total:
+        raise ConfigError(
+            f"{where}: trainer.profiling.start_step={profiling.start_step} is after the last step "
+            f"(trainer.schedule.total_steps={total}), so nothing would be profiled; set start_step to at "
+            f"most {total} or trainer.profiling.active_steps: 0"
+        )
     if config.trainer.compile.enabled and config.mesh.tensor_parallel > 1:
         raise ConfigError(
             f"{where}: trainer.compile.enabled with mesh.tensor_parallel={config.mesh.tensor_parallel} is not "
@@ -276,10 +283,16 @@ def _check_directories(loaded: LoadedJob, where: str) -> None:
     """Each directory the job writes must be a directory or creatable: no file may stand in its way."""
     config = loaded.config
     trainer = config.trainer
+    tracking, profiling = trainer.tracking, trainer.profiling
     targets = {
         "trainer.checkpointing.save_dir": str(Path(trainer.checkpointing.save_dir) / trainer.run.name),
         "trainer.logging.log_dir": trainer.logging.log_dir,
         "export.dir": config.export.dir,
+        "trainer.profiling.dir": profiling.dir if profiling.active_steps else None,
+        "trainer.tracking.tensorboard_dir": tracking.tensorboard_dir
+        if "tensorboard" in tracking.backends
+        else None,
+        "trainer.tracking.wandb_dir": tracking.wandb_dir if "wandb" in tracking.backends else None,
     }
     for key, target in targets.items():
         if target is None:

@@ -290,6 +290,10 @@ def _type_at(schema: type, path: str) -> Any:
     current: Any = schema
     for part in [p for p in re.split(r"[.\[\]]", path) if p]:
         current = _unwrap_optional(current)
+        if part.isdigit() and get_origin(current) in (tuple, list):  # an item: the element type
+            args = [a for a in get_args(current) if a is not Ellipsis]
+            current = args[0] if len(args) == 1 else (args[int(part)] if int(part) < len(args) else None)
+            continue
         if not (isinstance(current, type) and issubclass(current, msgspec.Struct)):
             return None
         hints = get_type_hints(current)

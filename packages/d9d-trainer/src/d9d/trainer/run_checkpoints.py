@@ -156,6 +156,7 @@ _WATCHED = (
     "lr_scheduler",
     "trainer.schedule",
     "trainer.precision",
+    "trainer.determinism",
     "model",
     "peft",
 )

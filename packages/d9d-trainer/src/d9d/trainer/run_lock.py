@@ -5,6 +5,7 @@ however it exits (SIGKILL included), so a crashed job never leaves a stale lock 
 torchrun only rank 0 takes it and broadcasts the outcome, so every rank refuses together.
 """
 
+import contextlib
 import datetime
 import fcntl
 import os
@@ -25,8 +26,10 @@ LOCK_FILE = ".lock"
 class RunLock:
     """The exclusive lock of one run directory (held on rank 0; other ranks hold nothing)."""
 
-    def __init__(self, fd: int | None) -> None:
+    def __init__(self, fd: int | None, run_dir: Path | None = None, created: tuple[Path, ...] = ()) -> None:
         self._fd = fd
+        self._run_dir = run_dir
+        self._created = created  # the directories `acquire` made, deepest first
 
     @classmethod
     def acquire(cls, run_dir: Path, context: DistributedContext) -> "RunLock":
@@ -38,7 +41,9 @@ class RunLock:
         """
         fd: int | None = None
         error: tuple[bool, str] | None = None  # (locked by another job, message)
+        created: tuple[Path, ...] = ()
         if context.is_main_process:
+            created = tuple(p for p in (run_dir, *run_dir.parents) if not p.exists())  # innermost first
             try:
                 fd = _try_lock(run_dir)
             except RunLockedError as exc:
@@ -56,13 +61,50 @@ class RunLock:
         if error is not None:
             locked, message = error
             raise (RunLockedError if locked else TrainingError)(message)
-        return cls(fd)
+        return cls(fd, run_dir, created)
 
     def release(self) -> None:
-        """Give the lock up (safe to call twice)."""
-        if self._fd is not None:
+        """Give the lock up (safe to call twice).
+
+        A run directory that holds nothing but the lock (a job that stopped before it wrote anything:
+        a tracker that could not start, an error in the first step) is removed with the lock, and so
+        are the directories above it that `acquire` created: a job that did not start leaves nothing.
+        """
+        if self._fd is None:
+            return
+        try:
+            if self._run_dir is not None and _holds_only_the_lock(self._run_dir):
+                (self._run_dir / LOCK_FILE).unlink(missing_ok=True)
+                _remove_empty_tree(self._run_dir)
+                for directory in self._created[1:]:  # the run directory's parents it created, inner first
+                    with contextlib.suppress(OSError):
+                        directory.rmdir()  # only when empty: another run may have appeared there
+        finally:
             os.close(self._fd)  # closing the descriptor releases the flock
             self._fd = None
+
+
+def _holds_only_the_lock(run_dir: Path) -> bool:
+    """Nothing in `run_dir` but the lock file and empty directories."""
+    try:
+        entries = list(run_dir.iterdir())
+    except OSError:
+        return False
+    return all(
+        e.name == LOCK_FILE or (e.is_dir() and not e.is_symlink() and _is_empty_tree(e)) for e in entries
+    )
+
+
+def _is_empty_tree(directory: Path) -> bool:
+    return all(e.is_dir() and not e.is_symlink() and _is_empty_tree(e) for e in directory.iterdir())
+
+
+def _remove_empty_tree(directory: Path) -> None:
+    """Remove `directory` and the empty directories under it (it holds no file)."""
+    for child in directory.iterdir():
+        _remove_empty_tree(child)
+    with contextlib.suppress(OSError):
+        directory.rmdir()
 
 
 def _try_lock(run_dir: Path) -> int:
