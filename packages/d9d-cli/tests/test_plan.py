@@ -792,3 +792,12 @@ def test_an_optimizer_that_declares_nothing_is_assumed_adamw_like(runner, config
     assert result.exit_code == 0, result.output
     (line,) = _lines(result.output, "optimizer ")
     assert "assumed AdamW-like, 2 states per parameter" in line and "optimizer_states()" in line
+
+
+def test_the_fine_tune_example_with_cp_is_refused_naming_its_pack_key(runner):
+    config = Path(__file__).resolve().parents[3] / "examples" / "finetune" / "config.yaml"
+    result = runner.invoke(cli, ["plan", str(config), *_mesh_sets(context_parallel=2)])
+    assert result.exit_code == 2 and result.stdout == ""
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: mesh.context_parallel=2 with packed documents")
+    assert "set dataset.pack: false" in line and "or mesh.context_parallel: 1" in line

@@ -47,7 +47,13 @@ from d9d.data.packing import (
     pack_lengths,
 )
 from d9d.data.placement import DataPlacement
-from d9d.data.protocol import DataProvider, DeclaresSeqLen, DeclaresVocabSize, SizedDataProvider
+from d9d.data.protocol import (
+    DataProvider,
+    DeclaresDocumentMasking,
+    DeclaresSeqLen,
+    DeclaresVocabSize,
+    SizedDataProvider,
+)
 
 __all__ = [
     "IGNORE_INDEX",
@@ -64,6 +70,7 @@ __all__ = [
     "DataProvider",
     "DataStateError",
     "DatasetError",
+    "DeclaresDocumentMasking",
     "DeclaresSeqLen",
     "DeclaresVocabSize",
     "EpochOrder",

@@ -4,7 +4,13 @@ what a dataset may declare about its samples (`DeclaresSeqLen`, `DeclaresVocabSi
 from collections.abc import Iterator, Mapping
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-__all__ = ["DataProvider", "DeclaresSeqLen", "DeclaresVocabSize", "SizedDataProvider"]
+__all__ = [
+    "DataProvider",
+    "DeclaresDocumentMasking",
+    "DeclaresSeqLen",
+    "DeclaresVocabSize",
+    "SizedDataProvider",
+]
 
 BatchT_co = TypeVar("BatchT_co", covariant=True)
 
@@ -64,4 +70,19 @@ class DeclaresVocabSize(Protocol):
     @property
     def vocab_size(self) -> int | None:
         """Every token id is below it; None when unknown."""
+        ...
+
+
+@runtime_checkable
+class DeclaresDocumentMasking(Protocol):
+    """A dataset whose samples may pack several documents that must not attend to each other.
+
+    `document_masking` True: each sample carries `position_ids` and `document_ids` (see
+    `d9d.data.block_causal_mask`); every d9d.data dataset declares it (packed SFT rows, token
+    datasets with `document_masking`).
+    """
+
+    @property
+    def document_masking(self) -> bool:
+        """Whether samples carry `position_ids` and `document_ids`."""
         ...

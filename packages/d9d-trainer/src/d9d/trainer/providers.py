@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from d9d.data import DataProvider, DeclaresSeqLen, DeclaresVocabSize
+from d9d.data import DataProvider, DeclaresDocumentMasking, DeclaresSeqLen, DeclaresVocabSize
 from d9d.mesh import DistributedContext, MeshConfig
 from d9d.parallel import ActivationCheckpointingConfig, CompileConfig, LoraConfig, MixedPrecision
 
@@ -297,18 +297,25 @@ class BuildDatasetResult:
             int attribute: `d9d.data.DeclaresSeqLen`, as every d9d.data dataset has).
         vocab_size: every token id is below it, checked against the model's input embedding; None
             when unknown. When not given, the dataset's own (`d9d.data.DeclaresVocabSize`).
+        document_masking: samples pack documents that must not attend to each other (they carry
+            `position_ids` and `document_ids`), checked against context parallelism; None when
+            unknown. When not given, the dataset's own (`d9d.data.DeclaresDocumentMasking`).
     """
 
     dataset: Any
     collate_fn: Callable[[list[Any]], Any] | None = None
     seq_len: int | None = None
     vocab_size: int | None = None
+    document_masking: bool | None = None
 
     def __post_init__(self) -> None:
         if self.seq_len is None and isinstance(self.dataset, DeclaresSeqLen):
             object.__setattr__(self, "seq_len", _count(self.dataset.seq_len))
         if self.vocab_size is None and isinstance(self.dataset, DeclaresVocabSize):
             object.__setattr__(self, "vocab_size", _count(self.dataset.vocab_size))
+        if self.document_masking is None and isinstance(self.dataset, DeclaresDocumentMasking):
+            masking = self.dataset.document_masking
+            object.__setattr__(self, "document_masking", masking if isinstance(masking, bool) else None)
 
 
 def _count(value: object) -> int | None:

@@ -143,6 +143,11 @@ class SFTDataset:
         return self._seq_len
 
     @property
+    def document_masking(self) -> bool:
+        """Whether rows carry `position_ids` and `document_ids`: packed rows do (`pack=True`)."""
+        return self._pack
+
+    @property
     def stats(self) -> SFTStats:
         """Records read, kept, truncated and dropped, and token counts (`str()` gives one log line)."""
         return self._stats

@@ -163,9 +163,10 @@ def plan_job(
     batching = declared_batching(job, mesh)
     pipeline = _pipeline_plan(job, context, batching) if mesh.pipeline_parallel > 1 else None
     sequence = _sequence_plan(job, context, dataset, seq_len)
+    _check_document_masking(job, dataset)
     if (
         dataset is None
-    ):  # `d9d plan`: the eval set's length as the config tells it (the trainer checks the built one)
+    ):  # `d9d plan`: the eval set's length from the config (the trainer checks the built one)
         _check_eval_seq_len(job)
     device = torch.device(device) if device is not None else context.device
     plan = JobPlan(
@@ -301,6 +302,28 @@ def _sequence_plan(
     return SequencePlan(seq_len=length, source=source, cp_groups=groups, share=share)
 
 
+#: The dataset config keys that pack documents, in the order `_check_document_masking` names them.
+_PACKING_KEYS = ("pack", "document_masking")
+
+
+def _check_document_masking(job: ResolvedJob, dataset: BuildDatasetResult | None) -> None:
+    """Packed documents (position and document ids per sample) with context parallelism: refused
+    before anything is built. From the built dataset's declaration, or (`d9d plan`) the config's
+    `dataset.pack` / `dataset.document_masking` (set, or its provider's default)."""
+    cp = job.config.mesh.context_parallel
+    if cp <= 1:
+        return
+    keys = [key for key in _PACKING_KEYS if configured_value(job, "dataset", key)[0] is True]
+    masking = dataset.document_masking if dataset is not None else bool(keys)
+    if not masking:
+        return
+    named = " / ".join(f"dataset.{key}: false" for key in keys) or "the dataset's document masking off"
+    raise TrainingError(
+        f"mesh.context_parallel={cp} with packed documents (samples whose documents must not attend to "
+        f"each other) is not supported yet; set {named}, or mesh.context_parallel: 1"
+    )
+
+
 #: Where the eval set's length is refused from (the trainer's `load_eval_set` says the same).
 EVAL_LENGTH = ("eval_dataset: the eval set's sequences have", "set eval_dataset.seq_len to")
 
@@ -322,20 +345,29 @@ def configured_seq_len(job: ResolvedJob, role: str = "dataset") -> tuple[int | N
     `role` is "dataset" or "eval_dataset": the `seq_len` key of that section when the config sets it,
     else the default of that key in its provider's `config_type`; (None, why) when neither exists.
     """
+    value, source = configured_value(job, role, "seq_len")
+    if _is_length(value):
+        return value, source
+    return None, f"neither {role}.seq_len nor the {role} provider's config_type gives it"
+
+
+def configured_value(job: ResolvedJob, role: str, key: str) -> tuple[Any, str]:
+    """The value of `key` in the `role` ("dataset", "eval_dataset") section as the config tells it
+    without loading data, and from where: set in the config, else the default of that field of the
+    provider's `config_type`; (None, "") when neither has it."""
     config = job.config
     section, spec = {
         "dataset": (config.dataset, config.providers.dataset),
         "eval_dataset": (config.eval_dataset, config.providers.eval_dataset),
     }[role]
-    value = section.get("seq_len") if isinstance(section, dict) else None
-    if _is_length(value):
-        return value, f"{role}.seq_len"
+    if isinstance(section, dict) and key in section:
+        return section[key], f"{role}.{key}"
     converted = job.sections.get(role)
     if isinstance(converted, msgspec.Struct) or _is_dataclass_instance(converted):
-        value = msgspec.to_builtins(converted).get("seq_len")
-        if _is_length(value):
-            return value, f"the seq_len default of providers.{role} ({spec})"
-    return None, f"neither {role}.seq_len nor the {role} provider's config_type gives it"
+        fields = msgspec.to_builtins(converted)
+        if key in fields:
+            return fields[key], f"the {key} default of providers.{role} ({spec})"
+    return None, ""
 
 
 def _is_length(value: Any) -> bool:
