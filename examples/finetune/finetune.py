@@ -125,6 +125,7 @@ class ChatConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         pack: several conversations per row, never attending to each other (position and document ids).
         train_on: "assistant" (loss on the assistant's tokens only) or "all".
         overflow: "truncate" or "drop" conversations longer than seq_len.
+        roles: the message roles the conversations may use (another is refused with its file:line).
     """
 
     path: str
@@ -133,6 +134,7 @@ class ChatConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pack: bool = True
     train_on: Literal["assistant", "all"] = "assistant"
     overflow: Literal["truncate", "drop"] = "truncate"
+    roles: tuple[str, ...] = ("system", "user", "assistant", "tool")
 
 
 class ChatProvider:
@@ -152,6 +154,7 @@ class ChatProvider:
             train_on=self.config.train_on,
             overflow=self.config.overflow,
             pack=self.config.pack,
+            roles=self.config.roles,
         )
         return BuildDatasetResult(dataset=dataset)
 

@@ -320,13 +320,20 @@ def test_malformed_lines_name_file_and_line(tmp_path, qwen_folder):
             {"messages": [{"role": "user", "content": "a"}, {"role": "assistant"}]}
         ),
         "non-empty list": json.dumps({"messages": []}),
-        "Unknown role: robot": json.dumps({"messages": [{"role": "robot", "content": "a"}]}),
+        "message 0 has role 'robot'; the roles accepted are system, user, assistant, tool": json.dumps(
+            {"messages": [{"role": "robot", "content": "a"}]}
+        ),
     }
     for i, (message, bad) in enumerate(cases.items()):
         path = tmp_path / f"bad{i}.jsonl"
         path.write_text(f"{good}\n\n{bad}\n{good}\n", encoding="utf-8")
         with pytest.raises(DatasetError, match=rf"{path.name}:3: .*{message}"):
             SFTDataset(path, seq_len=16, tokenizer=qwen_folder)
+    wizard = _jsonl(tmp_path / "wizard.jsonl", [{"messages": [{"role": "wizard", "content": "a"}]}])
+    with pytest.raises(DatasetError, match=r"wizard.jsonl:1: message 0 has role 'wizard'"):
+        SFTDataset(wizard, seq_len=16, tokenizer=qwen_folder)  # a template would render it silently
+    with pytest.raises(DatasetError, match="Unknown role: wizard"):  # accepted here: the template's own check
+        SFTDataset(wizard, seq_len=16, tokenizer=qwen_folder, roles=("user", "wizard"))
     chat = _jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATIONS[0]}])
     with pytest.raises(
         DatasetError, match=r"chat.jsonl:1: chat messages need a tokenizer with a chat template"

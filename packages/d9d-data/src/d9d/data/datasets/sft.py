@@ -47,6 +47,10 @@ class SFTStats(msgspec.Struct, frozen=True, kw_only=True):
         )
 
 
+#: The message roles a conversation may use by default (chat templates know these).
+DEFAULT_ROLES = ("system", "user", "assistant", "tool")
+
+
 class SFTDataset:
     """Supervised fine-tuning samples from JSONL: one conversation or prompt/completion pair per line.
 
@@ -71,6 +75,8 @@ class SFTDataset:
             end-of-turn tokens) or "all" (every token).
         overflow: "truncate" (keep the first seq_len + 1 tokens) or "drop" records that do not fit.
         pack: pack several records per row (see above).
+        roles: the message roles a conversation may use; any other is refused with its file and line
+            (a template renders an unknown role silently, so a typo would train as it stands).
     """
 
     def __init__(
@@ -82,6 +88,7 @@ class SFTDataset:
         train_on: TrainOn = "assistant",
         overflow: Overflow = "truncate",
         pack: bool = False,
+        roles: Sequence[str] = DEFAULT_ROLES,
     ) -> None:
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
             raise DatasetError(f"seq_len must be an integer >= 1, got {seq_len!r}")
@@ -92,6 +99,7 @@ class SFTDataset:
         self._seq_len = seq_len
         self._train_on = train_on
         self._pack = bool(pack)
+        self._roles = tuple(roles)
         self._files = find_jsonl_files(sources)
         self._tokenizer = resolve_tokenizer(tokenizer)
         pad = getattr(self._tokenizer, "pad_id", None)
@@ -225,6 +233,12 @@ class SFTDataset:
                 ):
                     raise DatasetError(
                         f"{where}: message {i} must be an object with string 'role' and 'content', got {message!r}"
+                    )
+                if message["role"] not in self._roles:
+                    raise DatasetError(
+                        f"{where}: message {i} has role {message['role']!r}; the roles accepted are "
+                        f"{', '.join(self._roles)} (pass more with SFTDataset(roles=...), e.g. the dataset "
+                        "section's roles)"
                     )
             if not isinstance(self._tokenizer, ChatTokenizer) or self._tokenizer.chat_template is None:
                 raise DatasetError(
