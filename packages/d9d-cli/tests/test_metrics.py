@@ -220,3 +220,14 @@ def test_the_plot_hint_names_a_uv_command_that_installs_matplotlib_here():
     )
     assert out.returncode == 0, out.stderr
     assert "matplotlib" in out.stdout + out.stderr or "Would make no changes" in out.stdout + out.stderr
+
+
+def test_a_run_path_taken_from_the_wrong_directory_names_the_real_place(runner, tmp_path, monkeypatch):
+    _write(tmp_path / "examples" / "job" / "runs" / "demo", [_record(1, 2.0)])
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(cli, ["metrics", "runs/demo"])
+    assert result.exit_code == 2
+    assert (
+        "did you mean examples/job/runs/demo?" in result.stderr
+        and "relative to the config file" in result.stderr
+    )

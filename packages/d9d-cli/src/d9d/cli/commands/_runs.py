@@ -41,9 +41,13 @@ def check_run_dir(path: str | Path) -> Path:
     """`path` as a run directory (`save_dir/run.name`), or a `CliError` saying what it is instead."""
     run_dir = Path(path)
     if not run_dir.exists():
-        raise CliError(
-            f"{run_dir}: no such directory; pass a run directory (save_dir/run.name, e.g. runs/quickstart)"
+        near = _same_run_below(run_dir)
+        hint = (
+            f"; did you mean {near}? (a config's save_dir is relative to the config file)"
+            if near is not None
+            else "; pass a run directory (save_dir/run.name, e.g. runs/quickstart)"
         )
+        raise CliError(f"{run_dir}: no such directory{hint}")
     if not run_dir.is_dir():
         raise CliError(f"{run_dir} is a file, not a run directory (save_dir/run.name, e.g. runs/quickstart)")
     names = {p.name for p in run_dir.iterdir()}
@@ -66,6 +70,21 @@ def check_run_dir(path: str | Path) -> Path:
                 f"{run_dir} holds the runs {', '.join(runs)}; pass one of them, e.g. {run_dir / runs[0]}"
             )
     return run_dir
+
+
+def _same_run_below(missing: Path, depth: int = 3) -> Path | None:
+    """A directory ending in `missing` (relative) up to `depth` levels below the current one that holds
+    a run's metrics file, e.g. examples/quickstart/runs/quickstart for runs/quickstart; None if none
+    or several."""
+    if missing.is_absolute():
+        return None
+    found = [
+        candidate
+        for level in range(1, depth + 1)
+        for candidate in Path().glob("/".join(["*"] * level) + f"/{missing}")
+        if (candidate / METRICS_FILE).is_file()
+    ]
+    return found[0] if len(found) == 1 else None
 
 
 def scan_run_dir(run_dir: Path) -> RunScan:
