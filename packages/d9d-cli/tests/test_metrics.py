@@ -85,7 +85,7 @@ def test_plot_without_matplotlib_says_how_to_install(runner, tmp_path, monkeypat
     assert result.exit_code == 2
     assert len(result.stderr.strip().splitlines()) == 1
     assert (
-        "uv sync --all-packages --extra plot" in result.stderr
+        "uv sync --all-packages --inexact --extra plot" in result.stderr
         and "pip install 'd9d-cli[plot]'" in result.stderr
     )
     assert not (tmp_path / "m.png").exists()

@@ -32,10 +32,11 @@ __all__ = [
 
 #: How to install the `plot` extra. In the d9d workspace it is an extra of the d9d-cli member, not of
 #: the (virtual) workspace root, so `uv sync --extra plot` and `uv sync --all-extras` alone do not
-#: reach it; `--all-packages` makes uv sync every member with the extras asked for.
+#: reach it; `--all-packages` makes uv sync every member with the extras asked for, and `--inexact`
+#: keeps what is installed already (uv sync removes every package it was not asked for: other extras).
 PLOT_INSTALL_HINT = (
-    "install it with `uv sync --all-packages --extra plot` in the d9d workspace "
-    "or `pip install 'd9d-cli[plot]'`"
+    "install it with `uv sync --all-packages --inexact --extra plot` in the d9d workspace "
+    "(--inexact keeps the extras you have) or `pip install 'd9d-cli[plot]'`"
 )
 
 #: The step phases of a record's step-time breakdown (d9d.trainer.timing), as the summary names them.
