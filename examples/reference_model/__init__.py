@@ -10,7 +10,15 @@ logits = model(input_ids)            # [batch, seq, vocab]
 save_hf_pretrained(model, "hf_out")  # a Hugging Face folder (qwen3 / llama / qwen3_moe)
 """
 
-from .config import MoEConfig, ReferenceModelConfig, ReferenceModelConfigError
+from .config import (
+    LinearRopeScaling,
+    Llama3RopeScaling,
+    MoEConfig,
+    ReferenceModelConfig,
+    ReferenceModelConfigError,
+    RopeScaling,
+    YarnRopeScaling,
+)
 from .mappers import (
     HFConversionError,
     from_hf_config,
@@ -30,8 +38,6 @@ from .model import (
     ReferenceForCausalLM,
     ReferenceModel,
     RMSNorm,
-    RotaryEmbedding,
-    apply_rotary,
     build_moe,
 )
 from .parallelize import (
@@ -41,19 +47,24 @@ from .parallelize import (
     tensor_parallel_plan,
     trim_to_stage,
 )
+from .rope import RotaryEmbedding, apply_rotary, rope_attention_factor, rope_inverse_frequencies
 
 __all__ = [
     "MLP",
     "Attention",
     "DecoderLayer",
     "HFConversionError",
+    "LinearRopeScaling",
+    "Llama3RopeScaling",
     "MoEConfig",
     "RMSNorm",
     "ReferenceForCausalLM",
     "ReferenceModel",
     "ReferenceModelConfig",
     "ReferenceModelConfigError",
+    "RopeScaling",
     "RotaryEmbedding",
+    "YarnRopeScaling",
     "apply_expert_parallel",
     "apply_rotary",
     "apply_tensor_parallel",
@@ -66,6 +77,8 @@ __all__ = [
     "hf_model_type",
     "load_hf_pretrained",
     "read_hf_config",
+    "rope_attention_factor",
+    "rope_inverse_frequencies",
     "save_hf_pretrained",
     "tensor_parallel_plan",
     "to_hf_config",

@@ -9,7 +9,15 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["MoEConfig", "ReferenceModelConfig", "ReferenceModelConfigError"]
+__all__ = [
+    "LinearRopeScaling",
+    "Llama3RopeScaling",
+    "MoEConfig",
+    "ReferenceModelConfig",
+    "ReferenceModelConfigError",
+    "RopeScaling",
+    "YarnRopeScaling",
+]
 
 
 class ReferenceModelConfigError(ValueError):
@@ -24,6 +32,96 @@ def _require_positive(**values: int | float) -> None:
     for key, value in values.items():
         if value <= 0:
             raise ReferenceModelConfigError(f"model.{key}={value} must be positive")
+
+
+class _RopeScalingBase(
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, tag_field="rope_type"
+):
+    """RoPE scaling (the `model.rope_scaling` section), tagged by `rope_type`; the math is in `rope.py`."""
+
+
+class LinearRopeScaling(_RopeScalingBase, tag="linear"):
+    """Position interpolation: every frequency divided by `factor` (HF `rope_type: linear`).
+
+    Attributes:
+        factor: how many times longer the sequences are than those of pretraining.
+    """
+
+    factor: float
+
+    def __post_init__(self) -> None:
+        _require_positive(**{"rope_scaling.factor": self.factor})
+
+
+class Llama3RopeScaling(_RopeScalingBase, tag="llama3"):
+    """Llama 3.x: long wavelengths divided by `factor`, short ones kept, a smooth ramp between.
+
+    Attributes:
+        factor: divisor of the low frequencies (8 in Llama 3.1).
+        low_freq_factor: wavelengths above `original_max_position_embeddings / low_freq_factor` are scaled.
+        high_freq_factor: wavelengths below `original_max_position_embeddings / high_freq_factor` are kept.
+        original_max_position_embeddings: context length of pretraining (8192 in Llama 3.1).
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self) -> None:
+        _require_positive(
+            **{
+                "rope_scaling.factor": self.factor,
+                "rope_scaling.low_freq_factor": self.low_freq_factor,
+                "rope_scaling.high_freq_factor": self.high_freq_factor,
+                "rope_scaling.original_max_position_embeddings": self.original_max_position_embeddings,
+            }
+        )
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ReferenceModelConfigError(
+                f"model.rope_scaling.high_freq_factor={self.high_freq_factor} must exceed "
+                f"model.rope_scaling.low_freq_factor={self.low_freq_factor} (they bound the smoothed band)"
+            )
+
+
+class YarnRopeScaling(_RopeScalingBase, tag="yarn"):
+    """YaRN: frequencies ramp from interpolated (÷ factor) to kept, and cos/sin are scaled (HF `rope_type: yarn`).
+
+    Attributes:
+        factor: how many times longer the sequences are than those of pretraining.
+        original_max_position_embeddings: context length of pretraining.
+        attention_factor: the cos/sin scale; None derives it from `factor` (and `mscale`, `mscale_all_dim`).
+        beta_fast: rotations below which a dimension is interpolated entirely (ramp start).
+        beta_slow: rotations above which a dimension is kept entirely (ramp end).
+        mscale: with `mscale_all_dim`, the numerator's weight of log(factor) in the derived attention factor.
+        mscale_all_dim: the denominator's weight.
+        truncate: round the ramp's bounds to whole dimensions (floor / ceil).
+    """
+
+    factor: float
+    original_max_position_embeddings: int
+    attention_factor: float | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        _require_positive(
+            **{
+                "rope_scaling.factor": self.factor,
+                "rope_scaling.original_max_position_embeddings": self.original_max_position_embeddings,
+                "rope_scaling.beta_fast": self.beta_fast,
+                "rope_scaling.beta_slow": self.beta_slow,
+            }
+        )
+        if self.attention_factor is not None:
+            _require_positive(**{"rope_scaling.attention_factor": self.attention_factor})
+
+
+#: The RoPE scalings the reference model computes exactly as transformers does (`model.rope_scaling`).
+RopeScaling = LinearRopeScaling | Llama3RopeScaling | YarnRopeScaling
 
 
 class MoEConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -91,6 +189,8 @@ class ReferenceModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
             `num_attention_heads` (multi-head attention). Must divide `num_attention_heads`.
         head_dim: width of one head; None means `hidden_size // num_attention_heads`.
         rope_theta: RoPE base.
+        rope_scaling: RoPE frequency scaling for long contexts (`rope_type`: linear, llama3 or yarn,
+            with that type's keys); None for plain RoPE.
         rms_norm_eps: epsilon of every RMSNorm.
         max_position_embeddings: longest sequence (and largest position id) the model is meant for.
         tie_word_embeddings: the LM head shares the embedding table.
@@ -108,6 +208,7 @@ class ReferenceModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
     num_key_value_heads: int | None = None
     head_dim: int | None = None
     rope_theta: float = 1_000_000.0
+    rope_scaling: RopeScaling | None = None
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False

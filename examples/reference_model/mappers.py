@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 from torch import nn
 
@@ -38,7 +39,14 @@ from d9d.ckpt import (
     save_safetensors,
 )
 
-from .config import MoEConfig, ReferenceModelConfig
+from .config import (
+    LinearRopeScaling,
+    Llama3RopeScaling,
+    MoEConfig,
+    ReferenceModelConfig,
+    RopeScaling,
+    YarnRopeScaling,
+)
 from .model import ReferenceForCausalLM
 
 __all__ = [
@@ -63,6 +71,7 @@ _ARCHITECTURES = {
 }
 # transformers 5.x class defaults for keys a config.json may omit (they differ per architecture:
 # Qwen3's head_dim is 128 whatever the width, Qwen3-MoE does not renormalise top-k weights).
+_COMMON_DEFAULTS: dict[str, Any] = {"rope_theta": 10_000.0, "rms_norm_eps": 1e-6}
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768},
     "llama": {"num_key_value_heads": None, "head_dim": None, "max_position_embeddings": 2048},
@@ -196,9 +205,7 @@ def to_hf_config(config: ReferenceModelConfig, *, dtype: torch.dtype | None = No
         "initializer_range": config.initializer_range,
         "rms_norm_eps": config.rms_norm_eps,
         "tie_word_embeddings": config.tie_word_embeddings,
-        # transformers >= 5 reads rope_parameters; older versions read rope_theta.
-        "rope_theta": config.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        **_rope_to_hf(config),
         "attention_bias": False,
         "attention_dropout": 0.0,
         "use_cache": True,
@@ -222,16 +229,72 @@ def to_hf_config(config: ReferenceModelConfig, *, dtype: torch.dtype | None = No
     return hf
 
 
-def _rope_theta(hf: Mapping[str, Any]) -> float:
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
+_ROPE_KEYS: dict[str, tuple[type[RopeScaling], tuple[str, ...]]] = {
+    # rope_type: (our struct, the keys transformers requires besides rope_type)
+    "linear": (LinearRopeScaling, ("factor",)),
+    "llama3": (Llama3RopeScaling, ("factor", "low_freq_factor", "high_freq_factor")),
+    "yarn": (YarnRopeScaling, ("factor",)),
+}
+_YARN_OPTIONAL = ("attention_factor", "mscale", "mscale_all_dim", "truncate")
+
+
+def _rope_from_hf(
+    hf: Mapping[str, Any], default_theta: float, max_positions: int
+) -> tuple[float, RopeScaling | None]:
+    """RoPE base and scaling of a config.json, read as transformers reads them.
+
+    transformers 5 keeps them in `rope_parameters` (with `rope_theta` inside); older configs have
+    `rope_scaling` (which wins, as in transformers) and a top-level `rope_theta`. Keys a rope type does
+    not use are ignored, as transformers ignores them.
+    """
+    where = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    params: Mapping[str, Any] = hf.get(where) or {}
+    theta = float(params.get("rope_theta", hf.get("rope_theta", default_theta)))
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
         raise HFConversionError(
-            f"config.json has rope_type {rope_type!r}; the reference model implements only default RoPE "
-            "(no scaling), so its positions would differ"
+            f"config.json has partial_rotary_factor={partial!r}; the reference model rotates whole heads "
+            "(partial_rotary_factor 1); use another backend (model.backend: hf, coming)"
         )
-    theta = params.get("rope_theta", hf.get("rope_theta", 10_000.0))
-    return float(theta)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type not in _ROPE_KEYS:
+        raise HFConversionError(
+            f"config.json {where}.rope_type={rope_type!r} is not supported by the reference model (supported: "
+            f"default, {', '.join(_ROPE_KEYS)}); use another backend (model.backend: hf, coming)"
+        )
+    struct, required = _ROPE_KEYS[rope_type]
+    if missing := [k for k in required if k not in params]:
+        raise HFConversionError(f"config.json {where} of rope_type {rope_type!r} lacks {missing}")
+    fields = {k: params[k] for k in required}
+    if rope_type in ("llama3", "yarn"):  # transformers defaults the pretraining length to the model's
+        fields["original_max_position_embeddings"] = int(
+            params.get("original_max_position_embeddings") or max_positions
+        )
+    if rope_type == "yarn":
+        if fields["factor"] is None:  # transformers: the ratio of the context lengths
+            fields["factor"] = max_positions / fields["original_max_position_embeddings"]
+        fields |= {k: params[k] for k in _YARN_OPTIONAL if params.get(k) is not None}
+        fields |= {k: params[k] for k in ("beta_fast", "beta_slow") if params.get(k)}  # 0 or None: default
+    try:
+        return theta, msgspec.convert(fields, struct)
+    except msgspec.ValidationError as error:
+        raise HFConversionError(f"config.json {where}: {error}") from None
+
+
+def _rope_to_hf(config: ReferenceModelConfig) -> dict[str, Any]:
+    """`rope_theta` (transformers 4) and `rope_parameters` (5); with a scaling also `rope_scaling` (4)."""
+    hf: dict[str, Any] = {
+        "rope_theta": config.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+    }
+    if config.rope_scaling is not None:
+        builtins = msgspec.to_builtins(config.rope_scaling)  # rope_type first, then its fields
+        scaling = {k: v for k, v in builtins.items() if v is not None}
+        hf["rope_scaling"] = scaling
+        hf["rope_parameters"] = {**scaling, "rope_theta": config.rope_theta}
+    return hf
 
 
 def _require(hf: Mapping[str, Any], key: str, expected: object, default: object) -> None:
@@ -250,14 +313,14 @@ def from_hf_config(hf: Mapping[str, Any], **overrides: Any) -> ReferenceModelCon
 
     Raises:
         HFConversionError: another architecture, or a feature the reference model lacks (biases,
-            sliding windows, RoPE scaling, an activation other than SiLU).
+            sliding windows, a RoPE type other than default/linear/llama3/yarn, an activation other than SiLU).
     """
     model_type = hf.get("model_type")
     if model_type not in _ARCHITECTURES:
         raise HFConversionError(
             f"config.json has model_type {model_type!r}; supported: {', '.join(sorted(_ARCHITECTURES))}"
         )
-    defaults = _HF_DEFAULTS[model_type]
+    defaults = _COMMON_DEFAULTS | _HF_DEFAULTS[model_type]
     missing = [
         k
         for k in (
@@ -280,6 +343,8 @@ def from_hf_config(hf: Mapping[str, Any], **overrides: Any) -> ReferenceModelCon
     _require(hf, "mlp_bias", False, False)
     _require(hf, "use_sliding_window", False, False)
     heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
+    max_positions = int(hf.get("max_position_embeddings", defaults["max_position_embeddings"]))
+    theta, rope_scaling = _rope_from_hf(hf, defaults["rope_theta"], max_positions)
     kv_heads = hf.get("num_key_value_heads", defaults["num_key_value_heads"])
     head_dim = hf.get("head_dim", defaults["head_dim"])
     fields: dict[str, Any] = {
@@ -291,11 +356,10 @@ def from_hf_config(hf: Mapping[str, Any], **overrides: Any) -> ReferenceModelCon
         # None where the value is the reference default, so that configs round-trip unchanged
         "num_key_value_heads": None if kv_heads is None or int(kv_heads) == heads else int(kv_heads),
         "head_dim": None if head_dim is None or int(head_dim) * heads == hidden else int(head_dim),
-        "rope_theta": _rope_theta(hf),
-        "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-        "max_position_embeddings": int(
-            hf.get("max_position_embeddings", defaults["max_position_embeddings"])
-        ),
+        "rope_theta": theta,
+        "rope_scaling": rope_scaling,
+        "rms_norm_eps": float(hf.get("rms_norm_eps", defaults["rms_norm_eps"])),
+        "max_position_embeddings": max_positions,
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "qk_norm": model_type != "llama",
         "initializer_range": float(hf.get("initializer_range", 0.02)),

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import MoEConfig, ReferenceModelConfig
+from .rope import RotaryEmbedding, apply_rotary
 
 __all__ = [
     "MLP",
@@ -23,8 +24,6 @@ __all__ = [
     "RMSNorm",
     "ReferenceForCausalLM",
     "ReferenceModel",
-    "RotaryEmbedding",
-    "apply_rotary",
     "block_causal",
     "build_moe",
     "document_mask",
@@ -49,43 +48,6 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-def _inverse_frequencies(head_dim: int, theta: float, device: torch.device | None) -> torch.Tensor:
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
-    return 1.0 / (theta**exponents)
-
-
-class RotaryEmbedding(nn.Module):
-    """Cos/sin tables of RoPE for given positions, in the half-split layout (HF's `rotate_half`).
-
-    Channel i of a head is paired with channel i + head_dim/2, both rotated by the angle
-    `position × theta^(-2i/head_dim)`. The inverse frequencies are a non-persistent float32 buffer
-    (not in the state dict); `reset_buffers()` recomputes them after `to_empty`.
-    """
-
-    inv_freq: torch.Tensor
-
-    def __init__(self, head_dim: int, theta: float) -> None:
-        super().__init__()
-        self.head_dim = head_dim
-        self.theta = theta
-        self.register_buffer("inv_freq", torch.empty(head_dim // 2, dtype=torch.float32), persistent=False)
-        if not self.inv_freq.is_meta:  # meta arithmetic would import torch._dynamo; to_empty + reset follows
-            self.reset_buffers()
-
-    def reset_buffers(self) -> None:
-        """Recompute the inverse frequencies in float32 on the buffer's device."""
-        self.inv_freq = _inverse_frequencies(self.head_dim, self.theta, self.inv_freq.device)
-
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """`position_ids` [batch, seq] → (cos, sin), each [batch, seq, head_dim] in `dtype`."""
-        inv_freq = self.inv_freq
-        if inv_freq.dtype != torch.float32:  # the model was cast; angles must stay accurate
-            inv_freq = _inverse_frequencies(self.head_dim, self.theta, inv_freq.device)
-        angles = position_ids.to(torch.float32).unsqueeze(-1) * inv_freq
-        angles = torch.cat([angles, angles], dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
 def block_causal(document_ids: torch.Tensor) -> torch.Tensor:
     """Bool [batch, 1, seq, seq]: token q attends to token k iff k <= q and both are of one document."""
     seq = document_ids.shape[-1]
@@ -102,14 +64,6 @@ def document_mask(document_ids: torch.Tensor) -> Any:
     except ImportError:  # the model itself is plain PyTorch
         return block_causal(document_ids)
     return DocumentMask(document_ids)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` [batch, heads, seq, head_dim] by RoPE tables [batch, seq, head_dim] (half-split pairs)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    first, second = x.chunk(2, dim=-1)
-    rotated_half = torch.cat([-second, first], dim=-1)
-    return x * cos + rotated_half * sin
 
 
 class Attention(nn.Module):
@@ -263,7 +217,7 @@ class ReferenceModel(nn.Module):
         self.embeds_inputs = True  # False on every pipeline stage but the first
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i) for i in range(config.num_layers)})
         self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config.attention_head_dim, config.rope_theta)
+        self.rotary_emb = RotaryEmbedding(config.attention_head_dim, config.rope_theta, config.rope_scaling)
         self.context_parallel: Any = None  # as in Attention: this rank's tokens' global positions
         # Tensor parallelism's sequence-parallel norms split the hidden states between layers over tp
         # ranks: a pipeline stage that starts from hidden states sees 1/tp of the sequence.
