@@ -195,6 +195,7 @@ class ReferenceModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
         max_position_embeddings: longest sequence (and largest position id) the model is meant for.
         tie_word_embeddings: the LM head shares the embedding table.
         qk_norm: RMSNorm on each query and key head before RoPE (Qwen3); False gives Llama.
+        qkv_bias: biases on the query, key and value projections, none on the output one (Qwen2).
         initializer_range: std of the normal init of linears and the embedding.
         fp32_logits: return the logits in float32 whatever the parameter dtype.
         moe: mixture-of-experts layers; None for a dense model.
@@ -213,6 +214,7 @@ class ReferenceModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     qk_norm: bool = True
+    qkv_bias: bool = False
     initializer_range: float = 0.02
     fp32_logits: bool = False
     moe: MoEConfig | None = None

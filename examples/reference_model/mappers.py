@@ -1,11 +1,12 @@
 """State mappers and `config.json` conversion between the reference model and Hugging Face layouts.
 
-Three Hugging Face architectures have the reference model's computation exactly:
+These Hugging Face architectures have the reference model's computation exactly:
 
 | reference config | HF `model_type` | what the mapper does |
 |---|---|---|
 | dense, `qk_norm=True` | `qwen3` (`Qwen3ForCausalLM`) | identity |
 | dense, `qk_norm=False` | `llama` (`LlamaForCausalLM`) | identity (HF Llama checkpoints already use the half-split RoPE rows) |
+| dense, `qk_norm=False`, `qkv_bias=True` | `qwen2` (`Qwen2ForCausalLM`) | identity (q/k/v biases as `*_proj.bias`) |
 | `moe`, `qk_norm=True`, no shared expert | `qwen3_moe` (`Qwen3MoeForCausalLM`) | router rename, stacked experts ↔ one `[ffn, hidden]` weight per expert |
 
 With `tie_word_embeddings`, HF stores the table once as `model.embed_tokens.weight` (no `lm_head.weight`);
@@ -68,6 +69,7 @@ _ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "llama": "LlamaForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
 }
 # transformers 5.x class defaults for keys a config.json may omit (they differ per architecture:
 # Qwen3's head_dim is 128 whatever the width, Qwen3-MoE does not renormalise top-k weights).
@@ -75,6 +77,7 @@ _COMMON_DEFAULTS: dict[str, Any] = {"rope_theta": 10_000.0, "rms_norm_eps": 1e-6
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768},
     "llama": {"num_key_value_heads": None, "head_dim": None, "max_position_embeddings": 2048},
+    "qwen2": {"num_key_value_heads": 32, "head_dim": None, "max_position_embeddings": 32768},
     "qwen3_moe": {
         "num_key_value_heads": 4,
         "head_dim": None,
@@ -93,11 +96,20 @@ class HFConversionError(ValueError):
 
 
 def hf_model_type(config: ReferenceModelConfig) -> str:
-    """The HF `model_type` with this config's computation: "qwen3", "llama" or "qwen3_moe".
+    """The HF `model_type` with this config's computation: "qwen3", "llama", "qwen2" or "qwen3_moe".
 
     Raises:
-        HFConversionError: for MoE without q/k norm or with a shared expert (no exact HF architecture).
+        HFConversionError: for MoE without q/k norm or with a shared expert, q/k/v biases with q/k norm
+            or experts (no exact HF architecture).
     """
+    if config.qkv_bias:
+        if config.qk_norm or config.moe is not None:
+            raise HFConversionError(
+                "model.qkv_bias: true has a Hugging Face counterpart only in Qwen2, which has neither q/k norm "
+                "nor experts (Qwen3's attention_bias biases o_proj too); set model.qk_norm: false and "
+                "model.moe: null to export as qwen2"
+            )
+        return "qwen2"
     if config.moe is None:
         return "qwen3" if config.qk_norm else "llama"
     if not config.qk_norm:
@@ -206,10 +218,11 @@ def to_hf_config(config: ReferenceModelConfig, *, dtype: torch.dtype | None = No
         "rms_norm_eps": config.rms_norm_eps,
         "tie_word_embeddings": config.tie_word_embeddings,
         **_rope_to_hf(config),
-        "attention_bias": False,
         "attention_dropout": 0.0,
         "use_cache": True,
     }
+    if model_type != "qwen2":  # Qwen2's q/k/v biases are part of the architecture, not a key
+        hf["attention_bias"] = False
     if model_type == "llama":
         hf["mlp_bias"] = False
     else:
@@ -339,7 +352,8 @@ def from_hf_config(hf: Mapping[str, Any], **overrides: Any) -> ReferenceModelCon
     if missing:
         raise HFConversionError(f"config.json of a {model_type} model lacks {missing}")
     _require(hf, "hidden_act", "silu", "silu")
-    _require(hf, "attention_bias", False, False)
+    if model_type != "qwen2":  # Qwen2 has q/k/v biases (no key); the others bias q, k, v and o or nothing
+        _require(hf, "attention_bias", False, False)
     _require(hf, "mlp_bias", False, False)
     _require(hf, "use_sliding_window", False, False)
     heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
@@ -361,7 +375,8 @@ def from_hf_config(hf: Mapping[str, Any], **overrides: Any) -> ReferenceModelCon
         "rms_norm_eps": float(hf.get("rms_norm_eps", defaults["rms_norm_eps"])),
         "max_position_embeddings": max_positions,
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "qk_norm": model_type != "llama",
+        "qk_norm": model_type in ("qwen3", "qwen3_moe"),
+        "qkv_bias": model_type == "qwen2",
         "initializer_range": float(hf.get("initializer_range", 0.02)),
     }
     if model_type == "qwen3_moe":

@@ -67,7 +67,8 @@ def document_mask(document_ids: torch.Tensor) -> Any:
 
 
 class Attention(nn.Module):
-    """Causal self-attention with RoPE, grouped-query heads and optional per-head q/k RMSNorm.
+    """Causal self-attention with RoPE, grouped-query heads, optional per-head q/k RMSNorm (Qwen3) and
+    optional q/k/v biases (Qwen2).
 
     Head counts are inferred from the projection outputs at run time, so the module keeps working
     when tensor parallelism leaves each rank a slice of the heads.
@@ -78,9 +79,10 @@ class Attention(nn.Module):
         self.head_dim = config.attention_head_dim
         q_width = config.num_attention_heads * self.head_dim
         kv_width = config.kv_heads * self.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, q_width, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, kv_width, bias=False)
+        bias = config.qkv_bias
+        self.q_proj = nn.Linear(config.hidden_size, q_width, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_width, bias=bias)
         self.o_proj = nn.Linear(q_width, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -301,22 +303,26 @@ class ReferenceForCausalLM(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Initialize in place from the global RNG: normal(0, initializer_range) for every weight, ones for norms.
+        """Initialize in place from the global RNG: normal(0, initializer_range) for every weight, ones for
+        norms, zeros for biases.
 
         Also recomputes the RoPE buffers and re-ties the embeddings. Parameters are visited in
         registration order, so a seed gives the same weights whether the model was built on CPU or on
         meta and then `to_empty(device="cpu")`.
         """
         self.tie_weights()
-        norm_weights = set()
+        done = set()  # parameters with a fixed init: they draw nothing from the RNG
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.reset_parameters()
-                norm_weights.add(id(module.weight))
+                done.add(id(module.weight))
             elif isinstance(module, RotaryEmbedding):
                 module.reset_buffers()
+            elif isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+                done.add(id(module.bias))
         for param in self.parameters():  # each shared parameter once
-            if id(param) not in norm_weights:
+            if id(param) not in done:
                 nn.init.normal_(param, mean=0.0, std=self.config.initializer_range)
 
     @torch.no_grad()
@@ -332,8 +338,11 @@ class ReferenceForCausalLM(nn.Module):
         elif isinstance(module, RotaryEmbedding):
             module.reset_buffers()
         else:
-            for param in module.parameters(recurse=False):
-                nn.init.normal_(param, mean=0.0, std=self.config.initializer_range)
+            for name, param in module.named_parameters(recurse=False):
+                if isinstance(module, nn.Linear) and name == "bias":
+                    nn.init.zeros_(param)
+                else:
+                    nn.init.normal_(param, mean=0.0, std=self.config.initializer_range)
 
     def forward(
         self,

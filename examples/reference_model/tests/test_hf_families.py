@@ -68,13 +68,17 @@ FAMILIES: dict[str, Callable[[], Any]] = {
     "qwen3-yarn-mscale": lambda: transformers.Qwen3Config(
         **TINY, rope_parameters=dict(YARN, mscale=1.0, mscale_all_dim=0.5, beta_fast=16.0, truncate=False)
     ),
+    "qwen2": lambda: transformers.Qwen2Config(**TINY),
+    "qwen2-tied-llama3": lambda: transformers.Qwen2Config(
+        **TINY | {"max_position_embeddings": 256}, tie_word_embeddings=True, rope_parameters=dict(LLAMA3)
+    ),
 }
 #: transformers config attributes that decide what a checkpoint computes (and how it is named)
 MATTERS = (
     "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
-    "tie_word_embeddings", "attention_bias", "mlp_bias", "sliding_window", "use_sliding_window",
-    "max_window_layers", "layer_types", "num_local_experts", "num_experts_per_tok", "dtype",
+    "tie_word_embeddings", "attention_bias", "mlp_bias", "sliding_window", "layer_types",
+    "num_local_experts", "num_experts_per_tok", "dtype",
 )  # fmt: skip
 
 
@@ -156,6 +160,8 @@ def test_import_gives_transformers_logits_and_export_gives_back_the_checkpoint(n
     theirs = saved_hf_model(FAMILIES[name](), source)
     ours = imported(source)
     max_logit_difference(ours, theirs, tokens())
+    if ours.config.qkv_bias:  # the biases were read: every one of them moves the logits
+        assert all(ours.model.layers["0"].self_attn.k_proj.bias.abs() > 0)
     if ours.config.rope_scaling is not None:  # the test sequences see the scaling: plain RoPE is off
         plain = ReferenceForCausalLM(msgspec.structs.replace(ours.config, rope_scaling=None)).eval()
         plain.load_state_dict(ours.state_dict())
@@ -236,3 +242,40 @@ def test_a_scaled_reference_config_exports_for_transformers_4_and_5(tmp_path):
                                        "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True}  # fmt: skip
     assert written["rope_parameters"] == {**written["rope_scaling"], "rope_theta": 10_000.0}
     assert read_hf_config(tmp_path) == config
+
+
+QWEN2_5_7B = {
+    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02,
+    "intermediate_size": 18944, "max_position_embeddings": 131072, "max_window_layers": 28,
+    "model_type": "qwen2", "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "transformers_version": "4.43.1", "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 152064,
+}  # fmt: skip
+
+
+def test_qwen2_5_7b_config_parses_into_its_shapes():
+    config = from_hf_config(QWEN2_5_7B)
+    assert (config.vocab_size, config.hidden_size, config.intermediate_size, config.num_layers) == (
+        152064, 3584, 18944, 28,
+    )  # fmt: skip
+    assert (config.num_attention_heads, config.kv_heads, config.attention_head_dim) == (28, 4, 128)
+    assert config.qkv_bias and not config.qk_norm and config.moe is None
+    assert config.rope_theta == 1e6 and config.rope_scaling is None and config.rms_norm_eps == 1e-6
+    assert from_hf_config(transformers.Qwen2Config(**QWEN2_5_7B).to_dict()) == config
+    with torch.device("meta"):
+        names = set(ReferenceForCausalLM(config).state_dict())
+    assert {"model.layers.0.self_attn.q_proj.bias", "model.layers.27.self_attn.v_proj.bias"} <= names
+    assert "model.layers.0.self_attn.o_proj.bias" not in names
+
+
+def test_qkv_biases_with_qk_norm_or_experts_have_no_hf_counterpart():
+    from reference_model import MoEConfig, to_hf_config
+
+    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_layers=1, num_attention_heads=2)
+    with pytest.raises(HFConversionError, match=r"model\.qkv_bias: true .* set model\.qk_norm: false"):
+        to_hf_config(ReferenceModelConfig(**base, qkv_bias=True))
+    moe = MoEConfig(num_experts=2, top_k=1, moe_intermediate_size=8)
+    with pytest.raises(HFConversionError, match=r"model\.moe: null to export as qwen2"):
+        to_hf_config(ReferenceModelConfig(**base, qkv_bias=True, qk_norm=False, moe=moe))
