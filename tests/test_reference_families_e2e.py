@@ -5,12 +5,15 @@ every step's loss and grad norm and in every final weight.
 - q/k/v biases (Qwen2): a column-parallel projection's bias is sharded with its output dim (TP 2),
   and FSDP 2 shards and reduces it like any parameter.
 
+And the quickstart provider's `check_sequence_length`: a sliding window shorter than the dataset's
+sequences is refused by the plan, before anything is built or written.
+
 Ranks are forked from this process (`_quickstart.train`). REL is the quickstart e2e tests' 1e-5;
 the measured spread is in each test's docstring.
 """
 
 import pytest
-from _quickstart import NO_CLIP, SGD, compare_runs, overrides, train
+from _quickstart import NO_CLIP, SGD, build_error, compare_runs, overrides, run_forked, train
 
 STEPS = 3
 REL = 1e-5
@@ -46,3 +49,15 @@ def test_qkv_biases_on_2_ranks_equal_one_process(runs, qkv_bias_reference, mesh)
     """Measured: loss <= 1e-7, grad norm <= 3e-7, weights <= 1e-7 relative."""
     got = _run(runs, f"qkv-bias-{mesh[0]}", 2, *QKV_BIAS, *mesh)
     print(compare_runs(got, qkv_bias_reference, rel=REL))
+
+
+def test_a_sliding_window_shorter_than_the_sequences_is_refused_before_anything_is_written(tmp_path):
+    error = run_forked(build_error, overrides(tmp_path, "windowed", 2, "model.sliding_window=16"))
+    assert error.startswith(
+        "TrainingError: sequences of 32 tokens are longer than model.sliding_window=16: the reference model"
+    ), error
+    assert (
+        "use sequences of at most 16 tokens (dataset.seq_len) or another backend (model.backend: hf" in error
+    )
+    assert "(the sequence length: 32 from providers.dataset" in error and "\n" not in error
+    assert not (tmp_path / "windowed").exists()

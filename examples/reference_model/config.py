@@ -5,7 +5,7 @@ filled from (or exported to) a `config.json` almost key for key.
 """
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -16,7 +16,9 @@ __all__ = [
     "ReferenceModelConfig",
     "ReferenceModelConfigError",
     "RopeScaling",
+    "SlidingWindowError",
     "YarnRopeScaling",
+    "check_sequence_length",
 ]
 
 
@@ -26,6 +28,11 @@ class ReferenceModelConfigError(ValueError):
     Raised from `__post_init__`, so `msgspec.convert`/`decode` reports it as a `ValidationError`
     carrying the same message plus the key path of the struct (e.g. `- at $.model`).
     """
+
+
+class SlidingWindowError(ValueError):
+    """Sequences longer than the sliding window: the reference model's full causal attention would
+    differ from the windowed attention of the model it stands for (the message says what to change)."""
 
 
 def _require_positive(**values: int | float) -> None:
@@ -196,6 +203,13 @@ class ReferenceModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
         tie_word_embeddings: the LM head shares the embedding table.
         qk_norm: RMSNorm on each query and key head before RoPE (Qwen3); False gives Llama.
         qkv_bias: biases on the query, key and value projections, none on the output one (Qwen2).
+        sliding_window: the attention window of the model this one stands for (Mistral, Mixtral, Qwen2
+            with `use_sliding_window`): a query sees itself and the window − 1 tokens before it. The
+            reference model attends to the whole sequence, which is the same computation only while a
+            sequence has at most this many tokens: longer ones are refused (`check_sequence_length`).
+            None: no window.
+        hf_model_type: the Hugging Face `model_type` an export writes where more than one computes this
+            model (`llama` or `mistral`); None: the default for the computation (`hf_model_type()`).
         initializer_range: std of the normal init of linears and the embedding.
         fp32_logits: return the logits in float32 whatever the parameter dtype.
         moe: mixture-of-experts layers; None for a dense model.
@@ -215,6 +229,8 @@ class ReferenceModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
     tie_word_embeddings: bool = False
     qk_norm: bool = True
     qkv_bias: bool = False
+    sliding_window: int | None = None
+    hf_model_type: Literal["llama", "mistral"] | None = None
     initializer_range: float = 0.02
     fp32_logits: bool = False
     moe: MoEConfig | None = None
@@ -252,6 +268,8 @@ class ReferenceModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
                 f"model.head_dim={self.attention_head_dim} must be even for RoPE "
                 "(it rotates pairs of channels)"
             )
+        if self.sliding_window is not None:
+            _require_positive(sliding_window=self.sliding_window)
         if self.moe is not None and self.moe.layers is not None:
             outside = [i for i in self.moe.layers if not 0 <= i < self.num_layers]
             if outside:
@@ -300,3 +318,28 @@ class ReferenceModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
             else:
                 active += 3 * h * self.intermediate_size
         return 6.0 * active + 12.0 * self.num_layers * q * d * seq_len
+
+
+def check_sequence_length(
+    config: ReferenceModelConfig, seq_len: int, *, key: str = "model.sliding_window"
+) -> None:
+    """Refuse sequences the reference model would not compute as the model it stands for: longer than
+    its sliding window (a no-op without one).
+
+    A model provider calls it from its `check_sequence_length` (d9d.trainer's `ChecksSequenceLength`
+    ability: the plan then refuses the job before anything is built); the model's forward calls it too.
+
+    Args:
+        key: where the window was set, for the message: `model.sliding_window` (the job's model
+            section), or e.g. `<folder>/config.json sliding_window` for a model read from an HF folder.
+
+    Raises:
+        SlidingWindowError: `seq_len` exceeds `config.sliding_window`.
+    """
+    window = config.sliding_window
+    if window is not None and seq_len > window:
+        raise SlidingWindowError(
+            f"sequences of {seq_len} tokens are longer than {key}={window}: the reference model attends to the "
+            f"whole sequence, which equals sliding-window attention only up to {window} tokens; use sequences "
+            f"of at most {window} tokens (dataset.seq_len) or another backend (model.backend: hf, coming)"
+        )

@@ -46,7 +46,9 @@ from .config import (
     MoEConfig,
     ReferenceModelConfig,
     RopeScaling,
+    SlidingWindowError,
     YarnRopeScaling,
+    check_sequence_length,
 )
 from .model import ReferenceForCausalLM
 
@@ -70,14 +72,19 @@ _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
 }
+# The architectures whose window transformers gates with use_sliding_window (and for the dense Qwens,
+# max_window_layers: layers from that index on use it).
+_QWEN_WINDOWS = ("qwen2", "qwen3", "qwen3_moe")
 # transformers 5.x class defaults for keys a config.json may omit (they differ per architecture:
 # Qwen3's head_dim is 128 whatever the width, Qwen3-MoE does not renormalise top-k weights).
-_COMMON_DEFAULTS: dict[str, Any] = {"rope_theta": 10_000.0, "rms_norm_eps": 1e-6}
+_COMMON_DEFAULTS: dict[str, Any] = {"rope_theta": 10_000.0, "rms_norm_eps": 1e-6, "sliding_window": 4096}
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768},
     "llama": {"num_key_value_heads": None, "head_dim": None, "max_position_embeddings": 2048},
     "qwen2": {"num_key_value_heads": 32, "head_dim": None, "max_position_embeddings": 32768},
+    "mistral": {"num_key_value_heads": 8, "head_dim": None, "max_position_embeddings": 131072},
     "qwen3_moe": {
         "num_key_value_heads": 4,
         "head_dim": None,
@@ -88,7 +95,7 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     },
 }
 # Reference-config fields that do not change what the weights compute.
-_NUMERICALLY_INERT = ("initializer_range", "max_position_embeddings", "fp32_logits")
+_NUMERICALLY_INERT = ("initializer_range", "max_position_embeddings", "fp32_logits", "hf_model_type")
 
 
 class HFConversionError(ValueError):
@@ -96,12 +103,27 @@ class HFConversionError(ValueError):
 
 
 def hf_model_type(config: ReferenceModelConfig) -> str:
-    """The HF `model_type` with this config's computation: "qwen3", "llama", "qwen2" or "qwen3_moe".
+    """The HF `model_type` with this config's computation: "qwen3", "llama", "mistral", "qwen2" or
+    "qwen3_moe"; `config.hf_model_type` where it names another with the same computation.
 
     Raises:
         HFConversionError: for MoE without q/k norm or with a shared expert, q/k/v biases with q/k norm
-            or experts (no exact HF architecture).
+            or experts (no exact HF architecture), or an `hf_model_type` that computes something else.
     """
+    computed = _computed_model_type(config)
+    chosen = config.hf_model_type
+    if chosen is None or chosen == computed:
+        return computed
+    if chosen == "mistral" and computed == "llama":  # a Mistral without a window is a Llama
+        return chosen
+    raise HFConversionError(
+        f"model.hf_model_type={chosen!r} does not compute this model (the config computes a {computed}"
+        + (", with model.sliding_window" if computed == "mistral" else "")
+        + "); remove model.hf_model_type or change the config"
+    )
+
+
+def _computed_model_type(config: ReferenceModelConfig) -> str:
     if config.qkv_bias:
         if config.qk_norm or config.moe is not None:
             raise HFConversionError(
@@ -111,7 +133,9 @@ def hf_model_type(config: ReferenceModelConfig) -> str:
             )
         return "qwen2"
     if config.moe is None:
-        return "qwen3" if config.qk_norm else "llama"
+        if config.qk_norm:
+            return "qwen3"
+        return "llama" if config.sliding_window is None else "mistral"  # Llama has no window
     if not config.qk_norm:
         raise HFConversionError(
             "model.moe with model.qk_norm=false has no Hugging Face counterpart here (Qwen3-MoE normalises "
@@ -221,13 +245,17 @@ def to_hf_config(config: ReferenceModelConfig, *, dtype: torch.dtype | None = No
         "attention_dropout": 0.0,
         "use_cache": True,
     }
-    if model_type != "qwen2":  # Qwen2's q/k/v biases are part of the architecture, not a key
+    if model_type in ("llama", "qwen3", "qwen3_moe"):  # the others have no key: no biases, or Qwen2's q/k/v
         hf["attention_bias"] = False
     if model_type == "llama":
         hf["mlp_bias"] = False
+    elif model_type in _QWEN_WINDOWS:  # a window, if any, in every layer (see _window_from_hf)
+        hf["use_sliding_window"] = config.sliding_window is not None
+        hf["sliding_window"] = config.sliding_window
+        if config.sliding_window is not None and model_type != "qwen3_moe":
+            hf["max_window_layers"] = 0
     else:
-        hf["use_sliding_window"] = False
-        hf["sliding_window"] = None
+        hf["sliding_window"] = config.sliding_window
     if model_type == "qwen3_moe":
         assert config.moe is not None
         hf |= {
@@ -252,7 +280,7 @@ _YARN_OPTIONAL = ("attention_factor", "mscale", "mscale_all_dim", "truncate")
 
 
 def _rope_from_hf(
-    hf: Mapping[str, Any], default_theta: float, max_positions: int
+    hf: Mapping[str, Any], default_theta: float, max_positions: int, source: str
 ) -> tuple[float, RopeScaling | None]:
     """RoPE base and scaling of a config.json, read as transformers reads them.
 
@@ -266,7 +294,7 @@ def _rope_from_hf(
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
     if partial not in (None, 1, 1.0):
         raise HFConversionError(
-            f"config.json has partial_rotary_factor={partial!r}; the reference model rotates whole heads "
+            f"{source} has partial_rotary_factor={partial!r}; the reference model rotates whole heads "
             "(partial_rotary_factor 1); use another backend (model.backend: hf, coming)"
         )
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -274,12 +302,12 @@ def _rope_from_hf(
         return theta, None
     if rope_type not in _ROPE_KEYS:
         raise HFConversionError(
-            f"config.json {where}.rope_type={rope_type!r} is not supported by the reference model (supported: "
+            f"{source} {where}.rope_type={rope_type!r} is not supported by the reference model (supported: "
             f"default, {', '.join(_ROPE_KEYS)}); use another backend (model.backend: hf, coming)"
         )
     struct, required = _ROPE_KEYS[rope_type]
     if missing := [k for k in required if k not in params]:
-        raise HFConversionError(f"config.json {where} of rope_type {rope_type!r} lacks {missing}")
+        raise HFConversionError(f"{source} {where} of rope_type {rope_type!r} lacks {missing}")
     fields = {k: params[k] for k in required}
     if rope_type in ("llama3", "yarn"):  # transformers defaults the pretraining length to the model's
         fields["original_max_position_embeddings"] = int(
@@ -293,7 +321,7 @@ def _rope_from_hf(
     try:
         return theta, msgspec.convert(fields, struct)
     except msgspec.ValidationError as error:
-        raise HFConversionError(f"config.json {where}: {error}") from None
+        raise HFConversionError(f"{source} {where}: {error}") from None
 
 
 def _rope_to_hf(config: ReferenceModelConfig) -> dict[str, Any]:
@@ -310,28 +338,68 @@ def _rope_to_hf(config: ReferenceModelConfig) -> dict[str, Any]:
     return hf
 
 
-def _require(hf: Mapping[str, Any], key: str, expected: object, default: object) -> None:
-    value = hf.get(key, default)
+def _window_from_hf(hf: Mapping[str, Any], model_type: str, default: int | None) -> int | None:
+    """The attention window some layer of the HF model uses, as transformers decides it; None if none does.
+
+    Mistral (and Mixtral) window every layer when `sliding_window` is set; the Qwens only with
+    `use_sliding_window`, and Qwen2/Qwen3 only from layer `max_window_layers` on (or where `layer_types`
+    says "sliding_attention"). The reference model keeps the window to refuse longer sequences, so a
+    Qwen windowed in only some layers exports as windowed in every layer: the same computation for
+    every sequence the reference model accepts.
+    """
+    if model_type == "llama":
+        return None
+    window = hf.get("sliding_window", default)
+    if window is None:
+        return None
+    if model_type in _QWEN_WINDOWS:
+        if not hf.get("use_sliding_window", False):
+            return None
+        if model_type != "qwen3_moe":
+            first = int(hf.get("max_window_layers", 28))  # transformers' default
+            layer_types = hf.get("layer_types") or [
+                "sliding_attention" if i >= first else "full_attention"
+                for i in range(int(hf["num_hidden_layers"]))
+            ]
+            if "sliding_attention" not in layer_types:
+                return None
+    return int(window)
+
+
+def _require(hf: Mapping[str, Any], key: str, expected: object, source: str) -> None:
+    value = hf.get(key, expected)
     if value != expected:
         raise HFConversionError(
-            f"config.json has {key}={value!r}; the reference model supports only {key}={expected!r}"
+            f"{source} has {key}={value!r}; the reference model supports only {key}={expected!r}; use another "
+            "backend (model.backend: hf, coming)"
         )
 
 
-def from_hf_config(hf: Mapping[str, Any], **overrides: Any) -> ReferenceModelConfig:
-    """A `ReferenceModelConfig` from an HF `config.json` dict of a qwen3, llama or qwen3_moe model.
+def from_hf_config(
+    hf: Mapping[str, Any], *, seq_len: int | None = None, source: str = "config.json", **overrides: Any
+) -> ReferenceModelConfig:
+    """A `ReferenceModelConfig` from an HF `config.json` dict of a model of one of `_ARCHITECTURES`.
 
     Keys the dict omits take transformers' class defaults for that architecture. `overrides` set
     reference-only fields (e.g. `fp32_logits=True`).
 
+    Args:
+        seq_len: the longest sequence the model will see: a sliding window shorter than it is refused
+            (the reference model attends to the whole sequence). None: the window is kept in the config,
+            and `check_sequence_length` (or the model's forward) refuses longer sequences later.
+        source: what the error messages call the dict (`read_hf_config` passes the file's path).
+
     Raises:
-        HFConversionError: another architecture, or a feature the reference model lacks (biases,
-            sliding windows, a RoPE type other than default/linear/llama3/yarn, an activation other than SiLU).
+        HFConversionError: another architecture, or a feature the reference model lacks (biases on o_proj
+            or the MLP, a RoPE type other than default/linear/llama3/yarn, an activation other than SiLU),
+            or a sliding window shorter than `seq_len`.
     """
     model_type = hf.get("model_type")
     if model_type not in _ARCHITECTURES:
         raise HFConversionError(
-            f"config.json has model_type {model_type!r}; supported: {', '.join(sorted(_ARCHITECTURES))}"
+            f"{source} has model_type {model_type!r}, which the reference model does not implement (it does "
+            f"{', '.join(sorted(_ARCHITECTURES))}); a Hugging Face backend for other architectures is coming "
+            "as model.backend: hf"
         )
     defaults = _COMMON_DEFAULTS | _HF_DEFAULTS[model_type]
     missing = [
@@ -350,15 +418,15 @@ def from_hf_config(hf: Mapping[str, Any], **overrides: Any) -> ReferenceModelCon
         if "num_experts" not in hf and "num_local_experts" not in hf:
             missing.append("num_experts")
     if missing:
-        raise HFConversionError(f"config.json of a {model_type} model lacks {missing}")
-    _require(hf, "hidden_act", "silu", "silu")
-    if model_type != "qwen2":  # Qwen2 has q/k/v biases (no key); the others bias q, k, v and o or nothing
-        _require(hf, "attention_bias", False, False)
-    _require(hf, "mlp_bias", False, False)
-    _require(hf, "use_sliding_window", False, False)
+        raise HFConversionError(f"{source} of a {model_type} model lacks {missing}")
+    _require(hf, "hidden_act", "silu", source)
+    if model_type in ("llama", "qwen3", "qwen3_moe"):  # the keys of q, k, v and o biases
+        _require(hf, "attention_bias", False, source)
+        _require(hf, "mlp_bias", False, source)
     heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
     max_positions = int(hf.get("max_position_embeddings", defaults["max_position_embeddings"]))
-    theta, rope_scaling = _rope_from_hf(hf, defaults["rope_theta"], max_positions)
+    theta, rope_scaling = _rope_from_hf(hf, defaults["rope_theta"], max_positions, source)
+    window = _window_from_hf(hf, model_type, defaults["sliding_window"])
     kv_heads = hf.get("num_key_value_heads", defaults["num_key_value_heads"])
     head_dim = hf.get("head_dim", defaults["head_dim"])
     fields: dict[str, Any] = {
@@ -377,6 +445,9 @@ def from_hf_config(hf: Mapping[str, Any], **overrides: Any) -> ReferenceModelCon
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "qk_norm": model_type in ("qwen3", "qwen3_moe"),
         "qkv_bias": model_type == "qwen2",
+        "sliding_window": window,
+        # None where the computation names the type already (a Mistral with a window)
+        "hf_model_type": "mistral" if model_type == "mistral" and window is None else None,
         "initializer_range": float(hf.get("initializer_range", 0.02)),
     }
     if model_type == "qwen3_moe":
@@ -396,17 +467,25 @@ def from_hf_config(hf: Mapping[str, Any], **overrides: Any) -> ReferenceModelCon
                 **layout,
             )
     fields.update(overrides)
-    return ReferenceModelConfig.from_dict(fields)
+    config = ReferenceModelConfig.from_dict(fields)
+    if seq_len is not None:
+        try:
+            check_sequence_length(config, seq_len, key=f"{source} sliding_window")
+        except SlidingWindowError as error:
+            raise HFConversionError(str(error)) from None
+    return config
 
 
-def read_hf_config(folder: str | os.PathLike[str], **overrides: Any) -> ReferenceModelConfig:
-    """`from_hf_config` of `<folder>/config.json`."""
+def read_hf_config(
+    folder: str | os.PathLike[str], *, seq_len: int | None = None, **overrides: Any
+) -> ReferenceModelConfig:
+    """`from_hf_config` of `<folder>/config.json` (its errors name that file)."""
     path = Path(folder) / "config.json"
     try:
         hf = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise HFConversionError(f"{path}: no config.json; is {folder} a Hugging Face model folder?") from None
-    return from_hf_config(hf, **overrides)
+    return from_hf_config(hf, seq_len=seq_len, source=str(path), **overrides)
 
 
 def hf_checkpoint_keys(folder: str | os.PathLike[str]) -> list[str]:

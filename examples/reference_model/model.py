@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import MoEConfig, ReferenceModelConfig
+from .config import MoEConfig, ReferenceModelConfig, check_sequence_length
 from .rope import RotaryEmbedding, apply_rotary
 
 __all__ = [
@@ -247,8 +247,10 @@ class ReferenceModel(nn.Module):
         batch, seq = inputs.shape[:2]
         if embedding is None:  # hidden states from the previous stage, sequence-sharded under tp
             seq *= self.sequence_parallel
+        cp = self.context_parallel.size if self.context_parallel is not None else 1
+        check_sequence_length(self.config, seq * cp)  # a window shorter than the sequence: refused
         if position_ids is None and self.context_parallel is not None:  # this rank's part of the sequence
-            position_ids = self.context_parallel.position_ids(seq * self.context_parallel.size, inputs.device)
+            position_ids = self.context_parallel.position_ids(seq * cp, inputs.device)
         elif position_ids is None:
             position_ids = torch.arange(seq, device=inputs.device)
         position_ids = position_ids.expand(batch, -1)

@@ -26,6 +26,7 @@ from reference_model import (
     Llama3RopeScaling,
     ReferenceForCausalLM,
     ReferenceModelConfig,
+    SlidingWindowError,
     YarnRopeScaling,
     from_hf_config,
     load_hf_pretrained,
@@ -72,6 +73,8 @@ FAMILIES: dict[str, Callable[[], Any]] = {
     "qwen2-tied-llama3": lambda: transformers.Qwen2Config(
         **TINY | {"max_position_embeddings": 256}, tie_word_embeddings=True, rope_parameters=dict(LLAMA3)
     ),
+    "mistral": lambda: transformers.MistralConfig(**TINY, sliding_window=None),
+    "mistral-window-as-long-as-the-sequence": lambda: transformers.MistralConfig(**TINY, sliding_window=13),
 }
 #: transformers config attributes that decide what a checkpoint computes (and how it is named)
 MATTERS = (
@@ -177,34 +180,136 @@ def test_import_gives_transformers_logits_and_export_gives_back_the_checkpoint(n
 # ----------------------------------------------------------------------------------- real configs
 
 LLAMA_3_1_8B = {
-    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
-    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072,
-    "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
-    "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
-    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 128256,
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0.dev0",
+    "use_cache": True,
+    "vocab_size": 128256,
+}
+QWEN2_5_7B = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151643,
+    "hidden_act": "silu",
+    "hidden_size": 3584,
+    "initializer_range": 0.02,
+    "intermediate_size": 18944,
+    "max_position_embeddings": 131072,
+    "max_window_layers": 28,
+    "model_type": "qwen2",
+    "num_attention_heads": 28,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 4,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "sliding_window": 131072,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.1",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 152064,
+}
+MISTRAL_7B_V0_1 = {
+    "architectures": ["MistralForCausalLM"],
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 32768,
+    "model_type": "mistral",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 10000.0,
+    "sliding_window": 4096,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.34.0.dev0",
+    "use_cache": True,
+    "vocab_size": 32000,
+}
+MISTRAL_7B_V0_3 = MISTRAL_7B_V0_1 | {
+    "attention_dropout": 0.0,
+    "rope_theta": 1000000.0,
+    "sliding_window": None,
+    "transformers_version": "4.42.0.dev0",
+    "vocab_size": 32768,
+}
+#: name → (config.json, transformers' config class, what the reference config must hold)
+REAL_CONFIGS = {
+    "llama-3.1-8b": (LLAMA_3_1_8B, "LlamaConfig", dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_attention_heads=32,
+        kv_heads=8, attention_head_dim=128, qk_norm=False, qkv_bias=False, rms_norm_eps=1e-5,
+        rope_theta=500_000.0, rope_scaling=Llama3RopeScaling(
+            factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192),
+        sliding_window=None, moe=None)),
+    "qwen2.5-7b": (QWEN2_5_7B, "Qwen2Config", dict(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28, num_attention_heads=28,
+        kv_heads=4, attention_head_dim=128, qk_norm=False, qkv_bias=True, rms_norm_eps=1e-6,
+        rope_theta=1e6, rope_scaling=None, sliding_window=None, moe=None)),  # use_sliding_window: false
+    "mistral-7b-v0.1": (MISTRAL_7B_V0_1, "MistralConfig", dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32, num_attention_heads=32,
+        kv_heads=8, attention_head_dim=128, qk_norm=False, qkv_bias=False, rms_norm_eps=1e-5,
+        rope_theta=10_000.0, rope_scaling=None, sliding_window=4096, moe=None, hf_model_type=None)),
+    "mistral-7b-v0.3": (MISTRAL_7B_V0_3, "MistralConfig", dict(
+        vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_layers=32, num_attention_heads=32,
+        kv_heads=8, attention_head_dim=128, qk_norm=False, qkv_bias=False, rms_norm_eps=1e-5,
+        rope_theta=1e6, rope_scaling=None, sliding_window=None, moe=None, hf_model_type="mistral")),
 }  # fmt: skip
 
 
-def test_llama_3_1_8b_config_parses_into_its_shapes():
-    config = from_hf_config(LLAMA_3_1_8B)
-    assert (config.vocab_size, config.hidden_size, config.intermediate_size, config.num_layers) == (
-        128256, 4096, 14336, 32,
-    )  # fmt: skip
-    assert (config.num_attention_heads, config.kv_heads, config.attention_head_dim) == (32, 8, 128)
-    assert not config.qk_norm and config.moe is None and config.rms_norm_eps == 1e-5
-    assert config.rope_theta == 500_000.0
-    assert config.rope_scaling == Llama3RopeScaling(
-        factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
-    )
-    # transformers 5 writes the same config with rope_parameters (rope_theta inside)
-    v5 = {k: v for k, v in LLAMA_3_1_8B.items() if k not in ("rope_scaling", "rope_theta")}
-    v5["rope_parameters"] = {**LLAMA_3_1_8B["rope_scaling"], "rope_theta": 500000.0}
-    assert from_hf_config(v5) == config
-    assert from_hf_config(transformers.LlamaConfig(**LLAMA_3_1_8B).to_dict()) == config
+@pytest.mark.parametrize("name", REAL_CONFIGS)
+def test_real_configs_parse_into_their_shapes(name):
+    hf, config_class, expected = REAL_CONFIGS[name]
+    config = from_hf_config(hf)
+    assert {key: getattr(config, key) for key in expected} == expected
+    # transformers' own reading of it (5.x: rope_parameters with rope_theta inside) parses the same
+    assert from_hf_config(getattr(transformers, config_class)(**hf).to_dict()) == config
+    with torch.device("meta"):
+        names = set(ReferenceForCausalLM(config).state_dict())
+    assert ("model.layers.0.self_attn.q_proj.bias" in names) == config.qkv_bias
+    assert "model.layers.0.self_attn.o_proj.bias" not in names
+
+
+def test_a_sliding_window_that_would_matter_is_refused_naming_the_key_the_length_and_the_fix():
+    assert from_hf_config(MISTRAL_7B_V0_1, seq_len=4096).sliding_window == 4096  # changes nothing
+    with pytest.raises(HFConversionError) as raised:
+        from_hf_config(MISTRAL_7B_V0_1, seq_len=8192)
+    message = str(raised.value)
+    assert message.startswith("sequences of 8192 tokens are longer than config.json sliding_window=4096")
+    assert "(dataset.seq_len) or another backend (model.backend: hf" in message and "\n" not in message
+    assert from_hf_config(MISTRAL_7B_V0_3, seq_len=32768).sliding_window is None
+    assert from_hf_config(QWEN2_5_7B, seq_len=131073).sliding_window is None  # use_sliding_window: false
 
 
 def test_yarn_without_factor_takes_the_ratio_of_the_lengths_as_transformers_does():
@@ -244,32 +349,6 @@ def test_a_scaled_reference_config_exports_for_transformers_4_and_5(tmp_path):
     assert read_hf_config(tmp_path) == config
 
 
-QWEN2_5_7B = {
-    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
-    "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02,
-    "intermediate_size": 18944, "max_position_embeddings": 131072, "max_window_layers": 28,
-    "model_type": "qwen2", "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
-    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16", "transformers_version": "4.43.1", "use_cache": True,
-    "use_sliding_window": False, "vocab_size": 152064,
-}  # fmt: skip
-
-
-def test_qwen2_5_7b_config_parses_into_its_shapes():
-    config = from_hf_config(QWEN2_5_7B)
-    assert (config.vocab_size, config.hidden_size, config.intermediate_size, config.num_layers) == (
-        152064, 3584, 18944, 28,
-    )  # fmt: skip
-    assert (config.num_attention_heads, config.kv_heads, config.attention_head_dim) == (28, 4, 128)
-    assert config.qkv_bias and not config.qk_norm and config.moe is None
-    assert config.rope_theta == 1e6 and config.rope_scaling is None and config.rms_norm_eps == 1e-6
-    assert from_hf_config(transformers.Qwen2Config(**QWEN2_5_7B).to_dict()) == config
-    with torch.device("meta"):
-        names = set(ReferenceForCausalLM(config).state_dict())
-    assert {"model.layers.0.self_attn.q_proj.bias", "model.layers.27.self_attn.v_proj.bias"} <= names
-    assert "model.layers.0.self_attn.o_proj.bias" not in names
-
-
 def test_qkv_biases_with_qk_norm_or_experts_have_no_hf_counterpart():
     from reference_model import MoEConfig, to_hf_config
 
@@ -279,3 +358,58 @@ def test_qkv_biases_with_qk_norm_or_experts_have_no_hf_counterpart():
     moe = MoEConfig(num_experts=2, top_k=1, moe_intermediate_size=8)
     with pytest.raises(HFConversionError, match=r"model\.moe: null to export as qwen2"):
         to_hf_config(ReferenceModelConfig(**base, qkv_bias=True, qk_norm=False, moe=moe))
+
+
+# ------------------------------------------------------------------------------- sliding windows
+
+
+def test_a_sequence_longer_than_the_window_is_refused_by_the_forward_and_the_refusal_is_due(tmp_path):
+    theirs = saved_hf_model(transformers.MistralConfig(**TINY, sliding_window=12), tmp_path)
+    ours = imported(tmp_path)
+    assert ours.config.sliding_window == 12
+    max_logit_difference(ours, theirs, tokens(seq=12))  # window = length: every key is in it
+    with pytest.raises(
+        SlidingWindowError, match=r"^sequences of 13 tokens are longer than model\.sliding_window=12"
+    ):
+        ours(tokens(seq=13))
+    unwindowed = ReferenceForCausalLM(msgspec.structs.replace(ours.config, sliding_window=None)).eval()
+    unwindowed.load_state_dict(ours.state_dict())
+    with pytest.raises(AssertionError):  # transformers' window drops the first key: full attention differs
+        max_logit_difference(unwindowed, theirs, tokens(seq=13))
+
+
+@pytest.mark.parametrize(
+    ("options", "window"),
+    [
+        (dict(use_sliding_window=False, sliding_window=8), None),
+        (dict(use_sliding_window=True, sliding_window=8, max_window_layers=2), None),  # no layer from 2 on
+        (dict(use_sliding_window=True, sliding_window=16, max_window_layers=1), 16),  # layer 1 windowed
+    ],
+    ids=["off", "no-windowed-layer", "layer-1-windowed"],
+)
+def test_qwen2_keeps_a_window_only_where_a_layer_uses_it(tmp_path, options, window):
+    """A window in some layers exports as a window in every layer: the same for every accepted sequence."""
+    source, export = tmp_path / "hf", tmp_path / "export"
+    theirs = saved_hf_model(transformers.Qwen2Config(**TINY, **options), source)
+    ours = imported(source)
+    assert ours.config.sliding_window == window
+    max_logit_difference(ours, theirs, tokens())
+    save_hf_pretrained(ours, export)
+    assert_same_tensors(export, source)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
+    assert exported.config.sliding_window == window
+    max_logit_difference(ours, exported, tokens())
+
+
+def test_hf_model_type_names_mistral_or_llama_only_where_both_compute_the_model():
+    from reference_model import hf_model_type
+
+    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_layers=1, num_attention_heads=2)
+    assert hf_model_type(ReferenceModelConfig(**base, qk_norm=False)) == "llama"
+    assert hf_model_type(ReferenceModelConfig(**base, qk_norm=False, sliding_window=8)) == "mistral"
+    assert hf_model_type(ReferenceModelConfig(**base, qk_norm=False, hf_model_type="mistral")) == "mistral"
+    with pytest.raises(HFConversionError, match=r"model\.hf_model_type='llama' does not compute this model .*"
+                       r"mistral, with model\.sliding_window"):  # fmt: skip
+        hf_model_type(ReferenceModelConfig(**base, qk_norm=False, sliding_window=8, hf_model_type="llama"))
+    with pytest.raises(HFConversionError, match=r"model\.hf_model_type='mistral' .* computes a qwen3\)"):
+        hf_model_type(ReferenceModelConfig(**base, hf_model_type="mistral"))
