@@ -4,6 +4,8 @@ every step's loss and grad norm and in every final weight.
 
 - q/k/v biases (Qwen2): a column-parallel projection's bias is sharded with its output dim (TP 2),
   and FSDP 2 shards and reduces it like any parameter.
+- scaled RoPE (llama3, yarn) under context parallelism 2: each rank's tokens get their global
+  positions (`ContextParallel.position_ids`), so the scaled tables are the one-process ones.
 
 And the quickstart provider's `check_sequence_length`: a sliding window shorter than the dataset's
 sequences is refused by the plan, before anything is built or written.
@@ -18,6 +20,12 @@ from _quickstart import NO_CLIP, SGD, build_error, compare_runs, overrides, run_
 STEPS = 3
 REL = 1e-5
 QKV_BIAS = ["model.qkv_bias=true", "model.qk_norm=false"]
+#: Pretraining length 16 < the 32-token sequences: every band of the scaling is in use.
+ROPE_SCALING = {
+    "llama3": "{rope_type: llama3, factor: 4.0, low_freq_factor: 1.0, high_freq_factor: 4.0, "
+    "original_max_position_embeddings: 16}",
+    "yarn": "{rope_type: yarn, factor: 4.0, original_max_position_embeddings: 16}",
+}
 
 
 def _run(tmp_path, name: str, nproc: int, *extra: str):
@@ -49,6 +57,15 @@ def test_qkv_biases_on_2_ranks_equal_one_process(runs, qkv_bias_reference, mesh)
     """Measured: loss <= 1e-7, grad norm <= 3e-7, weights <= 1e-7 relative."""
     got = _run(runs, f"qkv-bias-{mesh[0]}", 2, *QKV_BIAS, *mesh)
     print(compare_runs(got, qkv_bias_reference, rel=REL))
+
+
+@pytest.mark.parametrize("rope", list(ROPE_SCALING))
+def test_scaled_rope_under_context_parallel_2_equals_one_process(runs, rope):
+    """Measured: loss <= 3e-8, grad norm <= 3e-7, weights <= 1e-7 relative."""
+    scaling = [f"model.rope_scaling={ROPE_SCALING[rope]}", "model.rope_theta=10000.0"]
+    reference = _run(runs, f"{rope}-one", 1, *scaling)
+    got = _run(runs, f"{rope}-cp2", 2, *scaling, "mesh.context_parallel=2")
+    print(compare_runs(got, reference, rel=REL))
 
 
 def test_a_sliding_window_shorter_than_the_sequences_is_refused_before_anything_is_written(tmp_path):
