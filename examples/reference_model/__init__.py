@@ -22,9 +22,11 @@ from .config import (
     check_sequence_length,
 )
 from .mappers import (
+    ExpertLayout,
     HFConversionError,
     from_hf_config,
     hf_checkpoint_keys,
+    hf_expert_layout,
     hf_export_mapper,
     hf_import_mapper,
     hf_model_type,
@@ -55,6 +57,7 @@ __all__ = [
     "MLP",
     "Attention",
     "DecoderLayer",
+    "ExpertLayout",
     "HFConversionError",
     "LinearRopeScaling",
     "Llama3RopeScaling",
@@ -76,6 +79,7 @@ __all__ = [
     "check_sequence_length",
     "from_hf_config",
     "hf_checkpoint_keys",
+    "hf_expert_layout",
     "hf_export_mapper",
     "hf_import_mapper",
     "hf_model_type",

@@ -18,13 +18,14 @@ import json
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import torch
 from torch import nn
 
 from d9d.ckpt import (
+    Concat,
     Deduplicate,
     Drop,
     Duplicate,
@@ -53,9 +54,11 @@ from .config import (
 from .model import ReferenceForCausalLM
 
 __all__ = [
+    "ExpertLayout",
     "HFConversionError",
     "from_hf_config",
     "hf_checkpoint_keys",
+    "hf_expert_layout",
     "hf_export_mapper",
     "hf_import_mapper",
     "hf_model_type",
@@ -65,6 +68,9 @@ __all__ = [
     "to_hf_config",
 ]
 
+#: How an HF checkpoint stores MoE experts (see `hf_expert_layout`).
+ExpertLayout = Literal["per_expert", "fused"]
+
 _EMBED = "model.embed_tokens.weight"
 _LM_HEAD = "lm_head.weight"
 _ARCHITECTURES = {
@@ -73,6 +79,7 @@ _ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 # The architectures whose window transformers gates with use_sliding_window (and for the dense Qwens,
 # max_window_layers: layers from that index on use it).
@@ -85,6 +92,16 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"num_key_value_heads": None, "head_dim": None, "max_position_embeddings": 2048},
     "qwen2": {"num_key_value_heads": 32, "head_dim": None, "max_position_embeddings": 32768},
     "mistral": {"num_key_value_heads": 8, "head_dim": None, "max_position_embeddings": 131072},
+    "mixtral": {
+        "num_key_value_heads": 8,
+        "head_dim": None,
+        "max_position_embeddings": 131072,
+        "rope_theta": 1_000_000.0,
+        "rms_norm_eps": 1e-5,
+        "sliding_window": None,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+    },
     "qwen3_moe": {
         "num_key_value_heads": 4,
         "head_dim": None,
@@ -136,17 +153,30 @@ def _computed_model_type(config: ReferenceModelConfig) -> str:
         if config.qk_norm:
             return "qwen3"
         return "llama" if config.sliding_window is None else "mistral"  # Llama has no window
-    if not config.qk_norm:
-        raise HFConversionError(
-            "model.moe with model.qk_norm=false has no Hugging Face counterpart here (Qwen3-MoE normalises "
-            "q and k); set qk_norm: true to export as qwen3_moe"
-        )
     if config.moe.shared_expert_intermediate_size is not None:
         raise HFConversionError(
-            "model.moe.shared_expert_intermediate_size is set, but Qwen3-MoE has no shared expert (and "
-            "Qwen2-MoE's shared expert has a sigmoid gate the reference model lacks); remove it to export"
+            "model.moe.shared_expert_intermediate_size is set, but Qwen3-MoE and Mixtral have no shared expert "
+            "(and Qwen2-MoE's shared expert has a sigmoid gate the reference model lacks); remove it to export"
         )
-    return "qwen3_moe"
+    if config.qk_norm:
+        return "qwen3_moe"
+    moe = config.moe  # without q/k norm: Mixtral, if the experts are laid out as Mixtral's
+    mismatch = None
+    if not all(config.is_moe_layer(i) for i in range(config.num_layers)):
+        mismatch = "experts in every layer: set model.moe.every_n_layers: 1 and no model.moe.layers"
+    elif not moe.norm_topk_prob:
+        mismatch = "top-k weights renormalized to sum 1: set model.moe.norm_topk_prob: true"
+    elif config.intermediate_size != moe.moe_intermediate_size:
+        mismatch = (
+            f"one width for its experts (and no dense layer): model.intermediate_size={config.intermediate_size} "
+            f"differs from model.moe.moe_intermediate_size={moe.moe_intermediate_size}; set both to one value"
+        )
+    if mismatch is not None:
+        raise HFConversionError(
+            f"model.moe with model.qk_norm: false exports as Mixtral, which has {mismatch} (or set "
+            "model.qk_norm: true to export as qwen3_moe)"
+        )
+    return "mixtral"
 
 
 def _model_keys(config: ReferenceModelConfig) -> list[str]:
@@ -155,21 +185,49 @@ def _model_keys(config: ReferenceModelConfig) -> list[str]:
         return list(ReferenceForCausalLM(config).state_dict())
 
 
-def _experts_to_hf(num_experts: int) -> StateMapper:
-    """One MoE block (keys relative to `mlp.`): router rename, stacked [E, a, b] → E per-expert [b, a]."""
+#: HF per-expert projection names of (our w_gate, w_up, w_down): Qwen3-MoE's, and Mixtral's w1/w3/w2.
+_EXPERT_NAMES = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
+
+
+def _experts_to_hf(num_experts: int, model_type: str, layout: ExpertLayout) -> StateMapper:
+    """One MoE block (keys relative to `mlp.`): router rename, stacked [E, a, b] → HF's experts.
+
+    "per_expert": E weights [b, a] per projection (`experts.<j>.<name>.weight`, the Hub's layout);
+    "fused": transformers 5's in-memory tensors, `experts.gate_up_proj` [E, 2·ffn, hidden] (gate rows
+    first) and `experts.down_proj` [E, hidden, ffn].
+    """
     parts: list[StateMapper] = [Rename("router.gate.weight", "gate.weight")]
-    for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
+    # ours stores x @ W ([in, out]); HF stores nn.Linear weights ([out, in]).
+    if layout == "fused":
+        gate, up = "experts.w_gate", "experts.w_up"
+        halves = Parallel([Transpose(gate, dims=(1, 2)), Transpose(up, dims=(1, 2))])
+        parts.append(Sequential([halves, Concat([gate, up], "experts.gate_up_proj", dim=1)]))
+        parts.append(Transpose("experts.w_down", dims=(1, 2), output="experts.down_proj"))
+        return Parallel(parts)
+    for ours, theirs in zip(("w_gate", "w_up", "w_down"), _EXPERT_NAMES[model_type], strict=True):
         key = f"experts.{ours}"
         per_expert = [f"experts.{j}.{theirs}.weight" for j in range(num_experts)]
-        # ours stores x @ W ([in, out]); HF stores nn.Linear weights ([out, in]).
         parts.append(Sequential([Transpose(key, dims=(1, 2)), Unstack(key, per_expert)]))
     return Parallel(parts)
 
 
-def hf_export_mapper(config: ReferenceModelConfig) -> StateMapper:
+def hf_expert_layout(keys: Iterable[str]) -> ExpertLayout:
+    """The experts' layout of an HF checkpoint from its keys (`hf_checkpoint_keys(folder)`): "fused" when
+    it holds transformers 5's `mlp.experts.gate_up_proj` tensors (`save_pretrained(save_original_format=False)`),
+    else "per_expert" (the Hub's layout, and what `save_pretrained` writes by default)."""
+    return "fused" if any(k.endswith(".mlp.experts.gate_up_proj") for k in keys) else "per_expert"
+
+
+def hf_export_mapper(
+    config: ReferenceModelConfig, *, expert_layout: ExpertLayout = "per_expert"
+) -> StateMapper:
     """Mapper from the reference model's state-dict keys to the HF layout of `hf_model_type(config)`.
 
     Use with `save_safetensors(model, folder, mapper=hf_export_mapper(config))` (or `save_hf_pretrained`).
+
+    Args:
+        expert_layout: how MoE experts are stored (`hf_expert_layout`): pass the layout of the folder a
+            model was imported from to export it back as it was read.
     """
     model_type = hf_model_type(config)
     keys = _model_keys(config)
@@ -178,12 +236,18 @@ def hf_export_mapper(config: ReferenceModelConfig) -> StateMapper:
     if config.tie_word_embeddings:
         parts.append(Deduplicate([_EMBED, _LM_HEAD], _EMBED))  # HF saves a tied table once
         handled |= {_EMBED, _LM_HEAD}
-    if model_type == "qwen3_moe":
-        assert config.moe is not None
+    if config.moe is not None:
         for index in range(config.num_layers):
             if config.is_moe_layer(index):
                 prefix = f"model.layers.{index}.mlp."
-                parts.append(Prefix(prefix, _experts_to_hf(config.moe.num_experts)))
+                # Mixtral's Hub layout calls the block block_sparse_moe; transformers 5's fused one mlp
+                block = (
+                    "block_sparse_moe."
+                    if model_type == "mixtral" and expert_layout == "per_expert"
+                    else "mlp."
+                )
+                experts = _experts_to_hf(config.moe.num_experts, model_type, expert_layout)
+                parts.append(Prefix(prefix, experts, output_prefix=f"model.layers.{index}.{block}"))
                 handled |= {k for k in keys if k.startswith(prefix)}
     parts.extend(Identity(k) for k in keys if k not in handled)
     return Parallel(parts)
@@ -195,11 +259,13 @@ def hf_import_mapper(
     """Mapper from an HF checkpoint's keys to the reference model's: the inverse of `hf_export_mapper`.
 
     Args:
-        source_keys: the keys the folder holds (`hf_checkpoint_keys(folder)`). Only needed for a tied
-            model whose folder also stores `lm_head.weight`: that copy is then read and dropped, as
-            transformers ignores it. None assumes transformers' own layout (the tied table stored once).
+        source_keys: the keys the folder holds (`hf_checkpoint_keys(folder)`). Needed for a tied model
+            whose folder also stores `lm_head.weight` (that copy is then read and dropped, as transformers
+            ignores it) and for MoE experts in transformers 5's fused layout (`hf_expert_layout`). None
+            assumes `save_pretrained`'s own layout (the tied table stored once, experts one by one).
     """
-    mapper = hf_export_mapper(config).inverse()
+    layout = hf_expert_layout(source_keys or ())
+    mapper = hf_export_mapper(config, expert_layout=layout).inverse()
     if config.tie_word_embeddings and source_keys is not None and _LM_HEAD in set(source_keys):
         assert isinstance(mapper, Parallel)
         others = [m for m in mapper.mappers if _LM_HEAD not in m.outputs]
@@ -256,6 +322,14 @@ def to_hf_config(config: ReferenceModelConfig, *, dtype: torch.dtype | None = No
             hf["max_window_layers"] = 0
     else:
         hf["sliding_window"] = config.sliding_window
+    if model_type == "mixtral":
+        assert config.moe is not None
+        hf |= {
+            "num_local_experts": config.moe.num_experts,
+            "num_experts_per_tok": config.moe.top_k,
+            "router_jitter_noise": 0.0,
+            "output_router_logits": False,
+        }
     if model_type == "qwen3_moe":
         assert config.moe is not None
         hf |= {
@@ -423,6 +497,8 @@ def from_hf_config(
     if model_type in ("llama", "qwen3", "qwen3_moe"):  # the keys of q, k, v and o biases
         _require(hf, "attention_bias", False, source)
         _require(hf, "mlp_bias", False, source)
+    if model_type == "mixtral":  # training-time noise on the router's input the reference model lacks
+        _require(hf, "router_jitter_noise", 0.0, source)
     heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
     max_positions = int(hf.get("max_position_embeddings", defaults["max_position_embeddings"]))
     theta, rope_scaling = _rope_from_hf(hf, defaults["rope_theta"], max_positions, source)
@@ -466,6 +542,15 @@ def from_hf_config(
                 norm_topk_prob=bool(hf.get("norm_topk_prob", defaults["norm_topk_prob"])),
                 **layout,
             )
+    if model_type == "mixtral":  # every layer: softmax over all experts, top-k, renormalized
+        fields["moe"] = MoEConfig(
+            num_experts=int(
+                hf.get("num_local_experts", hf.get("num_experts", defaults["num_local_experts"]))
+            ),
+            top_k=int(hf.get("num_experts_per_tok", defaults["num_experts_per_tok"])),
+            moe_intermediate_size=fields["intermediate_size"],
+            norm_topk_prob=True,
+        )
     fields.update(overrides)
     config = ReferenceModelConfig.from_dict(fields)
     if seq_len is not None:
@@ -509,6 +594,7 @@ def save_hf_pretrained(
     *,
     config: ReferenceModelConfig | None = None,
     max_shard_size: int | str = "5GB",
+    expert_layout: ExpertLayout = "per_expert",
 ) -> None:
     """Write the model as an HF folder: safetensors through `hf_export_mapper` plus `config.json`.
 
@@ -519,7 +605,8 @@ def save_hf_pretrained(
     assert isinstance(config, ReferenceModelConfig)
     dtype = next(iter(model.state_dict().values())).dtype
     hf = to_hf_config(config, dtype=dtype)
-    save_safetensors(model, folder, mapper=hf_export_mapper(config), max_shard_size=max_shard_size)
+    mapper = hf_export_mapper(config, expert_layout=expert_layout)
+    save_safetensors(model, folder, mapper=mapper, max_shard_size=max_shard_size)
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         (Path(folder) / "config.json").write_text(json.dumps(hf, indent=2) + "\n", encoding="utf-8")
 

@@ -24,11 +24,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # examples/, so `r
 from reference_model import (
     HFConversionError,
     Llama3RopeScaling,
+    MoEConfig,
     ReferenceForCausalLM,
     ReferenceModelConfig,
     SlidingWindowError,
     YarnRopeScaling,
     from_hf_config,
+    hf_checkpoint_keys,
+    hf_expert_layout,
     load_hf_pretrained,
     read_hf_config,
     save_hf_pretrained,
@@ -75,6 +78,21 @@ FAMILIES: dict[str, Callable[[], Any]] = {
     ),
     "mistral": lambda: transformers.MistralConfig(**TINY, sliding_window=None),
     "mistral-window-as-long-as-the-sequence": lambda: transformers.MistralConfig(**TINY, sliding_window=13),
+    "mixtral": lambda: transformers.MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2),
+    "mixtral-window-yarn": lambda: transformers.MixtralConfig(
+        **TINY | {"max_position_embeddings": 256},
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=16,
+        rope_parameters=dict(YARN),
+    ),
+}
+#: MoE families whose experts transformers 5 also saves fused (`save_original_format=False`)
+FUSED = {
+    "mixtral": lambda: transformers.MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **TINY, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True
+    ),
 }
 #: transformers config attributes that decide what a checkpoint computes (and how it is named)
 MATTERS = (
@@ -165,6 +183,8 @@ def test_import_gives_transformers_logits_and_export_gives_back_the_checkpoint(n
     max_logit_difference(ours, theirs, tokens())
     if ours.config.qkv_bias:  # the biases were read: every one of them moves the logits
         assert all(ours.model.layers["0"].self_attn.k_proj.bias.abs() > 0)
+    if ours.config.moe is not None:  # the Hub's layout, as save_pretrained writes it by default
+        assert hf_expert_layout(hf_checkpoint_keys(source)) == "per_expert"
     if ours.config.rope_scaling is not None:  # the test sequences see the scaling: plain RoPE is off
         plain = ReferenceForCausalLM(msgspec.structs.replace(ours.config, rope_scaling=None)).eval()
         plain.load_state_dict(ours.state_dict())
@@ -175,6 +195,19 @@ def test_import_gives_transformers_logits_and_export_gives_back_the_checkpoint(n
     assert_same_tensors(export, source)
     assert what_matters(export) == what_matters(source)
     assert read_hf_config(export) == read_hf_config(source)
+
+
+@pytest.mark.parametrize("name", FUSED)
+def test_experts_saved_fused_import_and_export_back_fused(name, tmp_path):
+    source, export = tmp_path / "hf", tmp_path / "export"
+    theirs = saved_hf_model(FUSED[name](), source, save_original_format=False)
+    layout = hf_expert_layout(hf_checkpoint_keys(source))
+    assert layout == "fused"
+    ours = imported(source)
+    max_logit_difference(ours, theirs, tokens())
+    save_hf_pretrained(ours, export, expert_layout=layout)
+    assert_same_tensors(export, source)
+    assert what_matters(export) == what_matters(source)
 
 
 # ----------------------------------------------------------------------------------- real configs
@@ -265,6 +298,33 @@ MISTRAL_7B_V0_3 = MISTRAL_7B_V0_1 | {
     "transformers_version": "4.42.0.dev0",
     "vocab_size": 32768,
 }
+MIXTRAL_8X7B = {
+    "architectures": ["MixtralForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 32768,
+    "model_type": "mixtral",
+    "num_attention_heads": 32,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "num_local_experts": 8,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.02,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.36.0.dev0",
+    "use_cache": True,
+    "vocab_size": 32000,
+}
 #: name → (config.json, transformers' config class, what the reference config must hold)
 REAL_CONFIGS = {
     "llama-3.1-8b": (LLAMA_3_1_8B, "LlamaConfig", dict(
@@ -285,6 +345,11 @@ REAL_CONFIGS = {
         vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_layers=32, num_attention_heads=32,
         kv_heads=8, attention_head_dim=128, qk_norm=False, qkv_bias=False, rms_norm_eps=1e-5,
         rope_theta=1e6, rope_scaling=None, sliding_window=None, moe=None, hf_model_type="mistral")),
+    "mixtral-8x7b": (MIXTRAL_8X7B, "MixtralConfig", dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32, num_attention_heads=32,
+        kv_heads=8, attention_head_dim=128, qk_norm=False, qkv_bias=False, rms_norm_eps=1e-5,
+        rope_theta=1e6, rope_scaling=None, sliding_window=None,
+        moe=MoEConfig(num_experts=8, top_k=2, moe_intermediate_size=14336, norm_topk_prob=True))),
 }  # fmt: skip
 
 
@@ -350,7 +415,7 @@ def test_a_scaled_reference_config_exports_for_transformers_4_and_5(tmp_path):
 
 
 def test_qkv_biases_with_qk_norm_or_experts_have_no_hf_counterpart():
-    from reference_model import MoEConfig, to_hf_config
+    from reference_model import to_hf_config
 
     base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_layers=1, num_attention_heads=2)
     with pytest.raises(HFConversionError, match=r"model\.qkv_bias: true .* set model\.qk_norm: false"):
@@ -413,3 +478,25 @@ def test_hf_model_type_names_mistral_or_llama_only_where_both_compute_the_model(
         hf_model_type(ReferenceModelConfig(**base, qk_norm=False, sliding_window=8, hf_model_type="llama"))
     with pytest.raises(HFConversionError, match=r"model\.hf_model_type='mistral' .* computes a qwen3\)"):
         hf_model_type(ReferenceModelConfig(**base, hf_model_type="mistral"))
+
+
+@pytest.mark.parametrize(
+    ("moe", "intermediate_size", "message"),
+    [
+        (dict(every_n_layers=2), 24, r"experts in every layer: set model\.moe\.every_n_layers: 1"),
+        (dict(norm_topk_prob=False), 24, r"renormalized to sum 1: set model\.moe\.norm_topk_prob: true"),
+        ({}, 48, r"model\.intermediate_size=48 differs from model\.moe\.moe_intermediate_size=24"),
+        (dict(shared_expert_intermediate_size=8), 24, r"Qwen3-MoE and Mixtral have no shared expert"),
+    ],
+)
+def test_experts_without_qk_norm_export_as_mixtral_only_in_its_layout(moe, intermediate_size, message):
+    from reference_model import to_hf_config
+
+    experts = MoEConfig(num_experts=4, top_k=2, moe_intermediate_size=24, **moe)
+    config = ReferenceModelConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=intermediate_size, num_layers=2,
+        num_attention_heads=2, qk_norm=False, moe=experts,
+    )  # fmt: skip
+    with pytest.raises(HFConversionError, match=message) as raised:
+        to_hf_config(config)
+    assert "\n" not in str(raised.value)
