@@ -7,7 +7,7 @@ with torch.device("meta"):
 model.to_empty(device="cpu")
 model.init_weights()
 logits = model(input_ids)            # [batch, seq, vocab]
-save_hf_pretrained(model, "hf_out")  # a Hugging Face folder (qwen3 / llama / qwen3_moe)
+save_hf_pretrained(model, "hf_out")  # a Hugging Face folder (qwen3, llama, mistral, qwen2, qwen3_moe, mixtral)
 """
 
 from .config import (

@@ -6,8 +6,16 @@ These Hugging Face architectures have the reference model's computation exactly:
 |---|---|---|
 | dense, `qk_norm=True` | `qwen3` (`Qwen3ForCausalLM`) | identity |
 | dense, `qk_norm=False` | `llama` (`LlamaForCausalLM`) | identity (HF Llama checkpoints already use the half-split RoPE rows) |
+| dense, `qk_norm=False`, `sliding_window` set (or `hf_model_type="mistral"`) | `mistral` (`MistralForCausalLM`) | identity |
 | dense, `qk_norm=False`, `qkv_bias=True` | `qwen2` (`Qwen2ForCausalLM`) | identity (q/k/v biases as `*_proj.bias`) |
 | `moe`, `qk_norm=True`, no shared expert | `qwen3_moe` (`Qwen3MoeForCausalLM`) | router rename, stacked experts ↔ one `[ffn, hidden]` weight per expert |
+| `moe` in every layer, `qk_norm=False`, renormalized top-k, no shared expert | `mixtral` (`MixtralForCausalLM`) | `block_sparse_moe.gate` ↔ router, stacked experts ↔ `experts.<j>.w1`/`w3`/`w2` (gate, up, down) |
+
+Any of them with RoPE scaling (`rope_scaling`: linear, llama3, yarn). MoE experts load from either
+layout transformers 5 writes (`hf_expert_layout`): the Hub's per-expert one (`save_pretrained`'s
+default) or its fused `mlp.experts.gate_up_proj`/`down_proj`; `hf_export_mapper(expert_layout=)` writes
+either. A sliding window is kept in the config and sequences longer than it are refused
+(`check_sequence_length`), since the reference model attends to the whole sequence.
 
 With `tie_word_embeddings`, HF stores the table once as `model.embed_tokens.weight` (no `lm_head.weight`);
 the import mapper also accepts a folder that stores both and, as transformers does, ignores the copy.
