@@ -287,6 +287,18 @@ def train_and_gather(args: list[str]) -> dict[str, torch.Tensor]:
         return {name: t.detach().cpu().clone() for name, t in state.items()}
 
 
+def build_error(args: list[str]) -> str:
+    """Build the quickstart job (and close it) in this process: "Type: message" of what it raised, or
+    "no error". Call it in forked ranks (`run_distributed`, `run_forked`), never in the test process."""
+    from d9d.trainer import Trainer
+
+    try:
+        Trainer.from_config(CONFIG, args).close()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
 def _run_dir(args: list[str]) -> Path:
     found = {}
     for arg in args:

@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from _quickstart import CONFIG, MOE, NO_CLIP, SGD, TRAIN, compare_runs, overrides, records, train
+from _quickstart import CONFIG, MOE, NO_CLIP, SGD, TRAIN, build_error, compare_runs, overrides, records, train
 
 from d9d.mesh.testing import run_distributed, run_torchrun
 
@@ -100,18 +100,8 @@ class NoContextParallel(QuickstartModelProvider):
 '''
 
 
-def _build_error(args: list[str]) -> str:
-    from d9d.trainer import Trainer
-
-    try:
-        Trainer.from_config(CONFIG, args).close()
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
-
-
 def _errors(tmp_path: Path, *extra: str) -> list[str]:
-    return run_distributed(_build_error, 2, overrides(tmp_path, "refused", 2, *CP2, *extra))
+    return run_distributed(build_error, 2, overrides(tmp_path, "refused", 2, *CP2, *extra))
 
 
 def test_a_sequence_length_that_cp_cannot_cut_is_one_clear_error_before_anything_is_written(tmp_path):

@@ -21,6 +21,7 @@ from reference_model import (
     apply_expert_parallel,
     apply_tensor_parallel,
     check_mesh,
+    check_sequence_length,
     hf_export_mapper,
     to_hf_config,
     trim_to_stage,
@@ -71,6 +72,10 @@ class QuickstartModelProvider:
         """Refuse degrees the model cannot be split by (heads by tp, experts by ep, layers by pp)."""
         check_mesh(self.config, mesh)
 
+    def check_sequence_length(self, seq_len: int) -> None:
+        """Refuse sequences longer than model.sliding_window (the model attends to the whole sequence)."""
+        check_sequence_length(self.config, seq_len)
+
     def parallelize_model_stage(self, context: ParallelizeModelStageContext) -> None:
         """Called on every mesh, one process too (there context.mesh is None and HSDP does nothing)."""
         model, ctx = context.model, context.context
@@ -90,7 +95,7 @@ class QuickstartModelProvider:
     def prepare_export_model_stage(
         self, context: PrepareExportModelStageContext
     ) -> PrepareExportModelStageResult:
-        # A Hugging Face folder (Qwen3 layout, or Qwen3-MoE with experts): transformers loads it as is
+        # A Hugging Face folder (the architecture hf_model_type names: qwen3, llama, qwen2, mistral, ...)
         config_json = json.dumps(to_hf_config(self.config), indent=2)
         return PrepareExportModelStageResult(
             mapper=hf_export_mapper(self.config), extra_files={"config.json": config_json}

@@ -7,14 +7,26 @@ with torch.device("meta"):
 model.to_empty(device="cpu")
 model.init_weights()
 logits = model(input_ids)            # [batch, seq, vocab]
-save_hf_pretrained(model, "hf_out")  # a Hugging Face folder (qwen3 / llama / qwen3_moe)
+save_hf_pretrained(model, "hf_out")  # a Hugging Face folder (qwen3, llama, mistral, qwen2, qwen3_moe, mixtral)
 """
 
-from .config import MoEConfig, ReferenceModelConfig, ReferenceModelConfigError
+from .config import (
+    LinearRopeScaling,
+    Llama3RopeScaling,
+    MoEConfig,
+    ReferenceModelConfig,
+    ReferenceModelConfigError,
+    RopeScaling,
+    SlidingWindowError,
+    YarnRopeScaling,
+    check_sequence_length,
+)
 from .mappers import (
+    ExpertLayout,
     HFConversionError,
     from_hf_config,
     hf_checkpoint_keys,
+    hf_expert_layout,
     hf_export_mapper,
     hf_import_mapper,
     hf_model_type,
@@ -30,8 +42,6 @@ from .model import (
     ReferenceForCausalLM,
     ReferenceModel,
     RMSNorm,
-    RotaryEmbedding,
-    apply_rotary,
     build_moe,
 )
 from .parallelize import (
@@ -41,31 +51,42 @@ from .parallelize import (
     tensor_parallel_plan,
     trim_to_stage,
 )
+from .rope import RotaryEmbedding, apply_rotary, rope_attention_factor, rope_inverse_frequencies
 
 __all__ = [
     "MLP",
     "Attention",
     "DecoderLayer",
+    "ExpertLayout",
     "HFConversionError",
+    "LinearRopeScaling",
+    "Llama3RopeScaling",
     "MoEConfig",
     "RMSNorm",
     "ReferenceForCausalLM",
     "ReferenceModel",
     "ReferenceModelConfig",
     "ReferenceModelConfigError",
+    "RopeScaling",
     "RotaryEmbedding",
+    "SlidingWindowError",
+    "YarnRopeScaling",
     "apply_expert_parallel",
     "apply_rotary",
     "apply_tensor_parallel",
     "build_moe",
     "check_mesh",
+    "check_sequence_length",
     "from_hf_config",
     "hf_checkpoint_keys",
+    "hf_expert_layout",
     "hf_export_mapper",
     "hf_import_mapper",
     "hf_model_type",
     "load_hf_pretrained",
     "read_hf_config",
+    "rope_attention_factor",
+    "rope_inverse_frequencies",
     "save_hf_pretrained",
     "tensor_parallel_plan",
     "to_hf_config",

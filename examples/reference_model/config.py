@@ -5,11 +5,21 @@ filled from (or exported to) a `config.json` almost key for key.
 """
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
-__all__ = ["MoEConfig", "ReferenceModelConfig", "ReferenceModelConfigError"]
+__all__ = [
+    "LinearRopeScaling",
+    "Llama3RopeScaling",
+    "MoEConfig",
+    "ReferenceModelConfig",
+    "ReferenceModelConfigError",
+    "RopeScaling",
+    "SlidingWindowError",
+    "YarnRopeScaling",
+    "check_sequence_length",
+]
 
 
 class ReferenceModelConfigError(ValueError):
@@ -20,10 +30,105 @@ class ReferenceModelConfigError(ValueError):
     """
 
 
+class SlidingWindowError(ValueError):
+    """Sequences longer than the sliding window: the reference model's full causal attention would
+    differ from the windowed attention of the model it stands for (the message says what to change)."""
+
+
 def _require_positive(**values: int | float) -> None:
     for key, value in values.items():
         if value <= 0:
             raise ReferenceModelConfigError(f"model.{key}={value} must be positive")
+
+
+class _RopeScalingBase(
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, tag_field="rope_type"
+):
+    """RoPE scaling (the `model.rope_scaling` section), tagged by `rope_type`; the math is in `rope.py`."""
+
+
+class LinearRopeScaling(_RopeScalingBase, tag="linear"):
+    """Position interpolation: every frequency divided by `factor` (HF `rope_type: linear`).
+
+    Attributes:
+        factor: how many times longer the sequences are than those of pretraining.
+    """
+
+    factor: float
+
+    def __post_init__(self) -> None:
+        _require_positive(**{"rope_scaling.factor": self.factor})
+
+
+class Llama3RopeScaling(_RopeScalingBase, tag="llama3"):
+    """Llama 3.x: long wavelengths divided by `factor`, short ones kept, a smooth ramp between.
+
+    Attributes:
+        factor: divisor of the low frequencies (8 in Llama 3.1).
+        low_freq_factor: wavelengths above `original_max_position_embeddings / low_freq_factor` are scaled.
+        high_freq_factor: wavelengths below `original_max_position_embeddings / high_freq_factor` are kept.
+        original_max_position_embeddings: context length of pretraining (8192 in Llama 3.1).
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def __post_init__(self) -> None:
+        _require_positive(
+            **{
+                "rope_scaling.factor": self.factor,
+                "rope_scaling.low_freq_factor": self.low_freq_factor,
+                "rope_scaling.high_freq_factor": self.high_freq_factor,
+                "rope_scaling.original_max_position_embeddings": self.original_max_position_embeddings,
+            }
+        )
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ReferenceModelConfigError(
+                f"model.rope_scaling.high_freq_factor={self.high_freq_factor} must exceed "
+                f"model.rope_scaling.low_freq_factor={self.low_freq_factor} (they bound the smoothed band)"
+            )
+
+
+class YarnRopeScaling(_RopeScalingBase, tag="yarn"):
+    """YaRN: frequencies ramp from interpolated (÷ factor) to kept, and cos/sin are scaled (HF `rope_type: yarn`).
+
+    Attributes:
+        factor: how many times longer the sequences are than those of pretraining.
+        original_max_position_embeddings: context length of pretraining.
+        attention_factor: the cos/sin scale; None derives it from `factor` (and `mscale`, `mscale_all_dim`).
+        beta_fast: rotations below which a dimension is interpolated entirely (ramp start).
+        beta_slow: rotations above which a dimension is kept entirely (ramp end).
+        mscale: with `mscale_all_dim`, the numerator's weight of log(factor) in the derived attention factor.
+        mscale_all_dim: the denominator's weight.
+        truncate: round the ramp's bounds to whole dimensions (floor / ceil).
+    """
+
+    factor: float
+    original_max_position_embeddings: int
+    attention_factor: float | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        _require_positive(
+            **{
+                "rope_scaling.factor": self.factor,
+                "rope_scaling.original_max_position_embeddings": self.original_max_position_embeddings,
+                "rope_scaling.beta_fast": self.beta_fast,
+                "rope_scaling.beta_slow": self.beta_slow,
+            }
+        )
+        if self.attention_factor is not None:
+            _require_positive(**{"rope_scaling.attention_factor": self.attention_factor})
+
+
+#: The RoPE scalings the reference model computes exactly as transformers does (`model.rope_scaling`).
+RopeScaling = LinearRopeScaling | Llama3RopeScaling | YarnRopeScaling
 
 
 class MoEConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -91,10 +196,20 @@ class ReferenceModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
             `num_attention_heads` (multi-head attention). Must divide `num_attention_heads`.
         head_dim: width of one head; None means `hidden_size // num_attention_heads`.
         rope_theta: RoPE base.
+        rope_scaling: RoPE frequency scaling for long contexts (`rope_type`: linear, llama3 or yarn,
+            with that type's keys); None for plain RoPE.
         rms_norm_eps: epsilon of every RMSNorm.
         max_position_embeddings: longest sequence (and largest position id) the model is meant for.
         tie_word_embeddings: the LM head shares the embedding table.
         qk_norm: RMSNorm on each query and key head before RoPE (Qwen3); False gives Llama.
+        qkv_bias: biases on the query, key and value projections, none on the output one (Qwen2).
+        sliding_window: the attention window of the model this one stands for (Mistral, Mixtral, Qwen2
+            with `use_sliding_window`): a query sees itself and the window − 1 tokens before it. The
+            reference model attends to the whole sequence, which is the same computation only while a
+            sequence has at most this many tokens: longer ones are refused (`check_sequence_length`).
+            None: no window.
+        hf_model_type: the Hugging Face `model_type` an export writes where more than one computes this
+            model (`llama` or `mistral`); None: the default for the computation (`hf_model_type()`).
         initializer_range: std of the normal init of linears and the embedding.
         fp32_logits: return the logits in float32 whatever the parameter dtype.
         moe: mixture-of-experts layers; None for a dense model.
@@ -108,10 +223,14 @@ class ReferenceModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
     num_key_value_heads: int | None = None
     head_dim: int | None = None
     rope_theta: float = 1_000_000.0
+    rope_scaling: RopeScaling | None = None
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     qk_norm: bool = True
+    qkv_bias: bool = False
+    sliding_window: int | None = None
+    hf_model_type: Literal["llama", "mistral"] | None = None
     initializer_range: float = 0.02
     fp32_logits: bool = False
     moe: MoEConfig | None = None
@@ -149,6 +268,8 @@ class ReferenceModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
                 f"model.head_dim={self.attention_head_dim} must be even for RoPE "
                 "(it rotates pairs of channels)"
             )
+        if self.sliding_window is not None:
+            _require_positive(sliding_window=self.sliding_window)
         if self.moe is not None and self.moe.layers is not None:
             outside = [i for i in self.moe.layers if not 0 <= i < self.num_layers]
             if outside:
@@ -197,3 +318,28 @@ class ReferenceModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
             else:
                 active += 3 * h * self.intermediate_size
         return 6.0 * active + 12.0 * self.num_layers * q * d * seq_len
+
+
+def check_sequence_length(
+    config: ReferenceModelConfig, seq_len: int, *, key: str = "model.sliding_window"
+) -> None:
+    """Refuse sequences the reference model would not compute as the model it stands for: longer than
+    its sliding window (a no-op without one).
+
+    A model provider calls it from its `check_sequence_length` (d9d.trainer's `ChecksSequenceLength`
+    ability: the plan then refuses the job before anything is built); the model's forward calls it too.
+
+    Args:
+        key: where the window was set, for the message: `model.sliding_window` (the job's model
+            section), or e.g. `<folder>/config.json sliding_window` for a model read from an HF folder.
+
+    Raises:
+        SlidingWindowError: `seq_len` exceeds `config.sliding_window`.
+    """
+    window = config.sliding_window
+    if window is not None and seq_len > window:
+        raise SlidingWindowError(
+            f"sequences of {seq_len} tokens are longer than {key}={window}: the reference model attends to the "
+            f"whole sequence, which equals sliding-window attention only up to {window} tokens; use sequences "
+            f"of at most {window} tokens (dataset.seq_len) or another backend (model.backend: hf, coming)"
+        )

@@ -1,12 +1,21 @@
 """State mappers and `config.json` conversion between the reference model and Hugging Face layouts.
 
-Three Hugging Face architectures have the reference model's computation exactly:
+These Hugging Face architectures have the reference model's computation exactly:
 
 | reference config | HF `model_type` | what the mapper does |
 |---|---|---|
 | dense, `qk_norm=True` | `qwen3` (`Qwen3ForCausalLM`) | identity |
 | dense, `qk_norm=False` | `llama` (`LlamaForCausalLM`) | identity (HF Llama checkpoints already use the half-split RoPE rows) |
+| dense, `qk_norm=False`, `sliding_window` set (or `hf_model_type="mistral"`) | `mistral` (`MistralForCausalLM`) | identity |
+| dense, `qk_norm=False`, `qkv_bias=True` | `qwen2` (`Qwen2ForCausalLM`) | identity (q/k/v biases as `*_proj.bias`) |
 | `moe`, `qk_norm=True`, no shared expert | `qwen3_moe` (`Qwen3MoeForCausalLM`) | router rename, stacked experts ↔ one `[ffn, hidden]` weight per expert |
+| `moe` in every layer, `qk_norm=False`, renormalized top-k, no shared expert | `mixtral` (`MixtralForCausalLM`) | `block_sparse_moe.gate` ↔ router, stacked experts ↔ `experts.<j>.w1`/`w3`/`w2` (gate, up, down) |
+
+Any of them with RoPE scaling (`rope_scaling`: linear, llama3, yarn). MoE experts load from either
+layout transformers 5 writes (`hf_expert_layout`): the Hub's per-expert one (`save_pretrained`'s
+default) or its fused `mlp.experts.gate_up_proj`/`down_proj`; `hf_export_mapper(expert_layout=)` writes
+either. A sliding window is kept in the config and sequences longer than it are refused
+(`check_sequence_length`), since the reference model attends to the whole sequence.
 
 With `tie_word_embeddings`, HF stores the table once as `model.embed_tokens.weight` (no `lm_head.weight`);
 the import mapper also accepts a folder that stores both and, as transformers does, ignores the copy.
@@ -17,12 +26,14 @@ import json
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import msgspec
 import torch
 from torch import nn
 
 from d9d.ckpt import (
+    Concat,
     Deduplicate,
     Drop,
     Duplicate,
@@ -38,13 +49,24 @@ from d9d.ckpt import (
     save_safetensors,
 )
 
-from .config import MoEConfig, ReferenceModelConfig
+from .config import (
+    LinearRopeScaling,
+    Llama3RopeScaling,
+    MoEConfig,
+    ReferenceModelConfig,
+    RopeScaling,
+    SlidingWindowError,
+    YarnRopeScaling,
+    check_sequence_length,
+)
 from .model import ReferenceForCausalLM
 
 __all__ = [
+    "ExpertLayout",
     "HFConversionError",
     "from_hf_config",
     "hf_checkpoint_keys",
+    "hf_expert_layout",
     "hf_export_mapper",
     "hf_import_mapper",
     "hf_model_type",
@@ -54,18 +76,40 @@ __all__ = [
     "to_hf_config",
 ]
 
+#: How an HF checkpoint stores MoE experts (see `hf_expert_layout`).
+ExpertLayout = Literal["per_expert", "fused"]
+
 _EMBED = "model.embed_tokens.weight"
 _LM_HEAD = "lm_head.weight"
 _ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "llama": "LlamaForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
+# The architectures whose window transformers gates with use_sliding_window (and for the dense Qwens,
+# max_window_layers: layers from that index on use it).
+_QWEN_WINDOWS = ("qwen2", "qwen3", "qwen3_moe")
 # transformers 5.x class defaults for keys a config.json may omit (they differ per architecture:
 # Qwen3's head_dim is 128 whatever the width, Qwen3-MoE does not renormalise top-k weights).
+_COMMON_DEFAULTS: dict[str, Any] = {"rope_theta": 10_000.0, "rms_norm_eps": 1e-6, "sliding_window": 4096}
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768},
     "llama": {"num_key_value_heads": None, "head_dim": None, "max_position_embeddings": 2048},
+    "qwen2": {"num_key_value_heads": 32, "head_dim": None, "max_position_embeddings": 32768},
+    "mistral": {"num_key_value_heads": 8, "head_dim": None, "max_position_embeddings": 131072},
+    "mixtral": {
+        "num_key_value_heads": 8,
+        "head_dim": None,
+        "max_position_embeddings": 131072,
+        "rope_theta": 1_000_000.0,
+        "rms_norm_eps": 1e-5,
+        "sliding_window": None,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+    },
     "qwen3_moe": {
         "num_key_value_heads": 4,
         "head_dim": None,
@@ -76,7 +120,7 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     },
 }
 # Reference-config fields that do not change what the weights compute.
-_NUMERICALLY_INERT = ("initializer_range", "max_position_embeddings", "fp32_logits")
+_NUMERICALLY_INERT = ("initializer_range", "max_position_embeddings", "fp32_logits", "hf_model_type")
 
 
 class HFConversionError(ValueError):
@@ -84,24 +128,63 @@ class HFConversionError(ValueError):
 
 
 def hf_model_type(config: ReferenceModelConfig) -> str:
-    """The HF `model_type` with this config's computation: "qwen3", "llama" or "qwen3_moe".
+    """The HF `model_type` with this config's computation: "qwen3", "llama", "mistral", "qwen2" or
+    "qwen3_moe"; `config.hf_model_type` where it names another with the same computation.
 
     Raises:
-        HFConversionError: for MoE without q/k norm or with a shared expert (no exact HF architecture).
+        HFConversionError: for MoE without q/k norm or with a shared expert, q/k/v biases with q/k norm
+            or experts (no exact HF architecture), or an `hf_model_type` that computes something else.
     """
+    computed = _computed_model_type(config)
+    chosen = config.hf_model_type
+    if chosen is None or chosen == computed:
+        return computed
+    if chosen == "mistral" and computed == "llama":  # a Mistral without a window is a Llama
+        return chosen
+    raise HFConversionError(
+        f"model.hf_model_type={chosen!r} does not compute this model (the config computes a {computed}"
+        + (", with model.sliding_window" if computed == "mistral" else "")
+        + "); remove model.hf_model_type or change the config"
+    )
+
+
+def _computed_model_type(config: ReferenceModelConfig) -> str:
+    if config.qkv_bias:
+        if config.qk_norm or config.moe is not None:
+            raise HFConversionError(
+                "model.qkv_bias: true has a Hugging Face counterpart only in Qwen2, which has neither q/k norm "
+                "nor experts (Qwen3's attention_bias biases o_proj too); set model.qk_norm: false and "
+                "model.moe: null to export as qwen2"
+            )
+        return "qwen2"
     if config.moe is None:
-        return "qwen3" if config.qk_norm else "llama"
-    if not config.qk_norm:
-        raise HFConversionError(
-            "model.moe with model.qk_norm=false has no Hugging Face counterpart here (Qwen3-MoE normalises "
-            "q and k); set qk_norm: true to export as qwen3_moe"
-        )
+        if config.qk_norm:
+            return "qwen3"
+        return "llama" if config.sliding_window is None else "mistral"  # Llama has no window
     if config.moe.shared_expert_intermediate_size is not None:
         raise HFConversionError(
-            "model.moe.shared_expert_intermediate_size is set, but Qwen3-MoE has no shared expert (and "
-            "Qwen2-MoE's shared expert has a sigmoid gate the reference model lacks); remove it to export"
+            "model.moe.shared_expert_intermediate_size is set, but Qwen3-MoE and Mixtral have no shared expert "
+            "(and Qwen2-MoE's shared expert has a sigmoid gate the reference model lacks); remove it to export"
         )
-    return "qwen3_moe"
+    if config.qk_norm:
+        return "qwen3_moe"
+    moe = config.moe  # without q/k norm: Mixtral, if the experts are laid out as Mixtral's
+    mismatch = None
+    if not all(config.is_moe_layer(i) for i in range(config.num_layers)):
+        mismatch = "experts in every layer: set model.moe.every_n_layers: 1 and no model.moe.layers"
+    elif not moe.norm_topk_prob:
+        mismatch = "top-k weights renormalized to sum 1: set model.moe.norm_topk_prob: true"
+    elif config.intermediate_size != moe.moe_intermediate_size:
+        mismatch = (
+            f"one width for its experts (and no dense layer): model.intermediate_size={config.intermediate_size} "
+            f"differs from model.moe.moe_intermediate_size={moe.moe_intermediate_size}; set both to one value"
+        )
+    if mismatch is not None:
+        raise HFConversionError(
+            f"model.moe with model.qk_norm: false exports as Mixtral, which has {mismatch} (or set "
+            "model.qk_norm: true to export as qwen3_moe)"
+        )
+    return "mixtral"
 
 
 def _model_keys(config: ReferenceModelConfig) -> list[str]:
@@ -110,21 +193,49 @@ def _model_keys(config: ReferenceModelConfig) -> list[str]:
         return list(ReferenceForCausalLM(config).state_dict())
 
 
-def _experts_to_hf(num_experts: int) -> StateMapper:
-    """One MoE block (keys relative to `mlp.`): router rename, stacked [E, a, b] → E per-expert [b, a]."""
+#: HF per-expert projection names of (our w_gate, w_up, w_down): Qwen3-MoE's, and Mixtral's w1/w3/w2.
+_EXPERT_NAMES = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
+
+
+def _experts_to_hf(num_experts: int, model_type: str, layout: ExpertLayout) -> StateMapper:
+    """One MoE block (keys relative to `mlp.`): router rename, stacked [E, a, b] → HF's experts.
+
+    "per_expert": E weights [b, a] per projection (`experts.<j>.<name>.weight`, the Hub's layout);
+    "fused": transformers 5's in-memory tensors, `experts.gate_up_proj` [E, 2·ffn, hidden] (gate rows
+    first) and `experts.down_proj` [E, hidden, ffn].
+    """
     parts: list[StateMapper] = [Rename("router.gate.weight", "gate.weight")]
-    for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
+    # ours stores x @ W ([in, out]); HF stores nn.Linear weights ([out, in]).
+    if layout == "fused":
+        gate, up = "experts.w_gate", "experts.w_up"
+        halves = Parallel([Transpose(gate, dims=(1, 2)), Transpose(up, dims=(1, 2))])
+        parts.append(Sequential([halves, Concat([gate, up], "experts.gate_up_proj", dim=1)]))
+        parts.append(Transpose("experts.w_down", dims=(1, 2), output="experts.down_proj"))
+        return Parallel(parts)
+    for ours, theirs in zip(("w_gate", "w_up", "w_down"), _EXPERT_NAMES[model_type], strict=True):
         key = f"experts.{ours}"
         per_expert = [f"experts.{j}.{theirs}.weight" for j in range(num_experts)]
-        # ours stores x @ W ([in, out]); HF stores nn.Linear weights ([out, in]).
         parts.append(Sequential([Transpose(key, dims=(1, 2)), Unstack(key, per_expert)]))
     return Parallel(parts)
 
 
-def hf_export_mapper(config: ReferenceModelConfig) -> StateMapper:
+def hf_expert_layout(keys: Iterable[str]) -> ExpertLayout:
+    """The experts' layout of an HF checkpoint from its keys (`hf_checkpoint_keys(folder)`): "fused" when
+    it holds transformers 5's `mlp.experts.gate_up_proj` tensors (`save_pretrained(save_original_format=False)`),
+    else "per_expert" (the Hub's layout, and what `save_pretrained` writes by default)."""
+    return "fused" if any(k.endswith(".mlp.experts.gate_up_proj") for k in keys) else "per_expert"
+
+
+def hf_export_mapper(
+    config: ReferenceModelConfig, *, expert_layout: ExpertLayout = "per_expert"
+) -> StateMapper:
     """Mapper from the reference model's state-dict keys to the HF layout of `hf_model_type(config)`.
 
     Use with `save_safetensors(model, folder, mapper=hf_export_mapper(config))` (or `save_hf_pretrained`).
+
+    Args:
+        expert_layout: how MoE experts are stored (`hf_expert_layout`): pass the layout of the folder a
+            model was imported from to export it back as it was read.
     """
     model_type = hf_model_type(config)
     keys = _model_keys(config)
@@ -133,12 +244,18 @@ def hf_export_mapper(config: ReferenceModelConfig) -> StateMapper:
     if config.tie_word_embeddings:
         parts.append(Deduplicate([_EMBED, _LM_HEAD], _EMBED))  # HF saves a tied table once
         handled |= {_EMBED, _LM_HEAD}
-    if model_type == "qwen3_moe":
-        assert config.moe is not None
+    if config.moe is not None:
         for index in range(config.num_layers):
             if config.is_moe_layer(index):
                 prefix = f"model.layers.{index}.mlp."
-                parts.append(Prefix(prefix, _experts_to_hf(config.moe.num_experts)))
+                # Mixtral's Hub layout calls the block block_sparse_moe; transformers 5's fused one mlp
+                block = (
+                    "block_sparse_moe."
+                    if model_type == "mixtral" and expert_layout == "per_expert"
+                    else "mlp."
+                )
+                experts = _experts_to_hf(config.moe.num_experts, model_type, expert_layout)
+                parts.append(Prefix(prefix, experts, output_prefix=f"model.layers.{index}.{block}"))
                 handled |= {k for k in keys if k.startswith(prefix)}
     parts.extend(Identity(k) for k in keys if k not in handled)
     return Parallel(parts)
@@ -150,11 +267,13 @@ def hf_import_mapper(
     """Mapper from an HF checkpoint's keys to the reference model's: the inverse of `hf_export_mapper`.
 
     Args:
-        source_keys: the keys the folder holds (`hf_checkpoint_keys(folder)`). Only needed for a tied
-            model whose folder also stores `lm_head.weight`: that copy is then read and dropped, as
-            transformers ignores it. None assumes transformers' own layout (the tied table stored once).
+        source_keys: the keys the folder holds (`hf_checkpoint_keys(folder)`). Needed for a tied model
+            whose folder also stores `lm_head.weight` (that copy is then read and dropped, as transformers
+            ignores it) and for MoE experts in transformers 5's fused layout (`hf_expert_layout`). None
+            assumes `save_pretrained`'s own layout (the tied table stored once, experts one by one).
     """
-    mapper = hf_export_mapper(config).inverse()
+    layout = hf_expert_layout(source_keys or ())
+    mapper = hf_export_mapper(config, expert_layout=layout).inverse()
     if config.tie_word_embeddings and source_keys is not None and _LM_HEAD in set(source_keys):
         assert isinstance(mapper, Parallel)
         others = [m for m in mapper.mappers if _LM_HEAD not in m.outputs]
@@ -196,18 +315,29 @@ def to_hf_config(config: ReferenceModelConfig, *, dtype: torch.dtype | None = No
         "initializer_range": config.initializer_range,
         "rms_norm_eps": config.rms_norm_eps,
         "tie_word_embeddings": config.tie_word_embeddings,
-        # transformers >= 5 reads rope_parameters; older versions read rope_theta.
-        "rope_theta": config.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-        "attention_bias": False,
+        **_rope_to_hf(config),
         "attention_dropout": 0.0,
         "use_cache": True,
     }
+    if model_type in ("llama", "qwen3", "qwen3_moe"):  # the others have no key: no biases, or Qwen2's q/k/v
+        hf["attention_bias"] = False
     if model_type == "llama":
         hf["mlp_bias"] = False
+    elif model_type in _QWEN_WINDOWS:  # a window, if any, in every layer (see _window_from_hf)
+        hf["use_sliding_window"] = config.sliding_window is not None
+        hf["sliding_window"] = config.sliding_window
+        if config.sliding_window is not None and model_type != "qwen3_moe":
+            hf["max_window_layers"] = 0
     else:
-        hf["use_sliding_window"] = False
-        hf["sliding_window"] = None
+        hf["sliding_window"] = config.sliding_window
+    if model_type == "mixtral":
+        assert config.moe is not None
+        hf |= {
+            "num_local_experts": config.moe.num_experts,
+            "num_experts_per_tok": config.moe.top_k,
+            "router_jitter_noise": 0.0,
+            "output_router_logits": False,
+        }
     if model_type == "qwen3_moe":
         assert config.moe is not None
         hf |= {
@@ -222,42 +352,138 @@ def to_hf_config(config: ReferenceModelConfig, *, dtype: torch.dtype | None = No
     return hf
 
 
-def _rope_theta(hf: Mapping[str, Any]) -> float:
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
+_ROPE_KEYS: dict[str, tuple[type[RopeScaling], tuple[str, ...]]] = {
+    # rope_type: (our struct, the keys transformers requires besides rope_type)
+    "linear": (LinearRopeScaling, ("factor",)),
+    "llama3": (Llama3RopeScaling, ("factor", "low_freq_factor", "high_freq_factor")),
+    "yarn": (YarnRopeScaling, ("factor",)),
+}
+_YARN_OPTIONAL = ("attention_factor", "mscale", "mscale_all_dim", "truncate")
+
+
+def _rope_from_hf(
+    hf: Mapping[str, Any], default_theta: float, max_positions: int, source: str
+) -> tuple[float, RopeScaling | None]:
+    """RoPE base and scaling of a config.json, read as transformers reads them.
+
+    transformers 5 keeps them in `rope_parameters` (with `rope_theta` inside); older configs have
+    `rope_scaling` (which wins, as in transformers) and a top-level `rope_theta`. Keys a rope type does
+    not use are ignored, as transformers ignores them.
+    """
+    where = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    params: Mapping[str, Any] = hf.get(where) or {}
+    theta = float(params.get("rope_theta", hf.get("rope_theta", default_theta)))
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
         raise HFConversionError(
-            f"config.json has rope_type {rope_type!r}; the reference model implements only default RoPE "
-            "(no scaling), so its positions would differ"
+            f"{source} has partial_rotary_factor={partial!r}; the reference model rotates whole heads "
+            "(partial_rotary_factor 1); use another backend (model.backend: hf, coming)"
         )
-    theta = params.get("rope_theta", hf.get("rope_theta", 10_000.0))
-    return float(theta)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type not in _ROPE_KEYS:
+        raise HFConversionError(
+            f"{source} {where}.rope_type={rope_type!r} is not supported by the reference model (supported: "
+            f"default, {', '.join(_ROPE_KEYS)}); use another backend (model.backend: hf, coming)"
+        )
+    struct, required = _ROPE_KEYS[rope_type]
+    if missing := [k for k in required if k not in params]:
+        raise HFConversionError(f"{source} {where} of rope_type {rope_type!r} lacks {missing}")
+    fields = {k: params[k] for k in required}
+    if rope_type in ("llama3", "yarn"):  # transformers defaults the pretraining length to the model's
+        fields["original_max_position_embeddings"] = int(
+            params.get("original_max_position_embeddings") or max_positions
+        )
+    if rope_type == "yarn":
+        if fields["factor"] is None:  # transformers: the ratio of the context lengths
+            fields["factor"] = max_positions / fields["original_max_position_embeddings"]
+        fields |= {k: params[k] for k in _YARN_OPTIONAL if params.get(k) is not None}
+        fields |= {k: params[k] for k in ("beta_fast", "beta_slow") if params.get(k)}  # 0 or None: default
+    try:
+        return theta, msgspec.convert(fields, struct)
+    except msgspec.ValidationError as error:
+        raise HFConversionError(f"{source} {where}: {error}") from None
 
 
-def _require(hf: Mapping[str, Any], key: str, expected: object, default: object) -> None:
-    value = hf.get(key, default)
+def _rope_to_hf(config: ReferenceModelConfig) -> dict[str, Any]:
+    """`rope_theta` (transformers 4) and `rope_parameters` (5); with a scaling also `rope_scaling` (4)."""
+    hf: dict[str, Any] = {
+        "rope_theta": config.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+    }
+    if config.rope_scaling is not None:
+        builtins = msgspec.to_builtins(config.rope_scaling)  # rope_type first, then its fields
+        scaling = {k: v for k, v in builtins.items() if v is not None}
+        hf["rope_scaling"] = scaling
+        hf["rope_parameters"] = {**scaling, "rope_theta": config.rope_theta}
+    return hf
+
+
+def _window_from_hf(hf: Mapping[str, Any], model_type: str, default: int | None) -> int | None:
+    """The attention window some layer of the HF model uses, as transformers decides it; None if none does.
+
+    Mistral (and Mixtral) window every layer when `sliding_window` is set; the Qwens only with
+    `use_sliding_window`, and Qwen2/Qwen3 only from layer `max_window_layers` on (or where `layer_types`
+    says "sliding_attention"). The reference model keeps the window to refuse longer sequences, so a
+    Qwen windowed in only some layers exports as windowed in every layer: the same computation for
+    every sequence the reference model accepts.
+    """
+    if model_type == "llama":
+        return None
+    window = hf.get("sliding_window", default)
+    if window is None:
+        return None
+    if model_type in _QWEN_WINDOWS:
+        if not hf.get("use_sliding_window", False):
+            return None
+        if model_type != "qwen3_moe":
+            first = int(hf.get("max_window_layers", 28))  # transformers' default
+            layer_types = hf.get("layer_types") or [
+                "sliding_attention" if i >= first else "full_attention"
+                for i in range(int(hf["num_hidden_layers"]))
+            ]
+            if "sliding_attention" not in layer_types:
+                return None
+    return int(window)
+
+
+def _require(hf: Mapping[str, Any], key: str, expected: object, source: str) -> None:
+    value = hf.get(key, expected)
     if value != expected:
         raise HFConversionError(
-            f"config.json has {key}={value!r}; the reference model supports only {key}={expected!r}"
+            f"{source} has {key}={value!r}; the reference model supports only {key}={expected!r}; use another "
+            "backend (model.backend: hf, coming)"
         )
 
 
-def from_hf_config(hf: Mapping[str, Any], **overrides: Any) -> ReferenceModelConfig:
-    """A `ReferenceModelConfig` from an HF `config.json` dict of a qwen3, llama or qwen3_moe model.
+def from_hf_config(
+    hf: Mapping[str, Any], *, seq_len: int | None = None, source: str = "config.json", **overrides: Any
+) -> ReferenceModelConfig:
+    """A `ReferenceModelConfig` from an HF `config.json` dict of a model of one of `_ARCHITECTURES`.
 
     Keys the dict omits take transformers' class defaults for that architecture. `overrides` set
     reference-only fields (e.g. `fp32_logits=True`).
 
+    Args:
+        seq_len: the longest sequence the model will see: a sliding window shorter than it is refused
+            (the reference model attends to the whole sequence). None: the window is kept in the config,
+            and `check_sequence_length` (or the model's forward) refuses longer sequences later.
+        source: what the error messages call the dict (`read_hf_config` passes the file's path).
+
     Raises:
-        HFConversionError: another architecture, or a feature the reference model lacks (biases,
-            sliding windows, RoPE scaling, an activation other than SiLU).
+        HFConversionError: another architecture, or a feature the reference model lacks (biases on o_proj
+            or the MLP, a RoPE type other than default/linear/llama3/yarn, an activation other than SiLU),
+            or a sliding window shorter than `seq_len`.
     """
     model_type = hf.get("model_type")
     if model_type not in _ARCHITECTURES:
         raise HFConversionError(
-            f"config.json has model_type {model_type!r}; supported: {', '.join(sorted(_ARCHITECTURES))}"
+            f"{source} has model_type {model_type!r}, which the reference model does not implement (it does "
+            f"{', '.join(sorted(_ARCHITECTURES))}); a Hugging Face backend for other architectures is coming "
+            "as model.backend: hf"
         )
-    defaults = _HF_DEFAULTS[model_type]
+    defaults = _COMMON_DEFAULTS | _HF_DEFAULTS[model_type]
     missing = [
         k
         for k in (
@@ -274,12 +500,17 @@ def from_hf_config(hf: Mapping[str, Any], **overrides: Any) -> ReferenceModelCon
         if "num_experts" not in hf and "num_local_experts" not in hf:
             missing.append("num_experts")
     if missing:
-        raise HFConversionError(f"config.json of a {model_type} model lacks {missing}")
-    _require(hf, "hidden_act", "silu", "silu")
-    _require(hf, "attention_bias", False, False)
-    _require(hf, "mlp_bias", False, False)
-    _require(hf, "use_sliding_window", False, False)
+        raise HFConversionError(f"{source} of a {model_type} model lacks {missing}")
+    _require(hf, "hidden_act", "silu", source)
+    if model_type in ("llama", "qwen3", "qwen3_moe"):  # the keys of q, k, v and o biases
+        _require(hf, "attention_bias", False, source)
+        _require(hf, "mlp_bias", False, source)
+    if model_type == "mixtral":  # training-time noise on the router's input the reference model lacks
+        _require(hf, "router_jitter_noise", 0.0, source)
     heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
+    max_positions = int(hf.get("max_position_embeddings", defaults["max_position_embeddings"]))
+    theta, rope_scaling = _rope_from_hf(hf, defaults["rope_theta"], max_positions, source)
+    window = _window_from_hf(hf, model_type, defaults["sliding_window"])
     kv_heads = hf.get("num_key_value_heads", defaults["num_key_value_heads"])
     head_dim = hf.get("head_dim", defaults["head_dim"])
     fields: dict[str, Any] = {
@@ -291,13 +522,16 @@ def from_hf_config(hf: Mapping[str, Any], **overrides: Any) -> ReferenceModelCon
         # None where the value is the reference default, so that configs round-trip unchanged
         "num_key_value_heads": None if kv_heads is None or int(kv_heads) == heads else int(kv_heads),
         "head_dim": None if head_dim is None or int(head_dim) * heads == hidden else int(head_dim),
-        "rope_theta": _rope_theta(hf),
-        "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-        "max_position_embeddings": int(
-            hf.get("max_position_embeddings", defaults["max_position_embeddings"])
-        ),
+        "rope_theta": theta,
+        "rope_scaling": rope_scaling,
+        "rms_norm_eps": float(hf.get("rms_norm_eps", defaults["rms_norm_eps"])),
+        "max_position_embeddings": max_positions,
         "tie_word_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "qk_norm": model_type != "llama",
+        "qk_norm": model_type in ("qwen3", "qwen3_moe"),
+        "qkv_bias": model_type == "qwen2",
+        "sliding_window": window,
+        # None where the computation names the type already (a Mistral with a window)
+        "hf_model_type": "mistral" if model_type == "mistral" and window is None else None,
         "initializer_range": float(hf.get("initializer_range", 0.02)),
     }
     if model_type == "qwen3_moe":
@@ -316,18 +550,35 @@ def from_hf_config(hf: Mapping[str, Any], **overrides: Any) -> ReferenceModelCon
                 norm_topk_prob=bool(hf.get("norm_topk_prob", defaults["norm_topk_prob"])),
                 **layout,
             )
+    if model_type == "mixtral":  # every layer: softmax over all experts, top-k, renormalized
+        fields["moe"] = MoEConfig(
+            num_experts=int(
+                hf.get("num_local_experts", hf.get("num_experts", defaults["num_local_experts"]))
+            ),
+            top_k=int(hf.get("num_experts_per_tok", defaults["num_experts_per_tok"])),
+            moe_intermediate_size=fields["intermediate_size"],
+            norm_topk_prob=True,
+        )
     fields.update(overrides)
-    return ReferenceModelConfig.from_dict(fields)
+    config = ReferenceModelConfig.from_dict(fields)
+    if seq_len is not None:
+        try:
+            check_sequence_length(config, seq_len, key=f"{source} sliding_window")
+        except SlidingWindowError as error:
+            raise HFConversionError(str(error)) from None
+    return config
 
 
-def read_hf_config(folder: str | os.PathLike[str], **overrides: Any) -> ReferenceModelConfig:
-    """`from_hf_config` of `<folder>/config.json`."""
+def read_hf_config(
+    folder: str | os.PathLike[str], *, seq_len: int | None = None, **overrides: Any
+) -> ReferenceModelConfig:
+    """`from_hf_config` of `<folder>/config.json` (its errors name that file)."""
     path = Path(folder) / "config.json"
     try:
         hf = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise HFConversionError(f"{path}: no config.json; is {folder} a Hugging Face model folder?") from None
-    return from_hf_config(hf, **overrides)
+    return from_hf_config(hf, seq_len=seq_len, source=str(path), **overrides)
 
 
 def hf_checkpoint_keys(folder: str | os.PathLike[str]) -> list[str]:
@@ -351,6 +602,7 @@ def save_hf_pretrained(
     *,
     config: ReferenceModelConfig | None = None,
     max_shard_size: int | str = "5GB",
+    expert_layout: ExpertLayout = "per_expert",
 ) -> None:
     """Write the model as an HF folder: safetensors through `hf_export_mapper` plus `config.json`.
 
@@ -361,7 +613,8 @@ def save_hf_pretrained(
     assert isinstance(config, ReferenceModelConfig)
     dtype = next(iter(model.state_dict().values())).dtype
     hf = to_hf_config(config, dtype=dtype)
-    save_safetensors(model, folder, mapper=hf_export_mapper(config), max_shard_size=max_shard_size)
+    mapper = hf_export_mapper(config, expert_layout=expert_layout)
+    save_safetensors(model, folder, mapper=mapper, max_shard_size=max_shard_size)
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         (Path(folder) / "config.json").write_text(json.dumps(hf, indent=2) + "\n", encoding="utf-8")
 

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import MoEConfig, ReferenceModelConfig
+from .config import MoEConfig, ReferenceModelConfig, check_sequence_length
+from .rope import RotaryEmbedding, apply_rotary
 
 __all__ = [
     "MLP",
@@ -23,8 +24,6 @@ __all__ = [
     "RMSNorm",
     "ReferenceForCausalLM",
     "ReferenceModel",
-    "RotaryEmbedding",
-    "apply_rotary",
     "block_causal",
     "build_moe",
     "document_mask",
@@ -49,43 +48,6 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-def _inverse_frequencies(head_dim: int, theta: float, device: torch.device | None) -> torch.Tensor:
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
-    return 1.0 / (theta**exponents)
-
-
-class RotaryEmbedding(nn.Module):
-    """Cos/sin tables of RoPE for given positions, in the half-split layout (HF's `rotate_half`).
-
-    Channel i of a head is paired with channel i + head_dim/2, both rotated by the angle
-    `position × theta^(-2i/head_dim)`. The inverse frequencies are a non-persistent float32 buffer
-    (not in the state dict); `reset_buffers()` recomputes them after `to_empty`.
-    """
-
-    inv_freq: torch.Tensor
-
-    def __init__(self, head_dim: int, theta: float) -> None:
-        super().__init__()
-        self.head_dim = head_dim
-        self.theta = theta
-        self.register_buffer("inv_freq", torch.empty(head_dim // 2, dtype=torch.float32), persistent=False)
-        if not self.inv_freq.is_meta:  # meta arithmetic would import torch._dynamo; to_empty + reset follows
-            self.reset_buffers()
-
-    def reset_buffers(self) -> None:
-        """Recompute the inverse frequencies in float32 on the buffer's device."""
-        self.inv_freq = _inverse_frequencies(self.head_dim, self.theta, self.inv_freq.device)
-
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """`position_ids` [batch, seq] → (cos, sin), each [batch, seq, head_dim] in `dtype`."""
-        inv_freq = self.inv_freq
-        if inv_freq.dtype != torch.float32:  # the model was cast; angles must stay accurate
-            inv_freq = _inverse_frequencies(self.head_dim, self.theta, inv_freq.device)
-        angles = position_ids.to(torch.float32).unsqueeze(-1) * inv_freq
-        angles = torch.cat([angles, angles], dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
 def block_causal(document_ids: torch.Tensor) -> torch.Tensor:
     """Bool [batch, 1, seq, seq]: token q attends to token k iff k <= q and both are of one document."""
     seq = document_ids.shape[-1]
@@ -104,16 +66,9 @@ def document_mask(document_ids: torch.Tensor) -> Any:
     return DocumentMask(document_ids)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` [batch, heads, seq, head_dim] by RoPE tables [batch, seq, head_dim] (half-split pairs)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    first, second = x.chunk(2, dim=-1)
-    rotated_half = torch.cat([-second, first], dim=-1)
-    return x * cos + rotated_half * sin
-
-
 class Attention(nn.Module):
-    """Causal self-attention with RoPE, grouped-query heads and optional per-head q/k RMSNorm.
+    """Causal self-attention with RoPE, grouped-query heads, optional per-head q/k RMSNorm (Qwen3) and
+    optional q/k/v biases (Qwen2).
 
     Head counts are inferred from the projection outputs at run time, so the module keeps working
     when tensor parallelism leaves each rank a slice of the heads.
@@ -124,9 +79,10 @@ class Attention(nn.Module):
         self.head_dim = config.attention_head_dim
         q_width = config.num_attention_heads * self.head_dim
         kv_width = config.kv_heads * self.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, q_width, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, kv_width, bias=False)
+        bias = config.qkv_bias
+        self.q_proj = nn.Linear(config.hidden_size, q_width, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_width, bias=bias)
         self.o_proj = nn.Linear(q_width, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -263,7 +219,7 @@ class ReferenceModel(nn.Module):
         self.embeds_inputs = True  # False on every pipeline stage but the first
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i) for i in range(config.num_layers)})
         self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config.attention_head_dim, config.rope_theta)
+        self.rotary_emb = RotaryEmbedding(config.attention_head_dim, config.rope_theta, config.rope_scaling)
         self.context_parallel: Any = None  # as in Attention: this rank's tokens' global positions
         # Tensor parallelism's sequence-parallel norms split the hidden states between layers over tp
         # ranks: a pipeline stage that starts from hidden states sees 1/tp of the sequence.
@@ -291,8 +247,10 @@ class ReferenceModel(nn.Module):
         batch, seq = inputs.shape[:2]
         if embedding is None:  # hidden states from the previous stage, sequence-sharded under tp
             seq *= self.sequence_parallel
+        cp = self.context_parallel.size if self.context_parallel is not None else 1
+        check_sequence_length(self.config, seq * cp)  # a window shorter than the sequence: refused
         if position_ids is None and self.context_parallel is not None:  # this rank's part of the sequence
-            position_ids = self.context_parallel.position_ids(seq * self.context_parallel.size, inputs.device)
+            position_ids = self.context_parallel.position_ids(seq * cp, inputs.device)
         elif position_ids is None:
             position_ids = torch.arange(seq, device=inputs.device)
         position_ids = position_ids.expand(batch, -1)
@@ -347,22 +305,26 @@ class ReferenceForCausalLM(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Initialize in place from the global RNG: normal(0, initializer_range) for every weight, ones for norms.
+        """Initialize in place from the global RNG: normal(0, initializer_range) for every weight, ones for
+        norms, zeros for biases.
 
         Also recomputes the RoPE buffers and re-ties the embeddings. Parameters are visited in
         registration order, so a seed gives the same weights whether the model was built on CPU or on
         meta and then `to_empty(device="cpu")`.
         """
         self.tie_weights()
-        norm_weights = set()
+        done = set()  # parameters with a fixed init: they draw nothing from the RNG
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.reset_parameters()
-                norm_weights.add(id(module.weight))
+                done.add(id(module.weight))
             elif isinstance(module, RotaryEmbedding):
                 module.reset_buffers()
+            elif isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+                done.add(id(module.bias))
         for param in self.parameters():  # each shared parameter once
-            if id(param) not in norm_weights:
+            if id(param) not in done:
                 nn.init.normal_(param, mean=0.0, std=self.config.initializer_range)
 
     @torch.no_grad()
@@ -378,8 +340,11 @@ class ReferenceForCausalLM(nn.Module):
         elif isinstance(module, RotaryEmbedding):
             module.reset_buffers()
         else:
-            for param in module.parameters(recurse=False):
-                nn.init.normal_(param, mean=0.0, std=self.config.initializer_range)
+            for name, param in module.named_parameters(recurse=False):
+                if isinstance(module, nn.Linear) and name == "bias":
+                    nn.init.zeros_(param)
+                else:
+                    nn.init.normal_(param, mean=0.0, std=self.config.initializer_range)
 
     def forward(
         self,

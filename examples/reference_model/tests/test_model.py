@@ -337,3 +337,34 @@ def test_moe_without_d9d_parallel_is_not_implemented(monkeypatch):
     config = tiny(moe=MoEConfig(num_experts=4, top_k=2, moe_intermediate_size=16))
     with pytest.raises(NotImplementedError, match=r"model\.moe needs the MoE layer of d9d\.parallel"):
         ReferenceForCausalLM(config)
+
+
+# --- q/k/v biases (Qwen2) ------------------------------------------------------------------------
+
+
+def test_qkv_biases_start_at_zero_and_build_alike_on_meta():
+    config = tiny(qkv_bias=True, qk_norm=False)
+    with torch.device("meta"):
+        meta_model = ReferenceForCausalLM(config)
+    meta_model.to_empty(device="cpu")
+    torch.manual_seed(3)
+    meta_model.init_weights()
+    cpu_model = ReferenceForCausalLM(config)
+    torch.manual_seed(3)
+    cpu_model.init_weights()
+    biases = {k: v for k, v in cpu_model.state_dict().items() if k.endswith(".bias")}
+    assert sorted(biases) == sorted(
+        f"model.layers.{i}.self_attn.{p}_proj.bias" for i in range(2) for p in ("q", "k", "v")
+    )
+    assert all(torch.equal(v, torch.zeros_like(v)) for v in biases.values())
+    for name, value in cpu_model.state_dict().items():
+        assert torch.equal(meta_model.state_dict()[name], value), name
+    # the weights draw what they drew without biases: the same seed gives the same weights
+    unbiased = ReferenceForCausalLM(tiny(qk_norm=False))
+    torch.manual_seed(3)
+    unbiased.init_weights()
+    for name, value in unbiased.state_dict().items():
+        assert torch.equal(cpu_model.state_dict()[name], value), name
+    attention = cpu_model.model.layers["0"].self_attn
+    cpu_model.initialize_module("model.layers.0.self_attn.q_proj", attention.q_proj)
+    assert torch.equal(attention.q_proj.bias, torch.zeros_like(attention.q_proj.bias))
