@@ -39,6 +39,7 @@ from d9d.parallel import (
 from d9d.trainer import (
     BuildDatasetContext,
     BuildDatasetResult,
+    CheckSequenceLengthContext,
     InitializeModelStageContext,
     InitializeModelStageResult,
     ParallelizeModelStageContext,
@@ -72,9 +73,9 @@ class QuickstartModelProvider:
         """Refuse degrees the model cannot be split by (heads by tp, experts by ep, layers by pp)."""
         check_mesh(self.config, mesh)
 
-    def check_sequence_length(self, seq_len: int) -> None:
+    def check_sequence_length(self, context: CheckSequenceLengthContext) -> None:
         """Refuse sequences longer than model.sliding_window (the model attends to the whole sequence)."""
-        check_sequence_length(self.config, seq_len)
+        check_sequence_length(self.config, context.seq_len)
 
     def parallelize_model_stage(self, context: ParallelizeModelStageContext) -> None:
         """Called on every mesh, one process too (there context.mesh is None and HSDP does nothing)."""

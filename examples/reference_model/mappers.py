@@ -48,6 +48,7 @@ from d9d.ckpt import (
     load_safetensors,
     save_safetensors,
 )
+from d9d.mesh import D9dError
 
 from .config import (
     LinearRopeScaling,
@@ -123,8 +124,10 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
 _NUMERICALLY_INERT = ("initializer_range", "max_position_embeddings", "fp32_logits", "hf_model_type")
 
 
-class HFConversionError(ValueError):
-    """A config or checkpoint has no exact counterpart in the other layout; the message says which key."""
+class HFConversionError(D9dError, ValueError):
+    """A config or checkpoint has no exact counterpart in the other layout; the message says which key.
+
+    A `D9dError`: a job reports it as one `error:` line (a user's file, not a bug)."""
 
 
 def hf_model_type(config: ReferenceModelConfig) -> str:

@@ -86,22 +86,26 @@ def tensor_parallel_plan(model: ReferenceForCausalLM) -> TensorParallelPlan:
             "tensor parallelism with tie_word_embeddings is not supported: the vocab-parallel embedding "
             "and the column-parallel LM head split the shared table differently; set model.tie_word_embeddings: false"
         )
-    plan = (
-        embedding_plan("model.embed_tokens")
-        | attention_plan("model.layers.*.self_attn", qkv=("q_proj", "k_proj", "v_proj"), out="o_proj")
-        | norm_plan("model.layers.*.input_layernorm", "model.layers.*.post_attention_layernorm", "model.norm")
-        | lm_head_plan("lm_head", loss_parallel=False)
-    )
-    if model.config.qk_norm:  # per-head norms: each tp rank normalizes its own heads (dim 2)
-        plan |= {
-            "model.layers.*.self_attn.q_norm": ReplicateParallel(input_layouts=Shard(2)),
-            "model.layers.*.self_attn.k_norm": ReplicateParallel(input_layouts=Shard(2)),
-        }
-    dense_layers = [
-        name for name, layer in model.model.layers.items() if not model.config.is_moe_layer(int(name))
-    ]
-    for name in dense_layers:
-        plan |= mlp_plan(f"model.layers.{name}.mlp", up=("gate_proj", "up_proj"), down="down_proj")
+    # One entry per module this model (stage) holds: a pipeline stage lacks some (the first holds no
+    # head, a middle one neither embedding nor head, the embedding's may hold no layer).
+    plan: TensorParallelPlan = {}
+    if model.model.embed_tokens is not None and model.model.embeds_inputs:
+        plan |= embedding_plan("model.embed_tokens")
+    for name in model.model.layers:
+        prefix = f"model.layers.{name}"
+        plan |= attention_plan(f"{prefix}.self_attn", qkv=("q_proj", "k_proj", "v_proj"), out="o_proj")
+        plan |= norm_plan(f"{prefix}.input_layernorm", f"{prefix}.post_attention_layernorm")
+        if model.config.qk_norm:  # per-head norms: each tp rank normalizes its own heads (dim 2)
+            plan |= {
+                f"{prefix}.self_attn.q_norm": ReplicateParallel(input_layouts=Shard(2)),
+                f"{prefix}.self_attn.k_norm": ReplicateParallel(input_layouts=Shard(2)),
+            }
+        if not model.config.is_moe_layer(int(name)):
+            plan |= mlp_plan(f"{prefix}.mlp", up=("gate_proj", "up_proj"), down="down_proj")
+    if model.model.norm is not None:
+        plan |= norm_plan("model.norm")
+    if model.lm_head is not None:
+        plan |= lm_head_plan("lm_head", loss_parallel=False)
     return plan
 
 
