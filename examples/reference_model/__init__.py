@@ -13,6 +13,7 @@ save_hf_pretrained(model, "hf_out")  # a Hugging Face folder (qwen3, llama, mist
 from .config import (
     LinearRopeScaling,
     Llama3RopeScaling,
+    MoEBalancingConfig,
     MoEConfig,
     ReferenceModelConfig,
     ReferenceModelConfigError,
@@ -61,6 +62,7 @@ __all__ = [
     "HFConversionError",
     "LinearRopeScaling",
     "Llama3RopeScaling",
+    "MoEBalancingConfig",
     "MoEConfig",
     "RMSNorm",
     "ReferenceForCausalLM",

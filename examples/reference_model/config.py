@@ -12,6 +12,7 @@ import msgspec
 __all__ = [
     "LinearRopeScaling",
     "Llama3RopeScaling",
+    "MoEBalancingConfig",
     "MoEConfig",
     "ReferenceModelConfig",
     "ReferenceModelConfigError",
@@ -131,6 +132,28 @@ class YarnRopeScaling(_RopeScalingBase, tag="yarn"):
 RopeScaling = LinearRopeScaling | Llama3RopeScaling | YarnRopeScaling
 
 
+class MoEBalancingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """How the MoE layers are kept balanced (the `model.moe.balancing` section; all off by default).
+
+    Attributes:
+        aux_loss_coef: weight of the auxiliary load-balance loss (Switch Transformer) in the loss.
+        z_loss_coef: weight of the router z-loss (ST-MoE) in the loss.
+        bias_update_rate: auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias on the router's
+            scores chooses the experts and moves by this much per step towards the less loaded ones.
+    """
+
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    bias_update_rate: float = 0.0
+
+    def __post_init__(self) -> None:
+        values = {"aux_loss_coef": self.aux_loss_coef, "z_loss_coef": self.z_loss_coef,
+                  "bias_update_rate": self.bias_update_rate}  # fmt: skip
+        for key, value in values.items():
+            if value < 0:
+                raise ReferenceModelConfigError(f"model.moe.balancing.{key}={value} must be >= 0")
+
+
 class MoEConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Mixture-of-experts feed-forward layers (the `model.moe` section).
 
@@ -146,6 +169,7 @@ class MoEConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
         shared_expert_intermediate_size: hidden width of a shared expert that every token also goes
             through; None for no shared expert (Qwen3-MoE has none).
         norm_topk_prob: rescale each token's top-k router weights to sum to 1.
+        balancing: auxiliary loss, router z-loss and the auxiliary-loss-free score bias (all off).
     """
 
     num_experts: int
@@ -155,6 +179,7 @@ class MoEConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     layers: tuple[int, ...] | None = None
     shared_expert_intermediate_size: int | None = None
     norm_topk_prob: bool = True
+    balancing: MoEBalancingConfig = msgspec.field(default_factory=MoEBalancingConfig)
 
     def __post_init__(self) -> None:
         _require_positive(

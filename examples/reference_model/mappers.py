@@ -53,6 +53,7 @@ from d9d.mesh import D9dError
 from .config import (
     LinearRopeScaling,
     Llama3RopeScaling,
+    MoEBalancingConfig,
     MoEConfig,
     ReferenceModelConfig,
     RopeScaling,
@@ -200,7 +201,9 @@ def _model_keys(config: ReferenceModelConfig) -> list[str]:
 _EXPERT_NAMES = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
 
 
-def _experts_to_hf(num_experts: int, model_type: str, layout: ExpertLayout) -> StateMapper:
+def _experts_to_hf(
+    num_experts: int, model_type: str, layout: ExpertLayout, *, score_bias: bool = False
+) -> StateMapper:
     """One MoE block (keys relative to `mlp.`): router rename, stacked [E, a, b] → HF's experts.
 
     "per_expert": E weights [b, a] per projection (`experts.<j>.<name>.weight`, the Hub's layout);
@@ -208,6 +211,8 @@ def _experts_to_hf(num_experts: int, model_type: str, layout: ExpertLayout) -> S
     first) and `experts.down_proj` [E, hidden, ffn].
     """
     parts: list[StateMapper] = [Rename("router.gate.weight", "gate.weight")]
+    if score_bias:  # auxiliary-loss-free balancing state: no HF counterpart (a fresh run starts it at 0)
+        parts.append(Drop(["router.score_bias"]))
     # ours stores x @ W ([in, out]); HF stores nn.Linear weights ([out, in]).
     if layout == "fused":
         gate, up = "experts.w_gate", "experts.w_up"
@@ -257,11 +262,17 @@ def hf_export_mapper(
                     if model_type == "mixtral" and expert_layout == "per_expert"
                     else "mlp."
                 )
-                experts = _experts_to_hf(config.moe.num_experts, model_type, expert_layout)
+                experts = _experts_to_hf(
+                    config.moe.num_experts, model_type, expert_layout, score_bias=_has_score_bias(config)
+                )
                 parts.append(Prefix(prefix, experts, output_prefix=f"model.layers.{index}.{block}"))
                 handled |= {k for k in keys if k.startswith(prefix)}
     parts.extend(Identity(k) for k in keys if k not in handled)
     return Parallel(parts)
+
+
+def _has_score_bias(config: ReferenceModelConfig) -> bool:
+    return config.moe is not None and config.moe.balancing.bias_update_rate > 0
 
 
 def hf_import_mapper(
@@ -276,6 +287,10 @@ def hf_import_mapper(
             assumes `save_pretrained`'s own layout (the tied table stored once, experts one by one).
     """
     layout = hf_expert_layout(source_keys or ())
+    if _has_score_bias(config):  # the folder has no score bias to give: the model's keeps its zero init
+        assert config.moe is not None
+        unbiased = msgspec.structs.replace(config.moe, balancing=MoEBalancingConfig())
+        config = msgspec.structs.replace(config, moe=unbiased)
     mapper = hf_export_mapper(config, expert_layout=layout).inverse()
     if config.tie_word_embeddings and source_keys is not None and _LM_HEAD in set(source_keys):
         assert isinstance(mapper, Parallel)

@@ -152,7 +152,7 @@ def build_moe(hidden_size: int, moe: MoEConfig) -> nn.Module:
         NotImplementedError: `d9d.parallel` (with its expert-parallel MoE) is not installed.
     """
     try:
-        from d9d.parallel.expert import MoE
+        from d9d.parallel.expert import MoE, MoEBalancing
     except ImportError as error:
         raise NotImplementedError(
             "model.moe needs the MoE layer of d9d.parallel (d9d.parallel.expert.MoE), which is not "
@@ -165,6 +165,11 @@ def build_moe(hidden_size: int, moe: MoEConfig) -> nn.Module:
         moe.top_k,
         renormalize=moe.norm_topk_prob,
         shared_ffn_size=moe.shared_expert_intermediate_size,
+        balancing=MoEBalancing(
+            aux_loss_coef=moe.balancing.aux_loss_coef,
+            z_loss_coef=moe.balancing.z_loss_coef,
+            bias_update_rate=moe.balancing.bias_update_rate,
+        ),
     )
 
 
@@ -345,6 +350,8 @@ class ReferenceForCausalLM(nn.Module):
                     nn.init.zeros_(param)
                 else:
                     nn.init.normal_(param, mean=0.0, std=self.config.initializer_range)
+            for buffer in module.buffers(recurse=False):  # e.g. a MoE router's score bias: starts at 0
+                nn.init.zeros_(buffer)
 
     def forward(
         self,

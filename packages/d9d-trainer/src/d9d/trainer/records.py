@@ -38,6 +38,10 @@ __all__ = ["StepRecords"]
 
 _log = get_logger("d9d.trainer")
 
+#: A MoE model's per-step load (`StepOutput.expert_load`): the least and the most loaded expert over the
+#: mean, and the coefficient of variation of tokens per expert, worst layer each.
+_MOE_LOAD_FIELDS = ("moe_load_min", "moe_load_max", "moe_load_cv")
+
 
 @dataclass
 class _Pending:
@@ -128,13 +132,19 @@ class StepRecords:
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        values = torch.stack(
-            [torch.stack([p.output.loss.double(), p.output.grad_norm.double(), p.output.weight.double()])
-             for p in pending]
-        ).tolist()  # fmt: skip
+        columns = [
+            torch.stack([p.output.loss.double(), p.output.grad_norm.double(), p.output.weight.double()])
+            for p in pending
+        ]
+        moe = all(p.output.expert_load is not None for p in pending)
+        if moe:  # the MoE load of each step: three more columns of the same read
+            columns = [
+                torch.cat([c, p.output.expert_load.double()]) for c, p in zip(columns, pending, strict=True)
+            ]  # type: ignore[union-attr]
+        values = torch.stack(columns).tolist()
         times = read_phases([p.phases for p in pending])  # after the sync above: no wait
         records = []
-        for p, (loss, norm, weight), phases in zip(pending, values, times, strict=True):
+        for p, (loss, norm, weight, *load), phases in zip(pending, values, times, strict=True):
             tokens_per_s = weight / max(p.step_time_s, 1e-9)
             records.append(
                 {
@@ -148,6 +158,7 @@ class StepRecords:
                     **mfu(tokens_per_s, self.flops_per_token, self._peak, self._world_size),
                     **(p.memory or {}),
                     **phases,
+                    **(dict(zip(_MOE_LOAD_FIELDS, load, strict=True)) if moe else {}),
                     "skipped": not p.output.applied,
                     "launch": self._launch,
                     **(p.evaluation.record() if p.evaluation is not None else {}),

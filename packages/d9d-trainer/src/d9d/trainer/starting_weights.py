@@ -9,7 +9,7 @@ from torch import nn
 
 from d9d.ckpt import load_safetensors, safetensors_fingerprint
 from d9d.mesh import DistributedContext, get_logger
-from d9d.parallel import lora_parameter_names
+from d9d.parallel import lora_parameter_names, moe_score_bias_names
 from d9d.trainer.errors import TrainingError
 from d9d.trainer.job import ResolvedJob
 from d9d.trainer.providers import (
@@ -54,10 +54,14 @@ class StartingWeights:
         if self._job.config.peft.lora is not None:
             self.base_reference()  # the base as it is read now is what the checkpoints will name
         target: nn.Module | dict[str, torch.Tensor] = self._model
-        if self._job.config.peft.lora is not None:  # the folder is the base: adapters keep their init
-            adapters = set(lora_parameter_names(self._model))
+        # Training state no pretrained folder holds keeps its init: LoRA adapters (the folder is the
+        # base) and MoE routers' score biases (auxiliary-loss-free balancing starts at zero).
+        fresh = set(moe_score_bias_names(self._model))
+        if self._job.config.peft.lora is not None:
+            fresh |= set(lora_parameter_names(self._model))
+        if fresh:
             state = self._model.state_dict(keep_vars=True)
-            target = {name: t for name, t in state.items() if name not in adapters}
+            target = {name: t for name, t in state.items() if name not in fresh}
         load_safetensors(target, result.folder, mapper=result.mapper)
         _log.info("loaded starting weights", folder=str(result.folder))
 

@@ -29,10 +29,14 @@ class LoadBalanceStats:
         aux_loss: scalar fp32 load-balance loss (with grad through the router probabilities); on a
             data-parallel run this rank's share, the shares summing to the loss of the global batch.
             Scale it by a coefficient and add it to the training loss.
+        z_loss: scalar fp32 router z-loss, the mean over the global batch's tokens of
+            logsumexp(logits)² (ST-MoE), which keeps the gate's logits small; this rank's share like
+            `aux_loss` (zero when no logits were given).
     """
 
     tokens_per_expert: torch.Tensor
     aux_loss: torch.Tensor
+    z_loss: torch.Tensor
 
 
 def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -47,12 +51,17 @@ def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def load_balance_stats(
-    probs: torch.Tensor, indices: torch.Tensor, *, group: dist.ProcessGroup | None = None
+    probs: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    logits: torch.Tensor | None = None,
 ) -> LoadBalanceStats:
     """Statistics of a routing decision: `probs` [T, E] (softmax), `indices` [T, k] chosen experts.
 
     Args:
         group: the ranks whose tokens form one batch (data-parallel ranks); None for this rank only.
+        logits: [T, E] the gate's logits, for the z-loss (None: a zero z-loss).
     """
     num_tokens, num_experts = probs.shape
     top_k = indices.shape[-1]
@@ -64,4 +73,10 @@ def load_balance_stats(
     slot_fraction = (global_counts / (global_tokens * top_k).clamp(min=1)).to(torch.float32)
     prob_share = probs.float().sum(dim=0) / global_tokens.clamp(min=1).to(torch.float32)
     aux_loss = num_experts * torch.sum(slot_fraction * prob_share)
-    return LoadBalanceStats(tokens_per_expert=global_counts.to(torch.int64), aux_loss=aux_loss)
+    if logits is None:
+        z_loss = aux_loss.new_zeros(())
+    else:
+        z_loss = torch.logsumexp(logits.float(), dim=-1).square().sum() / global_tokens.clamp(min=1).to(
+            torch.float32
+        )
+    return LoadBalanceStats(tokens_per_expert=global_counts.to(torch.int64), aux_loss=aux_loss, z_loss=z_loss)

@@ -1,5 +1,7 @@
 """`MoE`: a mixture-of-experts feed-forward layer (top-k router, grouped SwiGLU experts, shared expert)."""
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -9,7 +11,34 @@ from d9d.parallel.expert.experts import GroupedExperts, SwiGLU
 from d9d.parallel.expert.load_balance import LoadBalanceStats, expert_counts, load_balance_stats
 from d9d.parallel.expert.router import TopKRouter
 
-__all__ = ["MoE", "moe_aux_loss"]
+__all__ = ["MoE", "MoEBalancing", "moe_aux_loss"]
+
+
+@dataclass(frozen=True)
+class MoEBalancing:
+    """How one MoE layer is balanced (all off by default).
+
+    Attributes:
+        aux_loss_coef: weight of the auxiliary load-balance loss in the training loss.
+        z_loss_coef: weight of the router z-loss in the training loss.
+        bias_update_rate: step of the auxiliary-loss-free score bias per optimizer step (0: no bias).
+    """
+
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    bias_update_rate: float = 0.0
+
+    def __post_init__(self) -> None:
+        values = {"aux_loss_coef": self.aux_loss_coef, "z_loss_coef": self.z_loss_coef,
+                  "bias_update_rate": self.bias_update_rate}  # fmt: skip
+        for name, value in values.items():
+            if value < 0:
+                raise ValueError(f"MoEBalancing.{name} must be >= 0, got {value}")
+
+    @property
+    def adds_loss(self) -> bool:
+        """Whether the layer adds a term to the training loss."""
+        return self.aux_loss_coef > 0 or self.z_loss_coef > 0
 
 
 class MoE(nn.Module):
@@ -28,6 +57,8 @@ class MoE(nn.Module):
         renormalize: rescale each token's k router weights to sum to 1.
         shared_ffn_size: hidden width of a shared expert that every token also goes through
             (None: no shared expert).
+        balancing: the layer's load-balancing levers (`MoEBalancing`, all off by default; a
+            `bias_update_rate` gives the router its score bias).
     """
 
     def __init__(
@@ -39,12 +70,20 @@ class MoE(nn.Module):
         *,
         renormalize: bool = True,
         shared_ffn_size: int | None = None,
+        balancing: MoEBalancing | None = None,
     ) -> None:
         super().__init__()
         self.hidden_size = hidden_size
         self.num_experts = num_experts
         self.top_k = top_k
-        self.router = TopKRouter(hidden_size, num_experts, top_k, renormalize=renormalize)
+        self.balancing = balancing or MoEBalancing()
+        self.router = TopKRouter(
+            hidden_size,
+            num_experts,
+            top_k,
+            renormalize=renormalize,
+            score_bias=self.balancing.bias_update_rate > 0,
+        )
         self.experts = GroupedExperts(num_experts, hidden_size, ffn_size)
         self.shared_expert = SwiGLU(hidden_size, shared_ffn_size) if shared_ffn_size else None
         self.dispatcher: TokenDispatcher = LocalDispatcher()
@@ -55,7 +94,12 @@ class MoE(nn.Module):
         """Apply the layer to `x` [..., hidden]; the output has the shape of `x`."""
         flat = x.reshape(-1, self.hidden_size)
         route = self.router(flat)
-        self.last_stats = load_balance_stats(route.probs, route.indices, group=self.stats_group)
+        self.last_stats = load_balance_stats(
+            route.probs,
+            route.indices,
+            group=self.stats_group,
+            logits=route.logits if self.balancing.z_loss_coef else None,
+        )
 
         expert_ids = route.indices.reshape(-1)
         order = torch.argsort(expert_ids, stable=True)

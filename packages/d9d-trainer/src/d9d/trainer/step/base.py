@@ -1,5 +1,6 @@
 """What every step strategy shares: the global token weight, clipping, the non-finite rule, the update."""
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -9,7 +10,17 @@ import torch.distributed as dist
 from torch import nn
 
 from d9d.mesh import get_logger
-from d9d.parallel import ContextParallel, MixedPrecision, clip_grad_norm_, grad_norm, reduce_partial_grads
+from d9d.parallel import (
+    ContextParallel,
+    MixedPrecision,
+    clip_grad_norm_,
+    expert_load_summary,
+    expert_loads,
+    grad_norm,
+    moe_layers,
+    reduce_partial_grads,
+    update_expert_biases,
+)
 from d9d.trainer.errors import TrainingError
 from d9d.trainer.providers import Task
 from d9d.trainer.timing import StepTimer
@@ -29,6 +40,9 @@ class StepOutput:
         weight: the global batch's weight (e.g. labelled tokens), float64.
         applied: False when the step was skipped (non-finite loss or norm, `on_nonfinite: skip`).
         stop: some rank was asked to stop (a signal): every rank stops after this step.
+        expert_load: for a model with MoE layers, [min / mean, max / mean, std / mean] of the
+            step's tokens per expert, worst layer each (`d9d.parallel.expert_load_summary`); None
+            without MoE.
     """
 
     loss: torch.Tensor
@@ -36,6 +50,7 @@ class StepOutput:
     weight: torch.Tensor
     applied: bool
     stop: bool = False
+    expert_load: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -96,6 +111,8 @@ class StepBase:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.settings = settings
+        self.moes = moe_layers(model)  # the MoE layers: their load, balancing losses and score biases
+        self._loads: torch.Tensor | None = None  # this step's tokens per expert, summed over microbatches
 
     def local_part(self, microbatches: Sequence[Any]) -> list[Any]:
         """This rank's part of each microbatch (`StepSettings.local_batch`)."""
@@ -121,6 +138,12 @@ class StepBase:
         if self.settings.timer is not None:
             self.settings.timer.mark(phase)
 
+    def add_expert_load(self) -> None:
+        """Add the MoE layers' routing of the microbatch just run to the step's load (no host read)."""
+        loads = expert_loads(self.moes)
+        if loads is not None:
+            self._loads = loads if self._loads is None else self._loads + loads
+
     def finish(self, loss: torch.Tensor, weight: torch.Tensor, step: int) -> StepOutput:
         """Clip (or measure) the global grad norm, then update, unless the loss or norm is not finite.
 
@@ -129,7 +152,12 @@ class StepBase:
         "optimizer" (clip, step, LR step) on return.
         """
         self.mark("forward_backward")
+        loads, self._loads = self._loads, None
         output = self._update(loss, weight, step)
+        if loads is not None:
+            if output.applied:
+                update_expert_biases(self.moes, loads)  # auxiliary-loss-free balancing, on the device
+            output = dataclasses.replace(output, expert_load=expert_load_summary(loads))
         self.mark("optimizer")
         return output
 

@@ -5,7 +5,7 @@ from typing import Any
 
 import torch
 
-from d9d.parallel import precision_autocast, set_gradient_accumulation
+from d9d.parallel import moe_regularization_loss, precision_autocast, set_gradient_accumulation
 from d9d.trainer.providers import LossContext
 from d9d.trainer.step.base import StepBase, StepOutput
 
@@ -35,7 +35,12 @@ class MicrobatchStep(StepBase):
             set_gradient_accumulation(model, final=i == last)
             with precision_autocast(settings.precision, settings.device):
                 result = self.task.compute_loss(LossContext(model=model, batch=batch, device=settings.device))
-            (result.loss_sum / scale).backward()
+            objective = result.loss_sum / scale
+            regularization = moe_regularization_loss(self.moes)  # MoE balancing terms, when configured
+            if regularization is not None:  # each microbatch's is its global batch's: their mean
+                objective = objective + regularization / len(microbatches)
+            objective.backward()
+            self.add_expert_load()
             loss_sum += result.loss_sum.detach().to(torch.float64)
         set_gradient_accumulation(model, final=True)
         loss = self.dp_sum(loss_sum) / weight

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from d9d.parallel import Pipeline, PipelineLayout, autocast_forward
+from d9d.trainer.errors import TrainingError
 from d9d.trainer.providers import PipelineTask
 from d9d.trainer.step.base import StepBase, StepOutput, StepSettings
 
@@ -33,6 +34,12 @@ class PipelineStep(StepBase):
         gives the rank several stages); `chunks` are the stage modules the schedule runs."""
         super().__init__(model, task, optimizer, scheduler, settings)
         self.pipeline_task = task
+        if any(layer.balancing.adds_loss for layer in self.moes):
+            raise TrainingError(
+                "MoE balancing losses (aux_loss_coef, z_loss_coef) with mesh.pipeline_parallel > 1 are not "
+                "supported yet (the schedule's loss is the last stage's); use the score bias "
+                "(bias_update_rate) alone, or mesh.pipeline_parallel: 1"
+            )
         self._scale = torch.ones((), device=settings.device)
         chunks = list(chunks) if chunks is not None else [model]
         for chunk in chunks:
@@ -64,5 +71,6 @@ class PipelineStep(StepBase):
         targets = [y.to(device) for _, y in pairs]
         share = self.pipeline.step(inputs, targets, broadcast_loss=True)
         assert share is not None
+        self.add_expert_load()  # the stage's MoE layers hold the step's last microbatch
         loss = self.dp_sum(share.detach().to(torch.float64))
         return self.finish(loss, weight, step)
