@@ -107,10 +107,17 @@ class PackedTokensProvider:
 
 
 def hf_job(
-    folder: Path, save_dir: Path, *, name: str = "hf", steps: int = 3, **sections: Any
+    folder: Path,
+    save_dir: Path,
+    *,
+    name: str = "hf",
+    steps: int = 3,
+    trainer: dict[str, Any] | None = None,
+    **sections: Any,
 ) -> dict[str, Any]:
     """A job training the folder's model with the HF backend: SGD and no clipping, so runs on other
-    meshes agree tightly (no second moment amplifies reduction-order noise)."""
+    meshes agree tightly (no second moment amplifies reduction-order noise). `trainer` adds keys to
+    the trainer: section; the other keyword arguments are whole sections."""
     config: dict[str, Any] = {
         "providers": {
             "model": "d9d.trainer.hf:HFCausalLMProvider",
@@ -124,6 +131,7 @@ def hf_job(
             "checkpointing": {"save_dir": str(save_dir), "period_steps": 0},
             "logging": {"period_steps": 1},
             "gradient_clipping": {"max_norm": None},
+            **(trainer or {}),
         },
         "optimizer": {"name": "sgd", "lr": 0.5, "weight_decay": 0.0},
         "lr_scheduler": {"name": "constant", "warmup_steps": 0},

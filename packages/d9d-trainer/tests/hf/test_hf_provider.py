@@ -167,3 +167,29 @@ def test_every_architecture_builds_under_hugging_face_names(tmp_path):
         assert list(model.state_dict()) == list(load_hf(folder).state_dict()), name
         assert len(model.decoder_layers()) == 2, name
         assert model.flops_per_token(16) > 0
+
+
+def test_checkpointing_and_compile_act_on_each_decoder_layer_and_keep_the_names(llama, monkeypatch):
+    from d9d.parallel import ActivationCheckpointingConfig, CompileConfig
+    from d9d.trainer import ParallelizeModelStageContext
+    from d9d.trainer.hf import provider as provider_module
+
+    compiled = []  # torch.compile itself costs ~50 s cold here; what it is given is the backend's part
+    monkeypatch.setattr(
+        provider_module, "compile_blocks", lambda blocks, config: compiled.append((blocks, config))
+    )
+    model = _build(llama)
+    names = list(model.state_dict())
+    provider = HFCausalLMProvider(HFCausalLMConfig(folder=str(llama)))
+    context = ParallelizeModelStageContext(
+        context=DistributedContext.from_env(MeshConfig()),
+        model=model,
+        activation_checkpointing=ActivationCheckpointingConfig(mode="full"),
+        compile=CompileConfig(enabled=True),
+    )
+    provider.parallelize_model_stage(context)
+    layers = model.decoder_layers()
+    assert [type(layer).__name__ for layer in layers] == ["LlamaDecoderLayer"] * 2
+    assert all(layer._d9d_activation_checkpointed for layer in layers)
+    assert compiled == [(layers, context.compile)]
+    assert list(model.state_dict()) == names
