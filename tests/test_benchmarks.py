@@ -49,3 +49,20 @@ def test_lora_memory_tiny_mode_counts_grads_and_state_for_adapters_only(tmp_path
         "LoRA / full: checkpoint bytes",
     ]
     assert 0 < rows[0]["ratio"] < 1 and 0 < rows[1]["ratio"] < 1 and 0 < rows[3]["ratio"] < 1, rows
+
+
+def test_hf_backend_tiny_mode_times_both_backends_and_measures_both_imports(tmp_path):
+    stdout, rows = _run(tmp_path, "hf_backend.py", "--tiny", timeout=600)
+    for label in (
+        "  HF backend ",
+        "  HF backend FSDP 2, peak extra per rank",
+        "  transformers from_pretrained",
+    ):
+        assert any(line.startswith(label) for line in stdout.splitlines()), (label, stdout)
+    assert [r["name"] for r in rows] == [
+        "HF backend / reference model step time",
+        "HF import, FSDP 2: peak per rank / model size",
+        "HF import, FSDP 2: peak per rank / from_pretrained peak",
+        "HF import, FSDP 2: reading the folder, peak per rank / model size",
+    ]
+    assert all(r["ratio"] > 0 for r in rows), rows
