@@ -30,6 +30,7 @@ BENCHMARKS: list[tuple[str, list[str]]] = [
     ("ckpt_io", ["--mb", "400", "--shard-mb", "50"]),
     ("async_ckpt", ["--steps", "12", "--every", "3", "--rounds", "2"]),
     ("hf_io", ["--layers", "8", "--shard-mb", "100", "--repeats", "2"]),
+    ("hf_backend", ["--steps", "30", "--rounds", "2", "--ranks", "2"]),
     ("data_loading", ["--samples", "10000"]),
     ("data_order", ["--old-samples", "2e7"]),
     ("cli_startup", ["--repeats", "10"]),

@@ -59,3 +59,20 @@ def test_moe_tiny_mode_times_both_banks_and_counts_host_reads(tmp_path):
         "moe host reads per layer, 1 process, 8 experts": 0.0,
         "moe host reads per layer, EP 2, 8 experts": 1.0,
     }
+
+
+def test_hf_backend_tiny_mode_times_both_backends_and_measures_both_imports(tmp_path):
+    stdout, rows = _run(tmp_path, "hf_backend.py", "--tiny", timeout=600)
+    for label in (
+        "  HF backend ",
+        "  HF backend FSDP 2, peak extra per rank",
+        "  transformers from_pretrained",
+    ):
+        assert any(line.startswith(label) for line in stdout.splitlines()), (label, stdout)
+    assert [r["name"] for r in rows] == [
+        "HF backend / reference model step time",
+        "HF import, FSDP 2: peak per rank / model size",
+        "HF import, FSDP 2: peak per rank / from_pretrained peak",
+        "HF import, FSDP 2: reading the folder, peak per rank / model size",
+    ]
+    assert all(r["ratio"] > 0 for r in rows), rows

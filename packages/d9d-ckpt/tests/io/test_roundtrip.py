@@ -20,9 +20,11 @@ from d9d.ckpt import (
     Sequential,
     Stack,
     UnusedKeysWarning,
+    check_safetensors,
     identity_map,
     load_safetensors,
     rename_pattern,
+    safetensors_shapes,
     save_safetensors,
 )
 
@@ -220,6 +222,34 @@ def test_index_naming_a_missing_file_is_an_error(tmp_path):
     (tmp_path / second).unlink()
     with pytest.raises(SafetensorsIOError, match=f"names '{second}', which is not in"):
         load_safetensors(_model(1, tied=False), tmp_path)
+
+
+def test_a_layout_file_the_index_does_not_name_is_refused(tmp_path):
+    weight_map = save_safetensors(_model(0, tied=False), tmp_path, max_shard_size=200)
+    count = len(set(weight_map.values()))
+    stray = f"model-00001-of-{count + 1:05d}.safetensors"  # a shard of another export
+    safetensors.torch.save_file({"x": torch.zeros(1)}, str(tmp_path / stray))
+    with pytest.raises(SafetensorsIOError, match=f"{stray} is not named by .*index.json.*remove the files"):
+        load_safetensors(_model(1, tied=False), tmp_path)
+
+
+def test_shards_without_their_index_are_refused(tmp_path):
+    save_safetensors(_model(0, tied=False), tmp_path, max_shard_size=200)
+    (tmp_path / "model.safetensors.index.json").unlink()
+    with pytest.raises(SafetensorsIOError, match=r"holds shards .* but no model\.safetensors\.index\.json"):
+        load_safetensors(_model(1, tied=False), tmp_path)
+
+
+def test_check_safetensors_checks_a_meta_target_without_reading(tmp_path):
+    save_safetensors({"a": torch.ones(3, 4), "b": torch.ones(2)}, tmp_path)
+    assert safetensors_shapes(tmp_path) == {"a": (3, 4), "b": (2,)}
+    meta = {"a": torch.empty(3, 4, device="meta"), "b": torch.empty(2, device="meta")}
+    check_safetensors(meta, tmp_path)
+    meta["b"] = torch.empty(5, device="meta")
+    with pytest.raises(SafetensorsIOError, match=r"'b' of the target has shape \(5,\)"):
+        check_safetensors(meta, tmp_path)
+    with pytest.raises(MappingError, match=r"consumed by no group of the mapper: \['b'\]"):
+        check_safetensors({"a": meta["a"]}, tmp_path, mapper=Identity("a"))
 
 
 def test_truncated_file_is_detected_before_loading(tmp_path):

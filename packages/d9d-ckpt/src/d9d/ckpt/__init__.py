@@ -24,7 +24,14 @@ from d9d.ckpt.checkpoint import (
     restore_rng_state,
     verify_checkpoint,
 )
-from d9d.ckpt.io import SafetensorsIOError, load_safetensors, safetensors_fingerprint, save_safetensors
+from d9d.ckpt.io import (
+    SafetensorsIOError,
+    check_safetensors,
+    load_safetensors,
+    safetensors_fingerprint,
+    safetensors_shapes,
+    save_safetensors,
+)
 from d9d.ckpt.mapper import (
     Cast,
     Chunk,
@@ -94,6 +101,7 @@ __all__: list[str] = [
     "capture_rng_state",
     "check_checkpoint_files",
     "check_mapper",
+    "check_safetensors",
     "classify_run_entry",
     "identity_map",
     "load_safetensors",
@@ -101,6 +109,7 @@ __all__: list[str] = [
     "rename_pattern",
     "restore_rng_state",
     "safetensors_fingerprint",
+    "safetensors_shapes",
     "save_safetensors",
     "verify_checkpoint",
 ]

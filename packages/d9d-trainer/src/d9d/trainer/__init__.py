@@ -9,7 +9,8 @@ parallelized by the model provider, materialized and initialized identically on 
 trains with loss-weighted gradient accumulation, checkpoints, resumes and exports.
 
 The names below are the whole public face. They load on first use (PEP 562), so importing one that
-needs no torch (`read_metrics`) does not import torch: `d9d metrics` stays fast.
+needs no torch (`read_metrics`) does not import torch: `d9d metrics` stays fast. The Hugging Face
+backend, an optional extra, is its own subpackage: `d9d.trainer.hf:HFCausalLMProvider`.
 """
 
 import importlib

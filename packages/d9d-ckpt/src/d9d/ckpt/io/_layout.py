@@ -88,7 +88,12 @@ def index_document(weight_map: Mapping[str, str], total_size: int) -> dict[str, 
 
 
 def read_layout(directory: Path) -> dict[str, str]:
-    """Key → file name of a folder in this layout (index file, else a single `model.safetensors`)."""
+    """Key → file name of a folder in this layout (index file, else a single `model.safetensors`).
+
+    The folder must hold exactly the files its index names: a missing shard, and a file of this
+    layout the index does not name (a shard of another export, a `model.safetensors` beside an
+    index), are refused, since either means the folder mixes or lacks weights.
+    """
     index = directory / INDEX_FILE
     if index.is_file():
         try:
@@ -99,10 +104,33 @@ def read_layout(directory: Path) -> dict[str, str]:
             ) from exc
         if not isinstance(weight_map, dict):
             raise SafetensorsIOError(f"{index}: 'weight_map' must map tensor names to file names")
-        for name in set(weight_map.values()):
+        named = {str(name) for name in weight_map.values()}
+        for name in sorted(named):
             if not (directory / name).is_file():
-                raise SafetensorsIOError(f"{index} names {name!r}, which is not in {directory}")
+                raise SafetensorsIOError(
+                    f"{index} names {name!r}, which is not in {directory}; the folder is incomplete: "
+                    "copy that shard back (or download the model again)"
+                )
+        unnamed = sorted(
+            path.name
+            for path in directory.iterdir()
+            if path.name != INDEX_FILE and is_layout_file(path.name) and path.name not in named
+        )
+        if unnamed:
+            raise SafetensorsIOError(
+                f"{directory / unnamed[0]} is not named by {index}: the folder mixes the files of two "
+                "exports (or downloads); remove the files the index does not name, or restore the index "
+                "that names them"
+            )
         return {str(k): str(v) for k, v in weight_map.items()}
+    shards = sorted(
+        path.name for path in directory.glob("model-*.safetensors") if _SHARD_RE.fullmatch(path.name)
+    )
+    if shards:
+        raise SafetensorsIOError(
+            f"{directory} holds shards ({shards[0]}, ...) but no {INDEX_FILE}, so which tensors they hold "
+            "is unknown; restore the index file (or download the model again)"
+        )
     if (directory / SINGLE_FILE).is_file():
         return {}  # filled from the file's header by the reader
     raise SafetensorsIOError(

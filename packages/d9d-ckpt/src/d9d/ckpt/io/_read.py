@@ -18,7 +18,10 @@ from d9d.ckpt.mapper import MappingError, MappingGroup, OnUnused, StateMapper, c
 from d9d.ckpt.mapper._check import _check_targets
 from d9d.ckpt.mapper._errors import format_keys
 
-__all__ = ["load_safetensors"]
+__all__ = ["check_safetensors", "load_safetensors", "safetensors_shapes"]
+
+#: File name → key → (shape, dtype) of a folder, from its headers.
+_Headers = dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]
 
 
 def load_safetensors(
@@ -50,23 +53,8 @@ def load_safetensors(
     """
     folder = Path(directory)
     state = as_state(target)
-    headers = _read_headers(folder)
-    file_of = {key: name for name, specs in headers.items() for key in specs}
-    mapper = resolve_mapper(mapper, list(file_of))
-    check_mapper(mapper, file_of, unused=unused, source=f"the safetensors folder {folder}")
-    _check_targets(mapper, state, "the target state")
-    specs = {key: spec for file_specs in headers.values() for key, spec in file_specs.items()}
+    headers, mapper = _checked(folder, state, mapper, unused)
     groups = mapper.groups()
-    for group in groups:  # shapes, before any data is read
-        out = mapper.apply({k: meta_like(*specs[k]) for k in group.inputs})
-        for key, tensor in out.items():
-            if tuple(tensor.shape) != tuple(state[key].shape):
-                sources = ", ".join(f"{k!r} in {file_of[k]}" for k in sorted(group.inputs))
-                raise SafetensorsIOError(
-                    f"key {key!r} of the target has shape {tuple(state[key].shape)}, but {folder} gives "
-                    f"{tuple(tensor.shape)} (from {sources}); the folder was written for another model config"
-                )
-
     direct = mapper.direct_sources()
     group_of = {key: g for g in groups for key in g.inputs}
     pending: dict[frozenset[str], dict[str, torch.Tensor]] = {}
@@ -94,11 +82,63 @@ def load_safetensors(
         )
 
 
-def _read_headers(folder: Path) -> dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+def check_safetensors(
+    target: nn.Module | Mapping[str, torch.Tensor],
+    directory: str | os.PathLike[str],
+    *,
+    mapper: StateMapper | None = None,
+    unused: OnUnused = "error",
+) -> None:
+    """Everything `load_safetensors` checks before it reads a tensor, reading none: the layout (every
+    file the index names and no other), the keys both ways and every shape after mapping.
+
+    `target` may be on the meta device, so a job can refuse a folder before it allocates the model or
+    writes anything; the same checks run again when it loads.
+
+    Raises:
+        SafetensorsIOError: naming the folder, file and key when the folder does not fit the target.
+        MappingError: when the mapper does not fit the folder or the target (the keys are listed).
+    """
+    _checked(Path(directory), as_state(target), mapper, unused)
+
+
+def safetensors_shapes(directory: str | os.PathLike[str]) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a safetensors folder (HF layout) and its shape, from the file headers (no data read).
+
+    Raises:
+        SafetensorsIOError: the folder is not in the layout, or a header is unreadable.
+    """
+    headers = _read_headers(Path(directory))
+    return {key: shape for specs in headers.values() for key, (shape, _) in sorted(specs.items())}
+
+
+def _checked(
+    folder: Path, state: Mapping[str, torch.Tensor], mapper: StateMapper | None, unused: OnUnused
+) -> tuple[_Headers, StateMapper]:
+    """The folder's headers and the resolved mapper, once every check of `check_safetensors` passed."""
+    headers = _read_headers(folder)
+    file_of = {key: name for name, specs in headers.items() for key in specs}
+    mapper = resolve_mapper(mapper, list(file_of))
+    check_mapper(mapper, file_of, unused=unused, source=f"the safetensors folder {folder}")
+    _check_targets(mapper, state, "the target state")
+    specs = {key: spec for file_specs in headers.values() for key, spec in file_specs.items()}
+    for group in mapper.groups():  # shapes, before any data is read
+        out = mapper.apply({k: meta_like(*specs[k]) for k in group.inputs})
+        for key, tensor in out.items():
+            if tuple(tensor.shape) != tuple(state[key].shape):
+                sources = ", ".join(f"{k!r} in {file_of[k]}" for k in sorted(group.inputs))
+                raise SafetensorsIOError(
+                    f"key {key!r} of the target has shape {tuple(state[key].shape)}, but {folder} gives "
+                    f"{tuple(tensor.shape)} (from {sources}); the folder was written for another model config"
+                )
+    return headers, mapper
+
+
+def _read_headers(folder: Path) -> _Headers:
     """File name → key → (shape, dtype), from the headers only; checked against the index."""
     weight_map = read_layout(folder)
     names = sorted(set(weight_map.values())) if weight_map else [SINGLE_FILE]
-    headers: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {}
+    headers: _Headers = {}
     for name in names:
         path = folder / name
         try:

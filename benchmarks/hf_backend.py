@@ -1,0 +1,285 @@
+"""The Hugging Face backend (`d9d.trainer.hf`): its step time against the reference model, and the
+import's peak memory per rank under FSDP against transformers' `from_pretrained` on one process.
+
+    OMP_NUM_THREADS=1 uv run python benchmarks/hf_backend.py [--steps 30] [--rounds 2] [--ranks 2]
+    OMP_NUM_THREADS=1 uv run python benchmarks/hf_backend.py --tiny     # a smoke test (a test runs it)
+
+Both models are Llama: transformers' `LlamaConfig` saved locally by `save_pretrained` (nothing is
+downloaded), which the reference model computes exactly (examples/reference_model).
+
+Step time: the same job through `d9d.trainer.Trainer` twice per round, alternating, one process:
+`d9d.trainer.hf:HFCausalLMProvider` (transformers' modeling code, sdpa) and the fine-tune example's
+`HFModelProvider` (the reference model, the `model.backend: reference` path), from the same folder,
+on the same batches of the repository's corpus (bytes, seq `--seq`), AdamW. The median
+`step_time_s` of `metrics.jsonl` after warm-up (the last step, which checkpoints, left out).
+
+Import memory, each in a fresh process, libraries imported and the model's modeling code loaded
+before the baseline, `os.sync()` run first (see benchmarks/README.md):
+- HF backend, FSDP `--ranks` (forked ranks over gloo): every rank builds the model on the meta
+  device, shards it (FSDP2 per decoder layer), materializes and initializes it, and imports the
+  folder through the provider's mapper (`load_safetensors`: each rank reads only its rows). The
+  peak RSS above the baseline, the largest over the ranks, for the whole import and for its two
+  parts: materialize + initialize, and reading the folder.
+- transformers: `AutoModelForCausalLM.from_pretrained(folder)` on one process, every weight read once.
+The ideal is 1/N of the model plus one unit held whole: the trainer initializes every module on an
+unsharded copy (so any mesh starts from the same weights), so the largest module (here the
+embedding or the LM head, vocab × hidden) is that unit; the table says how large it is.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from _common import MB, PeakSampler, Row, row, rss, write_rows
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+ROOT = Path(__file__).resolve().parents[1]
+FINETUNE = ROOT / "examples" / "finetune" / "finetune.py"
+CORPUS = ROOT / "examples" / "data" / "corpus.txt"
+WARMUP = 3
+
+#: (the step-time model, the import model): LlamaConfig keyword arguments.
+SIZES: dict[str, tuple[dict[str, int], dict[str, int]]] = {
+    "default": (
+        {"vocab_size": 4096, "hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4,
+         "num_attention_heads": 8, "num_key_value_heads": 4},
+        {"vocab_size": 32000, "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
+         "num_attention_heads": 12, "num_key_value_heads": 4},
+    ),
+    "tiny": (
+        {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2},
+        {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2},
+    ),
+}  # fmt: skip
+
+
+def _save_llama(folder: Path, sizes: dict[str, int], shard_mb: int) -> None:
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        **sizes, max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(folder, max_shard_size=f"{shard_mb}MB")
+
+
+# ---------------------------------------------------------------------------------------- step time
+
+
+def _job(backend: str, folder: Path, save_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    model: dict[str, Any]
+    if backend == "hf":
+        provider, model = "d9d.trainer.hf:HFCausalLMProvider", {"folder": str(folder)}
+    else:
+        provider, model = f"{FINETUNE}:HFModelProvider", {"hf_folder": str(folder)}
+    return {
+        "providers": {"model": provider, "dataset": f"{FINETUNE}:CorpusProvider"},
+        "model": model,
+        "dataset": {"path": str(CORPUS), "seq_len": args.seq},
+        "data": {"global_batch_size": 8, "microbatch_size": 4},
+        "trainer": {
+            "run": {"name": backend},
+            "schedule": {"total_steps": args.steps},
+            "checkpointing": {"save_dir": str(save_dir), "period_steps": 0},
+            "logging": {"period_steps": 10, "level": "WARNING"},
+        },
+        "optimizer": {"name": "adamw", "lr": 1e-3},
+        "lr_scheduler": {"name": "constant", "warmup_steps": 0},
+    }
+
+
+def _step_times(backend: str, folder: Path, args: argparse.Namespace) -> list[float]:
+    from d9d.trainer import Trainer
+
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        Trainer.from_config(_job(backend, folder, Path(tmp), args)) as trainer,
+    ):
+        trainer.train()
+        lines = (trainer.run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["step_time_s"] for line in lines][WARMUP:-1]
+
+
+# ---------------------------------------------------------------------------------------- import memory
+
+
+def _import_rank(folder: str, ranks: int) -> dict[str, float]:
+    """One rank of the HF backend's import on FSDP `ranks`: peak RSS above the baseline, by phase."""
+    import torch
+
+    from d9d.ckpt import load_safetensors
+    from d9d.mesh import DistributedContext, MeshConfig
+    from d9d.trainer import (
+        InitializeModelStageContext,
+        ParallelizeModelStageContext,
+        PrepareImportModelStageContext,
+    )
+    from d9d.trainer.hf import HFCausalLMConfig, HFCausalLMProvider
+    from d9d.trainer.materialize import materialize_and_initialize
+
+    context = DistributedContext.from_env(MeshConfig(data_parallel_shard=ranks))
+    provider = HFCausalLMProvider(HFCausalLMConfig(folder=folder))
+    with torch.device("meta"):  # once before the baseline: the modeling code and the mesh are loaded
+        provider.initialize_model_stage(InitializeModelStageContext(context=context))
+    context.barrier()
+    os.sync()
+    base = rss()
+    with PeakSampler() as whole:
+        with PeakSampler() as build:
+            with torch.device("meta"):
+                model = provider.initialize_model_stage(InitializeModelStageContext(context=context)).model
+            provider.parallelize_model_stage(ParallelizeModelStageContext(context=context, model=model))
+            materialize_and_initialize(model, context.device, seed=0)
+        with PeakSampler() as read:
+            result = provider.prepare_import_model_stage(
+                PrepareImportModelStageContext(context=context, model=model)
+            )
+            load_safetensors(model, result.folder, mapper=result.mapper)
+    context.barrier()
+    return {
+        "whole": (whole.peak - base) / MB,
+        "build": (build.peak - base) / MB,
+        "read": (read.peak - base) / MB,
+    }
+
+
+def _import_fsdp(folder: str, ranks: int) -> dict[str, float]:
+    from d9d.mesh.testing import run_distributed
+
+    per_rank = run_distributed(_import_rank, ranks, folder, ranks, timeout=600)
+    return {phase: max(r[phase] for r in per_rank) for phase in ("whole", "build", "read")}
+
+
+def _from_pretrained(folder: str) -> dict[str, float]:
+    import torch
+    import transformers
+
+    with torch.device("meta"):  # the modeling code loaded before the baseline
+        transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(folder))
+    os.sync()
+    base = rss()
+    with PeakSampler() as sampler:
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        with torch.no_grad():
+            for tensor in model.state_dict().values():
+                tensor.sum()  # read every weight (a memory-mapped load defers it)
+    return {"whole": (sampler.peak - base) / MB}
+
+
+def _sizes_of(folder: str) -> dict[str, float]:
+    """The model's fp32 bytes, its largest single module and one decoder layer (MB)."""
+    import torch
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(folder))
+
+    def mb(module: Any) -> float:
+        return sum(p.numel() * 4 for p in module.parameters()) / MB
+
+    return {
+        "model": mb(model),
+        "layer": mb(model.model.layers[0]),
+        "largest": max(mb(m) for m in model.modules() if not list(m.children())),
+    }
+
+
+def _child(op: str, folder: str, ranks: int) -> dict[str, float]:
+    return _import_fsdp(folder, ranks) if op == "import_fsdp" else _from_pretrained(folder)
+
+
+def _run_child(op: str, folder: Path, ranks: int) -> dict[str, float]:
+    command = [sys.executable, __file__, "--child", op, "--folder", str(folder), "--ranks", str(ranks)]
+    done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if done.returncode != 0:
+        raise RuntimeError(f"{op} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--steps", type=int, default=30, help="steps per run (the first 3 and the last not timed)"
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each backend, alternating")
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--ranks", type=int, default=2, help="FSDP degree of the import")
+    parser.add_argument(
+        "--shard-mb", type=int, default=100, help="safetensors shard size of the saved folder"
+    )
+    parser.add_argument("--tiny", action="store_true", help="tiny models, few steps (a smoke test)")
+    parser.add_argument("--json", help="also write the ratios here (for run_all.py)")
+    parser.add_argument("--child")
+    parser.add_argument("--folder")
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(_child(args.child, args.folder, args.ranks)))
+        return
+    if args.tiny:
+        args.steps, args.rounds, args.seq, args.shard_mb = 6, 1, 32, 1
+    import torch
+
+    torch.set_num_threads(1)
+    step_sizes, import_sizes = SIZES["tiny" if args.tiny else "default"]
+    with tempfile.TemporaryDirectory() as tmp:
+        step_folder, import_folder = Path(tmp) / "step", Path(tmp) / "import"
+        _save_llama(step_folder, step_sizes, args.shard_mb)
+        _save_llama(import_folder, import_sizes, args.shard_mb)
+        times: dict[str, list[float]] = {"hf": [], "reference": []}
+        for i in range(args.rounds):
+            for backend in ("hf", "reference") if i % 2 == 0 else ("reference", "hf"):
+                times[backend] += _step_times(backend, step_folder, args)
+        sizes = _sizes_of(str(import_folder))
+        fsdp = _run_child("import_fsdp", import_folder, args.ranks)
+        hf_load = _run_child("from_pretrained", import_folder, args.ranks)
+    hf, ref = statistics.median(times["hf"]), statistics.median(times["reference"])
+    n = args.ranks
+    print(
+        f"step time, Llama {step_sizes['num_hidden_layers']} layers hidden {step_sizes['hidden_size']}, seq {args.seq}:"
+    )
+    print(
+        f"  HF backend {hf * 1e3:.1f} ms, reference model {ref * 1e3:.1f} ms (median of {len(times['hf'])} / {len(times['reference'])} steps)"
+    )
+    print(
+        f"import, Llama {import_sizes['num_hidden_layers']} layers hidden {import_sizes['hidden_size']}: model {sizes['model']:.0f} MB, "
+        f"one decoder layer {sizes['layer']:.1f} MB, largest module {sizes['largest']:.1f} MB; shards of {args.shard_mb} MB"
+    )
+    print(
+        f"  HF backend FSDP {n}, peak extra per rank: {fsdp['whole']:.0f} MB (materialize + init {fsdp['build']:.0f}, "
+        f"reading the folder {fsdp['read']:.0f})"
+    )
+    print(f"  transformers from_pretrained, one process: {hf_load['whole']:.0f} MB")
+    ideal = 1 / n + sizes["largest"] / sizes["model"]
+    rows: list[Row] = [
+        row("HF backend / reference model step time", hf / ref, "~1",
+            f"{hf * 1e3:.0f} vs {ref * 1e3:.0f} ms, median of {len(times['hf'])} steps each"),
+        row(f"HF import, FSDP {n}: peak per rank / model size", fsdp["whole"] / sizes["model"],
+            f"<= {ideal:.2f} (1/{n} + largest module)",
+            f"{fsdp['whole']:.0f} of {sizes['model']:.0f} MB; one layer {sizes['layer']:.0f} MB, largest module {sizes['largest']:.0f} MB"),
+        row(f"HF import, FSDP {n}: peak per rank / from_pretrained peak", fsdp["whole"] / hf_load["whole"],
+            f"<= {ideal:.2f}", f"{fsdp['whole']:.0f} vs {hf_load['whole']:.0f} MB"),
+        row(f"HF import, FSDP {n}: reading the folder, peak per rank / model size", fsdp["read"] / sizes["model"],
+            f"<= {1 / n + sizes['layer'] / sizes['model']:.2f} (1/{n} + one layer)",
+            f"{fsdp['read']:.0f} MB above the baseline, the rank's materialized shards included"),
+    ]  # fmt: skip
+    for r in rows:
+        print(f"{r['name']}: {r['ratio']:.2f} (ideal {r['ideal']}) {r['note']}")
+    write_rows(args.json, rows)
+
+
+if __name__ == "__main__":
+    main()

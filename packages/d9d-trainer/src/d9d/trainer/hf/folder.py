@@ -1,0 +1,128 @@
+"""A local Hugging Face model folder: its config.json read into the transformers class that builds it.
+
+Every refusal names the file and the fix in one line, before any model, process-group state or file
+of the job exists. Nothing is downloaded: the folder is read as it is (`local_files_only`).
+"""
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import transformers
+from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, PretrainedConfig, PreTrainedModel
+
+from d9d.trainer.errors import first_line
+from d9d.trainer.hf.errors import HFModelError
+
+__all__ = ["CONFIG_FILE", "HFFolder", "attention_implementation", "exported_config", "read_folder"]
+
+CONFIG_FILE = "config.json"
+#: Files besides the weights that an export copies as they are, so the folder stays a whole HF model.
+COPIED_FILES = ("generation_config.json",)
+_FIX_FOLDER = "point model.folder (relative to the config file) to a Hugging Face model folder"
+
+
+@dataclass(frozen=True)
+class HFFolder:
+    """A model folder as transformers reads it.
+
+    Attributes:
+        path: the folder.
+        config: its config.json as transformers' config class of the architecture.
+        model_class: the `AutoModelForCausalLM` class of that config (e.g. `LlamaForCausalLM`).
+    """
+
+    path: Path
+    config: PretrainedConfig
+    model_class: type[PreTrainedModel]
+
+    @property
+    def model_type(self) -> str:
+        """The architecture's `model_type` (e.g. "llama")."""
+        return str(self.config.model_type)
+
+    def copied_files(self) -> dict[str, str]:
+        """The texts of `COPIED_FILES` the folder has (file name → content)."""
+        return {
+            name: (self.path / name).read_text(encoding="utf-8")
+            for name in COPIED_FILES
+            if (self.path / name).is_file()
+        }
+
+
+def read_folder(path: Path) -> HFFolder:
+    """The folder's config.json and its causal-LM class.
+
+    Raises:
+        HFModelError: the folder or its config.json is missing or unreadable, needs remote code, or
+            names an architecture transformers has no causal LM of.
+    """
+    config_file = path / CONFIG_FILE
+    if not path.is_dir():
+        raise HFModelError(f"model.folder: {path} is not a directory; {_FIX_FOLDER}")
+    if not config_file.is_file():
+        raise HFModelError(
+            f"model.folder: {path} has no {CONFIG_FILE}; {_FIX_FOLDER} (config.json and its *.safetensors)"
+        )
+    raw = _read_json(config_file)
+    model_type = raw.get("model_type")
+    if not isinstance(model_type, str):
+        raise HFModelError(f"{config_file} has no model_type; use the config.json the model was saved with")
+    if "auto_map" in raw:
+        raise HFModelError(
+            f"{config_file} asks for the model's own modeling code (auto_map: trust_remote_code), which "
+            "d9d does not run; use a model whose architecture transformers ships"
+        )
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        raise HFModelError(
+            f"{config_file}: transformers {transformers.__version__} cannot read it (model_type "
+            f"{model_type!r}: {first_line(exc)}); upgrade transformers or fix the file"
+        ) from None
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise HFModelError(
+            f"{config_file}: model_type {model_type!r} has no causal LM in transformers "
+            f"{transformers.__version__} (AutoModelForCausalLM cannot build it); the Hugging Face backend "
+            "trains causal LMs only"
+        )
+    return HFFolder(path=path, config=config, model_class=MODEL_FOR_CAUSAL_LM_MAPPING[type(config)])
+
+
+def attention_implementation(folder: HFFolder, asked: Literal["auto", "sdpa", "eager"]) -> str:
+    """The attention implementation to build with: `asked`, or for `auto` sdpa where the class has it.
+
+    Raises:
+        HFModelError: sdpa was asked of an architecture that has none.
+    """
+    has_sdpa = bool(getattr(folder.model_class, "_supports_sdpa", False))
+    if asked == "auto":
+        return "sdpa" if has_sdpa else "eager"
+    if asked == "sdpa" and not has_sdpa:
+        raise HFModelError(
+            f"model.attention: sdpa, but {folder.model_class.__name__} has no sdpa attention in transformers "
+            f"{transformers.__version__}; set model.attention: eager (or auto)"
+        )
+    return asked
+
+
+def exported_config(config: PretrainedConfig, architecture: str) -> str:
+    """The config.json of an export: `config` as transformers saves it, naming the class and the
+    float32 the weights are written in (so `from_pretrained` loads them as trained)."""
+    config = copy.deepcopy(config)
+    config.architectures = [architecture]
+    config.dtype = torch.float32
+    return config.to_json_string()
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise HFModelError(f"{path} is not valid JSON ({exc}); restore the model's config.json") from None
+    if not isinstance(value, dict):
+        raise HFModelError(f"{path} must hold a JSON object; restore the model's config.json")
+    return value

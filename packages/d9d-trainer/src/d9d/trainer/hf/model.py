@@ -1,0 +1,235 @@
+"""`HFCausalLM`: a transformers causal LM as the trainer drives it, under Hugging Face's own names.
+
+The trainer's task calls `model(input_ids, position_ids=..., document_ids=...)` and takes logits; a
+transformers model returns a `ModelOutput`. `HFCausalLM` is the thin module between them: it
+registers the transformers model's children (`model`, `lm_head`) as its own, so every parameter,
+checkpoint key, export key and LoRA adapter path is the Hugging Face one (`model.layers.0.self_attn.
+q_proj.weight`), and keeps the transformers model itself unregistered, only to run its forward.
+
+Packed documents: transformers keeps the documents of a row apart by their `position_ids` (a
+position that does not follow the one before starts a new document, for every attention
+implementation), which is exactly d9d.data's packing (positions restart at 0 in every document and
+in the padding). So `position_ids` is what reaches the model and `document_ids` only has to come
+with it.
+"""
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+
+from d9d.trainer.hf.errors import HFModelError
+
+__all__ = ["HFCausalLM", "HFStateLayout", "state_layout", "unwrap"]
+
+
+@dataclass(frozen=True)
+class HFStateLayout:
+    """The state-dict keys of a transformers model as built, and how Hugging Face stores them.
+
+    Attributes:
+        keys: every state-dict key, tied aliases included, in the model's order.
+        tied: alias → the key Hugging Face stores that shared tensor under (e.g. `lm_head.weight` →
+            `model.embed_tokens.weight` with `tie_word_embeddings`).
+        unsaved_buffers: the names of the model's non-persistent buffers (rotary frequencies, scales):
+            never saved by transformers, though old folders may hold them.
+        ignore_unexpected: transformers' patterns of folder keys to ignore when loading
+            (`_keys_to_ignore_on_load_unexpected`).
+    """
+
+    keys: tuple[str, ...]
+    tied: dict[str, str]
+    unsaved_buffers: frozenset[str]
+    ignore_unexpected: tuple[str, ...] = ()
+
+    @property
+    def stored_keys(self) -> tuple[str, ...]:
+        """The keys a Hugging Face folder holds: every key but the aliases of tied tensors."""
+        return tuple(k for k in self.keys if k not in self.tied)
+
+    def is_ignorable(self, key: str) -> bool:
+        """Whether a folder key the model does not hold is one transformers ignores on load: a
+        non-persistent buffer an old export saved (`...rotary_emb.inv_freq`), or one of its patterns."""
+        return key.rpartition(".")[2] in self.unsaved_buffers or any(
+            re.search(pattern, key) for pattern in self.ignore_unexpected
+        )
+
+
+def state_layout(model: PreTrainedModel) -> HFStateLayout:
+    """The layout of `model` (on any device, meta included), as its class declares it."""
+    state = model.state_dict(keep_vars=True)
+    ties_declared = getattr(model, "_tied_weights_keys", None)
+    aliases = set(ties_declared) if isinstance(ties_declared, dict) else set()
+    users: dict[int, list[str]] = {}
+    for key, tensor in state.items():
+        users.setdefault(id(tensor), []).append(key)
+    tied: dict[str, str] = {}
+    for keys in users.values():
+        if len(keys) > 1:  # a shared tensor: stored under its first key that is not a declared alias
+            stored = next((k for k in keys if k not in aliases), keys[0])
+            tied.update((k, stored) for k in keys if k != stored)
+    unsaved = {name for module in model.modules() for name in module._non_persistent_buffers_set}
+    return HFStateLayout(
+        keys=tuple(state),
+        tied=tied,
+        unsaved_buffers=frozenset(unsaved),
+        ignore_unexpected=tuple(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()),
+    )
+
+
+class HFCausalLM(nn.Module):
+    """A transformers causal LM whose forward returns the logits tensor, with Hugging Face's parameter names.
+
+    Args:
+        model: a transformers `*ForCausalLM` (built on the meta device by the provider).
+        fp32_logits: return float32 logits whatever the compute dtype.
+
+    Raises:
+        HFModelError: the model's root module holds tensors of its own (every causal LM of
+            transformers keeps them in its children).
+    """
+
+    def __init__(self, model: PreTrainedModel, *, fp32_logits: bool = False) -> None:
+        super().__init__()
+        own = [name for name, t in (*model._parameters.items(), *model._buffers.items()) if t is not None]
+        if own:
+            raise HFModelError(
+                f"{type(model).__name__} holds tensors on its root module ({', '.join(own)}), which the "
+                "Hugging Face backend does not train; use the reference model or a provider of its own"
+            )
+        object.__setattr__(self, "_hf", model)  # not a submodule: its children below are ours
+        for name, child in model.named_children():
+            self.add_module(name, child)
+        self.fp32_logits = fp32_logits
+        self.layout = state_layout(model)
+        self._flops_terms = _flops_terms(model)
+
+    @property
+    def hf_model(self) -> PreTrainedModel:
+        """The transformers model (sharing every module and parameter with this one)."""
+        return self._hf
+
+    @property
+    def config(self) -> PretrainedConfig:
+        """The transformers config the model was built from."""
+        return self._hf.config
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`input_ids` [batch, seq] → logits [batch, seq, vocab].
+
+        Args:
+            position_ids: [batch, seq] positions; for packed rows they restart at 0 in every document,
+                which is how transformers keeps the documents apart.
+            document_ids: [batch, seq] document of each token (packed rows): only accepted with
+                `position_ids`, which carry the same boundaries.
+
+        Raises:
+            HFModelError: `document_ids` without `position_ids`.
+        """
+        if document_ids is not None and position_ids is None:
+            raise HFModelError(
+                "the batch has document_ids but no position_ids: the Hugging Face backend keeps packed "
+                "documents apart by their position_ids (restarting at 0 in every document, as d9d.data's "
+                "packed datasets yield them); add position_ids to the batch"
+            )
+        output = self._hf(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        logits: torch.Tensor = output.logits
+        return logits.float() if self.fp32_logits else logits
+
+    def train(self, mode: bool = True) -> "HFCausalLM":
+        """Set training mode on every module, the unregistered transformers root included."""
+        super().train(mode)
+        self._hf.training = mode
+        return self
+
+    def get_input_embeddings(self) -> nn.Module:
+        """The token embedding (Hugging Face's accessor; the trainer checks the data's vocabulary with it)."""
+        return self._hf.get_input_embeddings()
+
+    def get_output_embeddings(self) -> nn.Module | None:
+        """The LM head."""
+        return self._hf.get_output_embeddings()
+
+    def decoder_layers(self) -> list[nn.Module]:
+        """The model's decoder layers: the outermost modules of the classes transformers keeps whole
+        (`_no_split_modules`), in order; what FSDP, activation checkpointing and compile act on."""
+        names = set(getattr(self._hf, "_no_split_modules", None) or ())
+        found: list[tuple[str, nn.Module]] = []
+        for path, module in self.named_modules():
+            if type(module).__name__ in names and not any(path.startswith(p + ".") for p, _ in found):
+                found.append((path, module))
+        return [module for _, module in found]
+
+    def initialize_module(self, path: str, module: nn.Module) -> None:
+        """d9d's materialization hook: transformers' own `_init_weights` on `module` (an unsharded copy).
+
+        It also computes what no checkpoint holds, the non-persistent buffers (rotary frequencies,
+        embedding scales), which is checked: a buffer it leaves unset is refused, not trained on.
+
+        Raises:
+            HFModelError: `_init_weights` left a non-persistent floating-point buffer unset.
+        """
+        unsaved = [
+            name
+            for name in module._non_persistent_buffers_set
+            if module._buffers.get(name) is not None and module._buffers[name].is_floating_point()
+        ]
+        for name in unsaved:
+            module._buffers[name].fill_(float("nan"))
+        self._hf._init_weights(module)
+        for name in unsaved:
+            if bool(torch.isnan(module._buffers[name]).all()):
+                raise HFModelError(
+                    f"transformers' {type(self._hf).__name__}._init_weights does not compute the buffer "
+                    f"{path}.{name} ({type(module).__name__}), and no checkpoint holds it; this "
+                    "architecture cannot be built on the meta device here"
+                )
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token for MFU: 6 × the parameters a token's matmuls use (the LM head
+        included, the input embedding not; of the experts, top-k of them) + the attention scores and
+        values over the full `seq_len`."""
+        matmul, attention = self._flops_terms
+        return 6.0 * matmul + 12.0 * attention * seq_len
+
+
+def _flops_terms(model: PreTrainedModel) -> tuple[float, float]:
+    """(parameters a token's matmuls use, layers × heads × head dim) of `model`, from its shapes."""
+    config = model.config.get_text_config()
+    embedding = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    top_k = getattr(config, "num_experts_per_tok", None)
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    expert_share = top_k / experts if isinstance(top_k, int) and isinstance(experts, int) and experts else 1.0
+    matmul = 0.0
+    for name, param in model.named_parameters():
+        if embedding is not None and param is getattr(embedding, "weight", None):
+            continue
+        matmul += param.numel() * (expert_share if ".experts." in name else 1.0)
+    if head is not None and embedding is not None and head.weight is getattr(embedding, "weight", None):
+        matmul += head.weight.numel()  # tied: counted once above as the embedding, but its matmul runs
+    heads = getattr(config, "num_attention_heads", 0) or 0
+    head_dim = getattr(config, "head_dim", None) or (getattr(config, "hidden_size", 0) // max(heads, 1))
+    return matmul, float(getattr(config, "num_hidden_layers", 0) * heads * head_dim)
+
+
+def unwrap(model: Any) -> HFCausalLM:
+    """`model` as the `HFCausalLM` the provider built (FSDP keeps the instance; it only changes its class).
+
+    Raises:
+        HFModelError: it is another module (the provider was handed a model it did not build).
+    """
+    if not isinstance(model, HFCausalLM):
+        raise HFModelError(
+            f"the Hugging Face backend was handed a {type(model).__name__}, not the HFCausalLM its "
+            "initialize_model_stage built"
+        )
+    return model

@@ -1,0 +1,170 @@
+"""`HFCausalLMProvider`: any causal LM transformers ships, trained from a local Hugging Face folder.
+
+    providers:
+      model: d9d.trainer.hf:HFCausalLMProvider
+    model:
+      folder: models/my-hf-model        # config.json + *.safetensors, relative to this file
+
+The model is built by `AutoModelForCausalLM.from_config` on the meta device (float32 master
+weights), shaped per decoder layer (LoRA, activation checkpointing, compile, FSDP2/HSDP), then
+materialized and initialized by transformers' own `_init_weights`, and on a fresh run filled from
+the folder (each rank reads only its shards). Exports are Hugging Face folders again. What the
+backend cannot do yet is refused with the reason before anything is built (`check_mesh`).
+"""
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from d9d.ckpt import safetensors_shapes
+from d9d.mesh import MeshConfig
+from d9d.parallel import apply_activation_checkpointing, apply_lora, compile_blocks, parallelize_hsdp
+from d9d.trainer.errors import first_line
+from d9d.trainer.hf.config import HFCausalLMConfig
+from d9d.trainer.hf.errors import HFModelError
+from d9d.trainer.hf.folder import (
+    CONFIG_FILE,
+    HFFolder,
+    attention_implementation,
+    exported_config,
+    read_folder,
+)
+from d9d.trainer.hf.model import HFCausalLM, unwrap
+from d9d.trainer.hf.weights import check_folder_weights, export_mapper, import_mapper
+from d9d.trainer.providers import (
+    InitializeModelStageContext,
+    InitializeModelStageResult,
+    ParallelizeModelStageContext,
+    PrepareExportModelStageContext,
+    PrepareExportModelStageResult,
+    PrepareImportModelStageContext,
+    PrepareImportModelStageResult,
+)
+
+__all__ = ["HFCausalLMProvider", "mesh_refusal"]
+
+_SPEC = "d9d.trainer.hf:HFCausalLMProvider"
+_DENSE_AND_MOE = "llama, qwen2, qwen3, mistral, mixtral and qwen3_moe"
+#: Mesh degree → (what the backend lacks, the families whose reference model has it).
+_UNSUPPORTED: dict[str, tuple[str, str]] = {
+    "pipeline_parallel": (
+        "pipeline parallelism: it runs transformers' whole forward, which it does not cut into stages",
+        _DENSE_AND_MOE,
+    ),
+    "tensor_parallel": (
+        "tensor parallelism yet (it will come from config.json's base_model_tp_plan)",
+        _DENSE_AND_MOE,
+    ),
+    "context_parallel": (
+        "context parallelism yet (it needs an attention implementation that splits the sequence)",
+        _DENSE_AND_MOE,
+    ),
+    "expert_parallel": (
+        "expert parallelism: transformers' MoE layers have no expert dispatch (FSDP shards experts "
+        "like every other weight)",
+        "mixtral and qwen3_moe",
+    ),
+}
+
+
+def mesh_refusal(mesh: MeshConfig) -> str | None:
+    """Why the Hugging Face backend cannot run on `mesh` (the first degree it lacks), or None."""
+    for key, (lacks, families) in _UNSUPPORTED.items():
+        degree = getattr(mesh, key)
+        if degree > 1:
+            return (
+                f"mesh.{key}={degree}: the Hugging Face backend ({_SPEC}) has no {lacks}; set mesh.{key}: 1, "
+                f"or for {families} train the reference model, which has it (model.backend: reference, "
+                "examples/finetune)"
+            )
+    return None
+
+
+class HFCausalLMProvider:
+    """The model provider of any transformers causal LM (`AutoModelForCausalLM`) in a local folder.
+
+    Declares `ChecksMesh` (refusing what it cannot split) and `ImportsModelWeights` (the folder's
+    safetensors on a fresh run). The model is an `HFCausalLM`, so checkpoint, export and LoRA keys
+    are Hugging Face's module paths.
+    """
+
+    config_type = HFCausalLMConfig
+
+    def __init__(self, config: HFCausalLMConfig) -> None:
+        self.config = config
+        self._folder: HFFolder | None = None
+
+    def check_mesh(self, mesh: MeshConfig) -> None:
+        """Refuse pipeline, tensor, context and expert parallelism (one line: why, and what to use).
+
+        Raises:
+            HFModelError: naming the mesh key, the reason and the reference path where there is one.
+        """
+        problem = mesh_refusal(mesh)
+        if problem is not None:
+            raise HFModelError(problem)
+
+    def initialize_model_stage(self, context: InitializeModelStageContext) -> InitializeModelStageResult:
+        """The folder's architecture built on the meta device, in float32, after its weights are checked
+        against it (from the safetensors headers: nothing is read, allocated or written before)."""
+        if context.stage is not None:
+            raise HFModelError(mesh_refusal(MeshConfig(pipeline_parallel=context.num_stages)) or "")
+        folder = read_folder((Path(context.base_dir) / self.config.folder).resolve())
+        attention = attention_implementation(folder, self.config.attention)
+        try:
+            hf_model = AutoModelForCausalLM.from_config(
+                folder.config, dtype=torch.float32, attn_implementation=attention
+            )
+        except (ValueError, TypeError, KeyError, AssertionError) as exc:
+            raise HFModelError(
+                f"{folder.path / CONFIG_FILE}: transformers cannot build {folder.model_class.__name__} "
+                f"from it ({type(exc).__name__}: {first_line(exc)}); fix config.json"
+            ) from None
+        model = HFCausalLM(hf_model, fp32_logits=self.config.fp32_logits)
+        check_folder_weights(model, folder.path)
+        self._folder = folder
+        return InitializeModelStageResult(model=model)
+
+    def parallelize_model_stage(self, context: ParallelizeModelStageContext) -> None:
+        """LoRA, activation checkpointing, compile and FSDP2/HSDP, each per decoder layer."""
+        model = unwrap(context.model)
+        blocks = model.decoder_layers()
+        if not blocks:
+            raise HFModelError(
+                f"{type(model.hf_model).__name__} names no decoder-layer class (_no_split_modules), so "
+                "it cannot be sharded per layer; train it with a model provider of its own"
+            )
+        # Tensor parallelism (from the config's base_model_tp_plan) and context parallelism (through an
+        # attention implementation) go here, before LoRA; check_mesh refuses them until they exist.
+        if context.lora is not None:
+            apply_lora(model, context.lora)
+        apply_activation_checkpointing(blocks, context.activation_checkpointing)
+        compile_blocks(blocks, context.compile)
+        parallelize_hsdp(model, context.mesh, blocks=blocks, precision=context.precision)
+
+    def prepare_import_model_stage(
+        self, context: PrepareImportModelStageContext
+    ) -> PrepareImportModelStageResult:
+        """The folder, read into the model under Hugging Face's names (tied tensors read once)."""
+        folder = self._built_folder()
+        mapper = import_mapper(unwrap(context.model).layout, safetensors_shapes(folder.path))
+        return PrepareImportModelStageResult(folder=folder.path, mapper=mapper)
+
+    def prepare_export_model_stage(
+        self, context: PrepareExportModelStageContext
+    ) -> PrepareExportModelStageResult:
+        """A folder `AutoModelForCausalLM.from_pretrained` loads: safetensors under Hugging Face's
+        names, config.json (float32), and the folder's generation_config.json when it has one."""
+        folder = self._built_folder()
+        model = unwrap(context.model)
+        config_json = exported_config(model.config, type(model.hf_model).__name__)
+        return PrepareExportModelStageResult(
+            mapper=export_mapper(model.layout),
+            extra_files={CONFIG_FILE: config_json, **folder.copied_files()},
+        )
+
+    def _built_folder(self) -> HFFolder:
+        if self._folder is None:
+            raise HFModelError(f"{_SPEC}: initialize_model_stage has not run yet")
+        return self._folder

@@ -1,0 +1,140 @@
+"""Tiny random Hugging Face models (built by transformers from its own config classes, nothing
+downloaded), saved as model folders, and the d9d job that trains one through the HF backend."""
+
+import os
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import transformers
+
+from d9d.trainer import BuildDatasetResult
+
+transformers.logging.set_verbosity_error()
+transformers.utils.logging.disable_progress_bar()
+
+VOCAB = 96
+SEQ = 16
+_COMMON = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+#: model_type → its transformers config: one of each family the tests cover (tied: gemma2, gemma3_text).
+ARCHITECTURES: dict[str, Any] = {
+    "llama": lambda: transformers.LlamaConfig(**_COMMON),
+    "qwen2": lambda: transformers.Qwen2Config(**_COMMON),
+    "gemma2": lambda: transformers.Gemma2Config(**_COMMON, head_dim=8),
+    "gemma3_text": lambda: transformers.Gemma3TextConfig(**_COMMON, head_dim=8),
+    "phi3": lambda: transformers.Phi3Config(**_COMMON),
+    "olmo2": lambda: transformers.Olmo2Config(**_COMMON),
+}
+
+
+def save_tiny(model_type: str, folder: Path, *, seed: int = 0, max_shard_size: str | None = None) -> Path:
+    """A random tiny model of `model_type` saved by transformers into `folder` (fp32 safetensors)."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(ARCHITECTURES[model_type]())
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
+    model.save_pretrained(folder, **kwargs)
+    return folder
+
+
+def load_hf(folder: Path) -> Any:
+    """`AutoModelForCausalLM.from_pretrained(folder)` in float32, in eval mode."""
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def probe_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Fixed (input_ids, position_ids) with two packed documents per row, for comparing logits."""
+    ids = torch.randint(3, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(7))
+    positions = torch.cat([torch.arange(10), torch.arange(SEQ - 10)]).expand(2, SEQ)
+    return ids, positions
+
+
+class PackedTokensConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    samples: int = 32
+    seq_len: int = SEQ
+    vocab: int = VOCAB
+
+
+class PackedTokens(torch.utils.data.Dataset):
+    """Rows of two packed documents (lengths 10 and 6), each a learnable +1 sequence, with positions
+    restarting per document, as d9d.data's packed datasets yield them."""
+
+    def __init__(self, config: PackedTokensConfig) -> None:
+        g = torch.Generator().manual_seed(0)
+        start = torch.randint(3, config.vocab, (config.samples, 1), generator=g)
+        self.tokens = 3 + (start + torch.arange(config.seq_len + 1)) % (config.vocab - 3)
+        first = 10
+        self.documents = torch.cat([torch.zeros(first), torch.ones(config.seq_len - first)]).long()
+        self.positions = torch.cat([torch.arange(first), torch.arange(config.seq_len - first)])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        labels = self.tokens[i, 1:].clone()
+        labels[9] = -100  # the first document's last token does not predict the second's first
+        return {
+            "input_ids": self.tokens[i, :-1],
+            "labels": labels,
+            "position_ids": self.positions,
+            "document_ids": self.documents,
+        }
+
+
+class PackedTokensProvider:
+    config_type = PackedTokensConfig
+
+    def __init__(self, config: PackedTokensConfig) -> None:
+        self.config = config
+
+    def build_dataset(self, context: Any) -> BuildDatasetResult:
+        return BuildDatasetResult(dataset=PackedTokens(self.config), seq_len=self.config.seq_len)
+
+
+def hf_job(
+    folder: Path,
+    save_dir: Path,
+    *,
+    name: str = "hf",
+    steps: int = 3,
+    trainer: dict[str, Any] | None = None,
+    **sections: Any,
+) -> dict[str, Any]:
+    """A job training the folder's model with the HF backend: SGD and no clipping, so runs on other
+    meshes agree tightly (no second moment amplifies reduction-order noise). `trainer` adds keys to
+    the trainer: section; the other keyword arguments are whole sections."""
+    config: dict[str, Any] = {
+        "providers": {
+            "model": "d9d.trainer.hf:HFCausalLMProvider",
+            "dataset": f"{__name__}:PackedTokensProvider",
+        },
+        "model": {"folder": str(folder)},
+        "data": {"global_batch_size": 8, "microbatch_size": 2, "seed": 1},
+        "trainer": {
+            "run": {"name": name},
+            "schedule": {"total_steps": steps},
+            "checkpointing": {"save_dir": str(save_dir), "period_steps": 0},
+            "logging": {"period_steps": 1},
+            "gradient_clipping": {"max_norm": None},
+            **(trainer or {}),
+        },
+        "optimizer": {"name": "sgd", "lr": 0.5, "weight_decay": 0.0},
+        "lr_scheduler": {"name": "constant", "warmup_steps": 0},
+    }
+    config.update(sections)
+    return config

@@ -1,0 +1,195 @@
+"""The Hugging Face backend's parts in one process: what it refuses and with which words, how folder
+keys map onto the model (tied tensors, old rotary buffers), the packed forward, the init hook."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _tiny_hf import ARCHITECTURES, VOCAB, hf_job, load_hf, save_tiny
+
+from d9d.mesh import DistributedContext, MeshConfig
+from d9d.trainer import InitializeModelStageContext, TrainingError, load_job_config, resolve_job
+from d9d.trainer.hf import HFCausalLM, HFCausalLMConfig, HFCausalLMProvider, HFModelError
+from d9d.trainer.materialize import materialize_and_initialize
+from d9d.trainer.planning import check_model_mesh
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny("llama", tmp_path_factory.mktemp("hf") / "llama")
+
+
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny("gemma2", tmp_path_factory.mktemp("hf") / "gemma2")  # tied, no sdpa
+
+
+def _build(folder: Path, **options: object) -> HFCausalLM:
+    provider = HFCausalLMProvider(HFCausalLMConfig(folder=folder.name, **options))  # type: ignore[arg-type]
+    context = InitializeModelStageContext(
+        context=DistributedContext.from_env(MeshConfig()), base_dir=folder.parent
+    )
+    with torch.device("meta"):
+        model = provider.initialize_model_stage(context).model
+    assert isinstance(model, HFCausalLM)
+    return model
+
+
+def _copy(folder: Path, target: Path) -> Path:
+    target.mkdir()
+    for file in folder.iterdir():
+        (target / file.name).write_bytes(file.read_bytes())
+    return target
+
+
+@pytest.mark.parametrize(
+    ("degree", "words"),
+    [
+        (
+            "pipeline_parallel",
+            ["does not cut", "stages", "mesh.pipeline_parallel: 1", "model.backend: reference"],
+        ),
+        ("tensor_parallel", ["tensor parallelism yet", "base_model_tp_plan", "mesh.tensor_parallel: 1"]),
+        (
+            "context_parallel",
+            ["context parallelism yet", "attention implementation", "mesh.context_parallel: 1"],
+        ),
+        ("expert_parallel", ["expert parallelism", "mixtral and qwen3_moe", "mesh.expert_parallel: 1"]),
+    ],
+)
+def test_the_mesh_degrees_it_lacks_are_refused_before_anything_is_built(tmp_path, llama, degree, words):
+    mesh = {degree: 2} if degree != "expert_parallel" else {"data_parallel_shard": 2, "expert_parallel": 2}
+    job = resolve_job(load_job_config(hf_job(llama, tmp_path, mesh=mesh)))
+    with pytest.raises(TrainingError) as caught:
+        check_model_mesh(job)  # the plan's and the trainer's check, and d9d plan's
+    message = str(caught.value)
+    assert message.startswith(
+        f"mesh.{degree}=2: the Hugging Face backend (d9d.trainer.hf:HFCausalLMProvider)"
+    )
+    assert all(word in message for word in words), message
+    assert "\n" not in message
+    check_model_mesh(resolve_job(load_job_config(hf_job(llama, tmp_path, mesh={"data_parallel_shard": 2}))))
+
+
+def test_folder_problems_are_one_line_naming_the_file_and_the_fix(tmp_path, llama):
+    with pytest.raises(HFModelError, match=r"model.folder: .*missing is not a directory; point model.folder"):
+        _build(tmp_path / "missing")
+    (tmp_path / "no-config").mkdir()
+    with pytest.raises(HFModelError, match=r"no-config has no config.json; point model.folder"):
+        _build(tmp_path / "no-config")
+    remote = _copy(llama, tmp_path / "remote")
+    config = json.loads((remote / "config.json").read_text())
+    (remote / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModelForCausalLM": "x.Y"}}))
+    with pytest.raises(HFModelError, match=r"remote/config.json asks for the model's own modeling code"):
+        _build(remote)
+    unknown = _copy(llama, tmp_path / "unknown")
+    (unknown / "config.json").write_text(json.dumps({**config, "model_type": "no-such-llm"}))
+    with pytest.raises(
+        HFModelError, match=r"transformers .* cannot read it \(model_type 'no-such-llm'.*upgrade"
+    ):
+        _build(unknown)
+    encoder = tmp_path / "t5"
+    encoder.mkdir()
+    (encoder / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    with pytest.raises(HFModelError, match=r"model_type 't5' has no causal LM in transformers"):
+        _build(encoder)
+
+
+def test_the_folder_weights_are_checked_against_config_json_from_the_headers(tmp_path, llama):
+    extra = _copy(llama, tmp_path / "extra")
+    tensors = load_file(extra / "model.safetensors")
+    save_file({**tensors, "model.layers.9.mlp.up_proj.weight": torch.zeros(2)}, extra / "model.safetensors")
+    with pytest.raises(HFModelError, match=r"holds 1 tensors that LlamaForCausalLM as .* does not have"):
+        _build(extra)
+    missing = _copy(llama, tmp_path / "missing")
+    save_file({k: v for k, v in tensors.items() if "layers.1." not in k}, missing / "model.safetensors")
+    with pytest.raises(HFModelError, match=r"lacks \d+ tensors of LlamaForCausalLM .*model.layers.1"):
+        _build(missing)
+    old = _copy(llama, tmp_path / "old-rotary")  # an old export that saved the rotary frequencies
+    save_file(
+        {**tensors, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4)}, old / "model.safetensors"
+    )
+    _build(old)
+
+
+def test_attention_auto_takes_sdpa_where_the_architecture_has_it(llama, gemma2):
+    assert _build(llama).config._attn_implementation == "sdpa"
+    assert _build(gemma2).config._attn_implementation == "eager"
+    with pytest.raises(
+        HFModelError, match=r"model.attention: sdpa, but Gemma2ForCausalLM has no sdpa .*eager"
+    ):
+        _build(gemma2, attention="sdpa")
+
+
+def test_a_tied_model_reads_its_table_once_and_ignores_a_stored_head_copy(tmp_path, gemma2):
+    model = _build(gemma2)
+    assert model.layout.tied == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert model.get_input_embeddings().num_embeddings == VOCAB  # the trainer's vocabulary check
+    both = _copy(gemma2, tmp_path / "both")
+    tensors = load_file(both / "model.safetensors")
+    assert "lm_head.weight" not in tensors  # transformers stores the tied table once
+    save_file(
+        {**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"].clone()},
+        both / "model.safetensors",
+    )
+    _build(both)
+
+
+def test_document_ids_need_the_position_ids_that_carry_their_boundaries(llama):
+    model = _build(llama)
+    materialize_and_initialize(model, torch.device("cpu"), seed=0)
+    ids = torch.randint(3, VOCAB, (1, 8))
+    with pytest.raises(HFModelError, match="document_ids but no position_ids"):
+        model(ids, document_ids=torch.zeros(1, 8, dtype=torch.long))
+
+
+def test_initialization_computes_every_buffer_no_checkpoint_holds(llama):
+    model = _build(llama)
+    materialize_and_initialize(model, torch.device("cpu"), seed=0)
+    reference = load_hf(llama)
+    for name, buffer in reference.named_buffers():
+        torch.testing.assert_close(dict(model.named_buffers())[name], buffer, rtol=0, atol=0)
+    model = _build(llama)
+    model.model.norm.register_buffer("scale", torch.empty(1, device="meta"), persistent=False)
+    with pytest.raises(HFModelError, match=r"does not compute the buffer model.norm.scale"):
+        materialize_and_initialize(model, torch.device("cpu"), seed=0)
+
+
+def test_every_architecture_builds_under_hugging_face_names(tmp_path):
+    for name in ARCHITECTURES:
+        folder = save_tiny(name, tmp_path / name)
+        model = _build(folder)
+        assert list(model.state_dict()) == list(load_hf(folder).state_dict()), name
+        assert len(model.decoder_layers()) == 2, name
+        assert model.flops_per_token(16) > 0
+
+
+def test_checkpointing_and_compile_act_on_each_decoder_layer_and_keep_the_names(llama, monkeypatch):
+    from d9d.parallel import ActivationCheckpointingConfig, CompileConfig
+    from d9d.trainer import ParallelizeModelStageContext
+    from d9d.trainer.hf import provider as provider_module
+
+    compiled = []  # torch.compile itself costs ~50 s cold here; what it is given is the backend's part
+    monkeypatch.setattr(
+        provider_module, "compile_blocks", lambda blocks, config: compiled.append((blocks, config))
+    )
+    model = _build(llama)
+    names = list(model.state_dict())
+    provider = HFCausalLMProvider(HFCausalLMConfig(folder=str(llama)))
+    context = ParallelizeModelStageContext(
+        context=DistributedContext.from_env(MeshConfig()),
+        model=model,
+        activation_checkpointing=ActivationCheckpointingConfig(mode="full"),
+        compile=CompileConfig(enabled=True),
+    )
+    provider.parallelize_model_stage(context)
+    layers = model.decoder_layers()
+    assert [type(layer).__name__ for layer in layers] == ["LlamaDecoderLayer"] * 2
+    assert all(layer._d9d_activation_checkpointed for layer in layers)
+    assert compiled == [(layers, context.compile)]
+    assert list(model.state_dict()) == names
