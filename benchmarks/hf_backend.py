@@ -83,7 +83,7 @@ def _job(backend: str, folder: Path, save_dir: Path, args: argparse.Namespace) -
     if backend == "hf":
         provider, model = "d9d.trainer.hf:HFCausalLMProvider", {"folder": str(folder)}
     else:
-        provider, model = f"{FINETUNE}:HFModelProvider", {"hf_folder": str(folder)}
+        provider, model = f"{FINETUNE}:HFModelProvider", {"hf_folder": str(folder), "backend": "reference"}
     return {
         "providers": {"model": provider, "dataset": f"{FINETUNE}:CorpusProvider"},
         "model": model,

@@ -1,13 +1,15 @@
-"""Fine-tune a Hugging Face chat model (Qwen3, Llama or Qwen3-MoE layout) with LoRA on conversations.
+"""Fine-tune a Hugging Face chat model with LoRA on conversations.
 
     python finetune.py make-demo demo           # a tiny random Qwen3 with a tokenizer + conversations (no download)
     python finetune.py config.yaml              # SFT with LoRA and validation; exports adapter and merged model
     torchrun --nproc-per-node 2 finetune.py config.yaml --set mesh.data_parallel_shard=2
 
-The model is built from the folder's config.json, initialized, then (on a run without checkpoints
-of its own) filled from the folder's safetensors through `hf_import_mapper`. The data are JSONL
-conversations tokenized with the folder's own tokenizer and chat template (`ChatProvider`).
-"""
+`model.backend` chooses the code that trains the folder: the reference model (qwen3, llama, qwen2,
+mistral, qwen3_moe, mixtral; every parallelism) or transformers' own class through `d9d.trainer.hf`
+(any causal LM; FSDP/HSDP); "auto" takes the reference model when it holds the folder's config.json
+exactly. The model is built on meta, initialized, then (on a run without checkpoints of its own)
+filled from the folder's safetensors. The data are JSONL conversations tokenized with the folder's
+own tokenizer and chat template (`ChatProvider`)."""
 
 import json
 import re
@@ -21,17 +23,25 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the reference model lives in examples/
 
 from reference_model import (
+    HFConversionError,
     ReferenceForCausalLM,
     ReferenceModelConfig,
+    apply_expert_parallel,
+    apply_tensor_parallel,
+    check_mesh,
+    check_sequence_length,
     hf_checkpoint_keys,
+    hf_expert_layout,
     hf_export_mapper,
     hf_import_mapper,
     read_hf_config,
     save_hf_pretrained,
     to_hf_config,
+    trim_to_stage,
 )
 
 from d9d.data import SFTDataset, TextDataset
+from d9d.mesh import MeshConfig
 from d9d.parallel import (
     apply_activation_checkpointing,
     apply_lora,
@@ -42,6 +52,8 @@ from d9d.parallel import (
 from d9d.trainer import (
     BuildDatasetContext,
     BuildDatasetResult,
+    CheckSequenceLengthContext,
+    ConfigPath,
     InitializeModelStageContext,
     InitializeModelStageResult,
     ParallelizeModelStageContext,
@@ -54,43 +66,96 @@ from d9d.trainer import (
 
 
 class HFModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The `model:` section: which Hugging Face folder to start from.
+    """The `model:` section: which Hugging Face folder to start from, and which code trains it.
 
     Attributes:
         hf_folder: config.json plus model.safetensors (or shards + index), relative to the config file.
+        backend: "reference" (the reference model: every parallelism d9d has; qwen3, llama, qwen2,
+            mistral, qwen3_moe, mixtral), "hf" (transformers' own model class, `d9d.trainer.hf`: any
+            causal LM, FSDP/HSDP only) or "auto" (the reference model when it can hold the folder's
+            config.json exactly, else transformers'; the "job built" line says which and why).
         fp32_logits: return float32 logits whatever the parameter dtype.
     """
 
-    hf_folder: str
+    hf_folder: ConfigPath
+    backend: Literal["auto", "reference", "hf"] = "auto"
     fp32_logits: bool = False
 
 
 class HFModelProvider:
-    """The reference model shaped by an HF config.json, started from that folder's weights."""
+    """A Hugging Face folder, trained by the reference model or by transformers' (`model.backend`).
+
+    The choice is made once, here, from the folder's config.json; every stage then goes to the chosen
+    path: the reference model (shaped by the config, tensor/expert/pipeline/context parallel, imported
+    through `hf_import_mapper`) or `d9d.trainer.hf.HFCausalLMProvider` (which refuses those degrees).
+    """
 
     config_type = HFModelConfig
 
     def __init__(self, config: HFModelConfig) -> None:
         self.config = config
         self.folder = Path(config.hf_folder)
-        self._model_config: ReferenceModelConfig | None = None
+        self.model_type = _model_type(self.folder)
+        self.reason = ""  # why "auto" chose transformers' model
+        self.model_config: ReferenceModelConfig | None = None
+        self.hf: Any = None  # d9d.trainer.hf.HFCausalLMProvider when the backend is "hf"
+        if config.backend != "hf":
+            try:
+                self.model_config = read_hf_config(self.folder, fp32_logits=config.fp32_logits)
+            except HFConversionError as error:
+                if config.backend == "reference" or not (self.folder / "config.json").is_file():
+                    raise
+                self.reason = str(error)
+        if self.model_config is None:
+            self.hf = _hf_provider(self.folder, config.fp32_logits, self.reason)
 
     @property
-    def model_config(self) -> ReferenceModelConfig:
-        """The folder's config.json as the reference model's config (read by `initialize_model_stage`)."""
-        if self._model_config is None:
-            raise RuntimeError("HFModelProvider.initialize_model_stage has not run yet")
-        return self._model_config
+    def backend(self) -> str:
+        return "reference" if self.model_config is not None else "hf"
+
+    def _reference(self) -> ReferenceModelConfig:
+        if self.model_config is None:  # only the reference path calls this
+            raise HFConversionError(f"{self.folder}: model.backend is hf; {self.reason}")
+        return self.model_config
+
+    def describe_model(self) -> dict[str, str]:
+        """The "job built" line's account: which code trains the folder, and why when "auto" chose."""
+        described = {"backend": self.backend, "model_type": self.model_type}
+        if self.reason:
+            described["backend_reason"] = self.reason
+        return described
+
+    def check_mesh(self, mesh: MeshConfig) -> None:
+        if self.hf is not None:
+            self.hf.check_mesh(mesh)  # no tp/pp/cp/ep: the message names the reference path
+        else:
+            check_mesh(self._reference(), mesh)
+
+    def check_sequence_length(self, context: CheckSequenceLengthContext) -> None:
+        """The reference model attends to the whole sequence: longer than a sliding window is refused
+        (transformers' models apply their windows themselves)."""
+        if self.model_config is not None:
+            check_sequence_length(self.model_config, context.seq_len)
+
+    def pipeline_num_layers(self) -> int:
+        return self._reference().num_layers
 
     def initialize_model_stage(self, context: InitializeModelStageContext) -> InitializeModelStageResult:
-        # Like every path of the config, hf_folder is relative to the config file's directory.
-        self.folder = Path(context.base_dir) / self.config.hf_folder
-        self._model_config = read_hf_config(self.folder, fp32_logits=self.config.fp32_logits)
-        return InitializeModelStageResult(model=ReferenceForCausalLM(self.model_config))
+        if self.hf is not None:
+            return self.hf.initialize_model_stage(context)
+        model = ReferenceForCausalLM(self._reference())
+        if context.stage is not None:  # pipeline parallel: keep this stage's part (on meta: free)
+            trim_to_stage(model, context.stage)
+        return InitializeModelStageResult(model=model)
 
     def parallelize_model_stage(self, context: ParallelizeModelStageContext) -> None:
-        model = context.model
+        if self.hf is not None:
+            self.hf.parallelize_model_stage(context)
+            return
+        model, ctx = context.model, context.context
         blocks = list(model.model.layers.values())
+        apply_tensor_parallel(model, ctx)  # mesh.tensor_parallel > 1
+        apply_expert_parallel(model, ctx, context.precision)  # mesh.expert_parallel > 1 (MoE)
         parallelize_context_parallel(model, context.mesh)  # mesh.context_parallel > 1
         if context.lora is not None:  # peft.lora: adapters on the frozen HF weights, before FSDP
             apply_lora(model, context.lora)
@@ -102,16 +167,42 @@ class HFModelProvider:
         self, context: PrepareImportModelStageContext
     ) -> PrepareImportModelStageResult:
         """The trainer loads this once, into the initialized (and parallelized) model, on a fresh run."""
-        mapper = hf_import_mapper(self.model_config, source_keys=hf_checkpoint_keys(self.folder))
+        if self.hf is not None:
+            return self.hf.prepare_import_model_stage(context)
+        mapper = hf_import_mapper(self._reference(), source_keys=hf_checkpoint_keys(self.folder))
         return PrepareImportModelStageResult(folder=self.folder, mapper=mapper)
 
     def prepare_export_model_stage(
         self, context: PrepareExportModelStageContext
     ) -> PrepareExportModelStageResult:
-        config_json = json.dumps(to_hf_config(self.model_config), indent=2)
+        if self.hf is not None:
+            return self.hf.prepare_export_model_stage(context)
+        config = self._reference()
+        # MoE experts are written in the layout the folder had (per expert, or transformers 5's fused)
+        layout = hf_expert_layout(hf_checkpoint_keys(self.folder)) if config.moe is not None else "per_expert"
+        config_json = json.dumps(to_hf_config(config), indent=2)
         return PrepareExportModelStageResult(
-            mapper=hf_export_mapper(self.model_config), extra_files={"config.json": config_json}
+            mapper=hf_export_mapper(config, expert_layout=layout), extra_files={"config.json": config_json}
         )
+
+
+def _model_type(folder: Path) -> str:
+    """config.json's model_type ("?" when it has none; a missing or broken file is refused later)."""
+    try:
+        model_type = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return "?"
+    return str(model_type) if model_type else "?"
+
+
+def _hf_provider(folder: Path, fp32_logits: bool, reason: str) -> Any:
+    """`d9d.trainer.hf.HFCausalLMProvider` for `folder` (transformers is an optional extra)."""
+    try:
+        from d9d.trainer.hf import HFCausalLMConfig, HFCausalLMProvider
+    except ImportError as missing:  # one line: why this folder needs it, and how to install it
+        why = f"{reason}; transformers' model would train it, but {missing}" if reason else str(missing)
+        raise HFConversionError(why) from None
+    return HFCausalLMProvider(HFCausalLMConfig(folder=str(folder), fp32_logits=fp32_logits))
 
 
 class ChatConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

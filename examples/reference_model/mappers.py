@@ -498,8 +498,8 @@ def from_hf_config(
     if model_type not in _ARCHITECTURES:
         raise HFConversionError(
             f"{source} has model_type {model_type!r}, which the reference model does not implement (it does "
-            f"{', '.join(sorted(_ARCHITECTURES))}); a Hugging Face backend for other architectures is coming "
-            "as model.backend: hf"
+            f"{', '.join(sorted(_ARCHITECTURES))}); train it with transformers' own model: model.backend: hf "
+            "(examples/finetune) or d9d.trainer.hf:HFCausalLMProvider"
         )
     defaults = _COMMON_DEFAULTS | _HF_DEFAULTS[model_type]
     missing = [

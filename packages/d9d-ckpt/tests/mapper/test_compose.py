@@ -121,3 +121,40 @@ def test_apply_with_keys_of_no_group_is_an_error():
 def test_identity_map_keeps_everything():
     state = _state("a", "b")
     assert apply_mapper(identity_map(state), state) == state
+
+
+def test_select_outputs_writes_only_the_selected_keys_and_loads_part_of_a_model(tmp_path):
+    from d9d.ckpt import Duplicate, SelectOutputs, load_safetensors, save_safetensors
+
+    applied: list[str] = []
+
+    class Counted(Rename):  # not a direct source: the loader reads its input and applies it
+        def _apply(self, group, tensors):
+            applied.append(self.source)
+            return super()._apply(group, tensors)
+
+        def direct_sources(self):
+            return {}
+
+    whole = Parallel([Counted("a", "x"), Duplicate("e", ["e1", "e2"]), Counted("c", "y")])
+    stage = SelectOutputs(whole, {"x", "e1"})
+    assert set(stage.groups()) == {
+        MappingGroup(frozenset({"a"}), frozenset({"x"})),
+        MappingGroup(frozenset({"e"}), frozenset({"e1"})),
+        MappingGroup(frozenset({"c"}), frozenset()),
+    }
+    assert stage.inputs == whole.inputs and stage.outputs == {"x", "e1"}
+    assert stage.direct_sources() == {"e1": "e"}
+
+    folder = tmp_path / "whole"
+    source = _state("a", "c", "e")
+    save_safetensors(source, folder)
+    target = {"x": torch.zeros(8, 4), "e1": torch.zeros(8, 4)}
+    load_safetensors(target, folder, mapper=stage)
+    assert torch.equal(target["x"], source["a"]) and torch.equal(target["e1"], source["e"])
+    assert "a" in applied and "c" not in applied  # a group no selected key needs is not applied
+    with pytest.raises(MappingError, match="'e2'"):  # a target key the selection leaves out
+        load_safetensors({**target, "e2": torch.zeros(8, 4)}, folder, mapper=stage)
+    save_safetensors({**source, "stray": torch.zeros(1)}, tmp_path / "stray")
+    with pytest.raises(MappingError, match="stray"):  # the folder is still checked whole
+        load_safetensors(target, tmp_path / "stray", mapper=stage)

@@ -178,7 +178,8 @@ class PrepareImportModelStageResult:
     """Where to load starting weights from: a safetensors folder (e.g. a Hugging Face checkpoint).
 
     `folder=None` keeps the freshly initialized weights. `mapper` maps the folder's keys to the
-    model's (e.g. `hf_export_mapper.inverse()`); None when the names already match.
+    model's (e.g. `hf_export_mapper.inverse()`); None when the names already match. On a pipeline
+    stage it may map the whole model: the stage loads the keys it holds (`d9d.ckpt.SelectOutputs`).
     """
 
     folder: Any = None

@@ -7,7 +7,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from d9d.ckpt import load_safetensors, safetensors_fingerprint
+from d9d.ckpt import (
+    SelectOutputs,
+    identity_map,
+    load_safetensors,
+    safetensors_fingerprint,
+    safetensors_shapes,
+)
 from d9d.mesh import DistributedContext, get_logger
 from d9d.parallel import lora_parameter_names, moe_score_bias_names
 from d9d.trainer.errors import TrainingError
@@ -62,7 +68,14 @@ class StartingWeights:
         if fresh:
             state = self._model.state_dict(keep_vars=True)
             target = {name: t for name, t in state.items() if name not in fresh}
-        load_safetensors(target, result.folder, mapper=result.mapper)
+        mapper = result.mapper
+        if self._context.config.pipeline_parallel > 1:
+            # A stage holds part of the model; the mapper may cover all of it (as an export mapper may):
+            # the folder is still checked whole, and the stage reads only the groups of keys it holds.
+            whole = mapper if mapper is not None else identity_map(list(safetensors_shapes(result.folder)))
+            keys = target.state_dict(keep_vars=True) if isinstance(target, nn.Module) else target
+            mapper = SelectOutputs(whole, keys)
+        load_safetensors(target, result.folder, mapper=mapper)
         _log.info("loaded starting weights", folder=str(result.folder))
 
     def base_reference(self) -> dict[str, Any]:

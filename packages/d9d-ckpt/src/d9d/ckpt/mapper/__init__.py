@@ -9,7 +9,7 @@ inverse). Public names are also exported from `d9d.ckpt`.
 
 from d9d.ckpt.mapper._base import MappingGroup, StateMapper
 from d9d.ckpt.mapper._check import OnUnused, apply_mapper, check_mapper
-from d9d.ckpt.mapper._compose import Parallel, Prefix, Sequential
+from d9d.ckpt.mapper._compose import Parallel, Prefix, SelectOutputs, Sequential
 from d9d.ckpt.mapper._errors import MappingError, NotInvertibleError, UnusedKeysWarning
 from d9d.ckpt.mapper._rename import (
     Deduplicate,
@@ -40,6 +40,7 @@ __all__ = [
     "Rename",
     "Reshape",
     "RopePermute",
+    "SelectOutputs",
     "Sequential",
     "Stack",
     "StateMapper",

@@ -7,7 +7,7 @@ import torch
 from d9d.ckpt.mapper._base import MappingGroup, StateMapper
 from d9d.ckpt.mapper._errors import MappingError, format_keys
 
-__all__ = ["Parallel", "Prefix", "Sequential"]
+__all__ = ["Parallel", "Prefix", "SelectOutputs", "Sequential"]
 
 
 class Parallel(StateMapper):
@@ -187,3 +187,29 @@ class Prefix(StateMapper):
 
     def __repr__(self) -> str:
         return f"Prefix({self.prefix!r} -> {self.output_prefix!r}, {self.mapper!r})"
+
+
+class SelectOutputs(StateMapper):
+    """The part of a mapper that writes `keys`: every group still reads its inputs (so the source is
+    checked whole), but writes only its outputs among `keys`; a group writing none of them reads nothing.
+
+    Loads a whole-model mapper into part of the model: a pipeline stage takes the keys its layers
+    hold, and `load_safetensors` skips the other groups without reading their data.
+    """
+
+    def __init__(self, mapper: StateMapper, keys: Iterable[str]) -> None:
+        self.mapper = mapper
+        self.keys = frozenset(keys)
+        self._set_groups(MappingGroup(g.inputs, g.outputs & self.keys) for g in mapper.groups())
+
+    def _apply(self, group: MappingGroup, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if not group.outputs:
+            return {}
+        return {k: v for k, v in self.mapper.apply(tensors).items() if k in self.keys}
+
+    def direct_sources(self) -> dict[str, str]:
+        """The inner direct sources of the selected keys."""
+        return {o: i for o, i in self.mapper.direct_sources().items() if o in self.keys}
+
+    def __repr__(self) -> str:
+        return f"SelectOutputs({self.mapper!r}, <{len(self.keys)} keys>)"
