@@ -79,10 +79,11 @@ def _takes_pre_split(schedule_class: type) -> bool:
 def skip_warmup_to_own_rank(stage: PipelineStage) -> None:
     """Keep `stage`'s communicator warm-up from sending to its own rank.
 
-    torch 2.11 and 2.12 warm up a multi-stage schedule by sending a dummy tensor to every neighbour
-    stage, even one on the same rank (the V schedules, ZBV and DualPipeV, place stages 1 and 2 of a
-    pp 2 pipeline together), which gloo refuses ("Pair is not connected"). From 2.13 `PipelineStage`
-    warms up by a vote between ranks instead and never calls the warm-up patched here.
+    torch 2.11 warms up a multi-stage schedule by sending a dummy tensor to every neighbour stage,
+    even one on the same rank (the V schedules, ZBV and DualPipeV, place stages 1 and 2 of a pp 2
+    pipeline together), which gloo refuses ("Pair is not connected"). 2.12 and 2.13 warm a
+    `PipelineStage` up by a vote between ranks and never call the method patched here; 2.15 has
+    no such method.
     """
     legacy = getattr(stage, "_get_init_p2p_neighbors_ops", None)
     if legacy is None:

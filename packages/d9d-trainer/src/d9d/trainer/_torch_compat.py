@@ -11,7 +11,7 @@ def dump_fr_trace(backend: str) -> bytes:
     """The flight-recorder trace (pickled; empty when recording is off) of a non-NCCL `backend`.
 
     torch 2.15 keeps one recorder per backend and takes its name: `_dump_fr_trace(..., backend=)`.
-    Earlier versions (2.11 checked) have no `backend` argument (a TypeError) and one recorder, the
+    Earlier versions (2.11 to 2.13 checked) have no `backend` argument (a TypeError) and one recorder, the
     one gloo records into: that is gloo's trace, and other backends have none.
     """
     import torch._C._distributed_c10d as c10d_ext
