@@ -52,7 +52,8 @@ def compile_blocks(modules: Iterable[nn.Module], config: CompileConfig | None = 
             if "tp" in names and param.device_mesh.size(names.index("tp")) > 1:
                 raise UnsupportedParallelismError(
                     f"compile_blocks: {name} is tensor parallel; compiling tensor-parallel blocks is not "
-                    "supported yet (torch 2.15 fails in their backward): compile without tensor parallelism"
+                    "supported yet (torch 2.15 fails in their backward when a block's input is an un-waited "
+                    "AsyncCollectiveTensor): compile without tensor parallelism"
                 )
     fullgraph = config.fullgraph if config is not None else False
     dynamic = config.dynamic if config is not None else None
