@@ -55,7 +55,8 @@ def schedule_step(
     torch 2.14 added the `arg_mbs=`, `kwarg_mbs=`, `target_mbs=` keywords to `step()`. Before (2.11
     to 2.13), `step()` splits a whole batch itself and passes unknown keywords on to the model; the
     pre-split path there is the schedule's `_step_microbatches`, preceded by what `step()` does
-    first on every stage (set its backward flag, clear its per-step state).
+    first on every stage (set its backward flag, clear its per-step state). The caller checks that
+    gradients are enabled (`step()` refuses to train under `torch.no_grad()`).
     """
     if _takes_pre_split(type(schedule)):
         schedule.step(
@@ -63,8 +64,6 @@ def schedule_step(
         )
         return
     has_backward = schedule._has_backward
-    if has_backward and not torch.is_grad_enabled():
-        raise RuntimeError("a pipeline training step needs gradients enabled (it ran under torch.no_grad())")
     stages = schedule._stages if isinstance(schedule, PipelineScheduleMulti) else [schedule._stage]
     for stage in stages:
         stage.has_backward = has_backward

@@ -180,6 +180,11 @@ class Pipeline:
             pipeline rank with `broadcast_loss`), else None. Summing over data-parallel ranks is the
             caller's business.
         """
+        if not torch.is_grad_enabled():
+            raise PipelineError(
+                "pipeline step: it runs forward and backward, so it needs gradients enabled; call it "
+                "outside torch.no_grad()/torch.inference_mode()"
+            )
         n = self.n_microbatches
         arg_mbs = kwarg_mbs = target_mbs = None
         if self.has_first_stage:
