@@ -38,7 +38,7 @@ class GradMemory:
 
     sharded: the parameters' `.grad` (local shards); unsharded: the gradients autograd accumulates on
     FSDP2's unsharded parameters (`FSDPParam._unsharded_param.grad`) until they are reduced, or all
-    along while gradient sync is off; pending: HSDP's reduce-scattered sum that waits for its
+    along while gradient sync is off (`unsharded_accumulated_grad` too); pending: HSDP's reduce-scattered sum that waits for its
     all-reduce over replicas (`FSDPParamGroup._partial_reduce_output`).
     """
 
@@ -68,7 +68,12 @@ class GradMemory:
         for group in self.groups:
             for fsdp_param in group.fsdp_params:
                 add("sharded", fsdp_param.sharded_param.grad)
-                add("unsharded", fsdp_param.unsharded_accumulated_grad)  # `_unsharded_param.grad`
+                # Autograd accumulates on the unsharded parameter; torch before 2.15 moves it to
+                # `unsharded_accumulated_grad` when the reduce dtype differs, 2.15 reads that name
+                # from `_unsharded_param.grad` (the same storage, counted once).
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                add("unsharded", None if unsharded is None else unsharded.grad)
+                add("unsharded", fsdp_param.unsharded_accumulated_grad)
             add("pending", group._partial_reduce_output)
         for param in self.plain:
             add("sharded", param.grad)

@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from d9d.parallel import CompileConfig
+
 _SCRIPT = textwrap.dedent(
     """
     import copy, json, sys
@@ -64,6 +66,18 @@ _SCRIPT = textwrap.dedent(
     seen["max_grad_diff"] = max(float((grads[0][n] - grads[1][n]).abs().max()) for n in names)
     seen["compiled_frames"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
+    # Other sequence lengths (an eval set's, a last short batch): graphs after each training step
+    graphs, diffs = [], []
+    for seq in (12, 16, 24, 8):
+        tokens = make_batches(1, 2, seq)[0]
+        out = [m(tokens[:, :-1]) for m in (eager, model)]
+        for logits in out:
+            F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        diffs.append(float((out[0] - out[1]).abs().max()))
+        graphs.append(int(torch._dynamo.utils.counters["stats"]["unique_graphs"]))
+    seen["graphs_per_length"] = graphs
+    seen["max_output_diff_other_lengths"] = max(diffs)
+
     none_config = torch.nn.Linear(4, 4)
     seen["none_config_compiles"] = (
         len(compile_blocks([none_config])) == 1 and none_config._compiled_call_impl is not None
@@ -112,6 +126,18 @@ def test_compiled_blocks_match_eager(seen):
     assert seen["compiled_frames"] >= 1  # it really compiled
     assert seen["max_output_diff"] <= 1e-5
     assert seen["max_grad_diff"] <= 1e-5
+
+
+def test_new_sequence_lengths_compile_one_more_graph_not_one_each(seen):
+    """Measured on the 2 tiny blocks (one graph serves both), 11 training steps at 10 lengths:
+    dynamic=False (the old default) 8 graphs, and past torch's recompile limit (8) the blocks ran
+    eagerly; dynamic=None 2 (the first length static, as before; the second recompiles with the
+    length dynamic, which every later length reuses); dynamic=True 1, but the one-length case
+    compiles dynamic too. Below: lengths 7 (above), 11, 15, 23, 7 with the default."""
+    assert CompileConfig().dynamic is None
+    assert seen["compiled_frames"] == 1
+    assert seen["graphs_per_length"] == [2, 2, 2, 2]
+    assert seen["max_output_diff_other_lengths"] <= 1e-5
 
 
 def test_no_config_means_compile(seen):

@@ -2,9 +2,12 @@
 
 import pytest
 import torch
+import torch._dynamo
 import torch.nn.functional as F
+from torch._dynamo.testing import CompileCounter
 
 from d9d.parallel import DocumentMask, document_attention_backend
+from d9d.parallel import document_attention as module
 
 #: Two rows: documents of 20, 1, 29 and 10 tokens then 4 of padding (-1); one document filling the row.
 IDS = torch.tensor([[0] * 20 + [1] + [2] * 29 + [3] * 10 + [-1] * 4, [5] * 64])
@@ -75,3 +78,48 @@ def test_the_dense_mask_is_block_causal():
         dtype=torch.bool,
     )
     assert torch.equal(mask, want)
+
+
+def _layout(batch: int, seq: int, seed: int) -> torch.Tensor:
+    """Document ids of `batch` packed rows: 1-5 documents of random lengths per row."""
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.rand(batch, seq, generator=gen) < 5 / seq
+    return starts.cumsum(1)
+
+
+@pytest.fixture
+def counted_compile(monkeypatch):
+    """torch.compile with dynamo's counting backend (graphs are counted, not lowered by inductor),
+    for the CUDA path's mask builder; a fresh builder and compile caches before and after."""
+    counter, calls, real = CompileCounter(), [], torch.compile
+
+    def compile_counting(fn, **kwargs):
+        calls.append(kwargs)
+        return real(fn, backend=counter, **kwargs)
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(module, "_compiled", {})
+    monkeypatch.setattr(torch, "compile", compile_counting)
+    yield counter, calls
+    torch._dynamo.reset()
+
+
+def test_the_cuda_block_mask_builder_compiles_once_for_every_document_layout(counted_compile):
+    """CUDA builds the mask with one compiled function (here compiled on CPU, where it runs the same).
+
+    Measured (torch 2.15): 1 graph for every layout of one length; a second length recompiles once
+    with the length dynamic; later lengths reuse it (2 graphs). `create_block_mask(_compile=True)`,
+    used before, compiled the same graphs but is deprecated and wrapped compile on every call.
+    """
+    counter, calls = counted_compile
+    builder = module._mask_builder(torch.device("cuda"))
+    for seed in range(3):
+        ids = _layout(2, 256, seed)
+        assert torch.equal(builder(ids).to_dense(), module._build_block_mask(ids).to_dense()), seed
+    assert counter.frame_count == 1
+    assert module._mask_builder(torch.device("cuda")) is builder and len(calls) == 1
+    for seq, graphs in ((384, 2), (512, 2), (384, 2)):  # an eval set of another length, and a third
+        ids = _layout(2, seq, seq)
+        assert torch.equal(builder(ids).to_dense(), module._build_block_mask(ids).to_dense()), seq
+        assert counter.frame_count == graphs, seq
+    assert module._mask_builder(torch.device("cpu")) is module._build_block_mask  # eager off CUDA

@@ -37,7 +37,7 @@ def test_cuda_state_is_staged_pinned_with_non_blocking_copies(monkeypatch):
             pass
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(staging, "DefaultStager", _Recorder)
+    monkeypatch.setattr(staging, "reusable_stager", _Recorder)
     host = HostStaging()
     host.stager(cuda_state)
     (options,) = seen
@@ -49,13 +49,21 @@ def test_cuda_state_is_staged_pinned_with_non_blocking_copies(monkeypatch):
 def _saves_reuse_the_buffers(save_dir: str, reuse: bool) -> dict[str, Any]:
     staged: list[set[int]] = []
 
-    class _Recording(DefaultStager):
-        def stage(self, state_dict: Any, **kwargs: Any) -> Any:
-            out = super().stage(state_dict, **kwargs)
+    make = staging.reusable_stager
+
+    def recording(options: Any) -> DefaultStager:
+        stager = make(options)
+        stage = stager.stage
+
+        def recorded(state_dict: Any, **kwargs: Any) -> Any:
+            out = stage(state_dict, **kwargs)
             staged.append({t.untyped_storage().data_ptr() for t in _leaves(out) if t.numel() > 1})
             return out
 
-    staging.DefaultStager = _Recording  # (in a forked process: nothing to restore)
+        stager.stage = recorded  # type: ignore[method-assign]
+        return stager
+
+    staging.reusable_stager = recording  # (in a forked process: nothing to restore)
     model = tiny_model()
     opt = adamw(model)
     train_step(model, opt, 0)

@@ -72,6 +72,8 @@ def _misuse_and_plain_step() -> dict[str, object]:
         kwargs = [{"positions": torch.arange(SEQ)}] * 2
         with pytest.raises(PipelineError, match="expected 2 microbatch"):  # every rank refuses, none hangs
             pipe.step(micro[:1], micro[:1], kwargs=kwargs)
+        with torch.no_grad(), pytest.raises(PipelineError, match="needs gradients enabled"):
+            pipe.step(micro, micro, kwargs=kwargs)
         # a rank passes only what its stages read: the first stage's inputs, the last stage's targets
         inputs = [m[:, :-1] for m in micro] if pipe.has_first_stage else None
         targets = [m[:, 1:] for m in micro] if pipe.has_last_stage else None

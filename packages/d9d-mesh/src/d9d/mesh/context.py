@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from d9d.mesh._torch_compat import set_group_timeout
 from d9d.mesh.config import MeshConfig
 from d9d.mesh.device import device_name, resolve_device
 from d9d.mesh.errors import D9dError, LaunchError, RendezvousError
@@ -377,8 +378,8 @@ def _set_timeouts(
 ) -> None:
     """Give every process group of the meshes (flattened ones too) and optionally the default one `timeout`.
 
-    `dist.set_timeout` applies to every backend of a group (gloo and NCCL alike) for the collectives
-    issued from now on.
+    The timeout applies to every backend of a group (gloo and NCCL alike) for the collectives issued
+    from now on.
     """
     groups: dict[str, dist.ProcessGroup] = {}
     if include_default:
@@ -392,7 +393,7 @@ def _set_timeouts(
             for group in each.get_all_groups():
                 groups.setdefault(group.group_name, group)
     for group in groups.values():
-        dist.set_timeout(timeout, group)
+        set_group_timeout(timeout, group)
 
 
 def _attempt_store(env: Mapping[str, str], timeout: datetime.timedelta) -> dict[str, Any]:

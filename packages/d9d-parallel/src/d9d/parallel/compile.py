@@ -23,12 +23,16 @@ class CompileConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     Attributes:
         enabled: compile, or run eagerly.
         fullgraph: fail on a graph break instead of falling back to eager for that part.
-        dynamic: let shapes vary without recompiling (None: torch's automatic choice).
+        dynamic: None (default): each block compiles for the first shapes it sees, and a second
+            shape (another sequence length: an eval set's, a short last batch) recompiles it once
+            with the sizes that changed dynamic, which every later shape reuses. False: one graph
+            per shape, and past torch's recompile limit (8) a block silently runs eagerly. True:
+            dynamic from the first graph (one graph, but a one-length run loses the static one).
     """
 
     enabled: bool = False
     fullgraph: bool = False
-    dynamic: bool | None = False
+    dynamic: bool | None = None
 
 
 def compile_blocks(modules: Iterable[nn.Module], config: CompileConfig | None = None) -> list[nn.Module]:
@@ -48,10 +52,11 @@ def compile_blocks(modules: Iterable[nn.Module], config: CompileConfig | None = 
             if "tp" in names and param.device_mesh.size(names.index("tp")) > 1:
                 raise UnsupportedParallelismError(
                     f"compile_blocks: {name} is tensor parallel; compiling tensor-parallel blocks is not "
-                    "supported yet (torch 2.15 fails in their backward): compile without tensor parallelism"
+                    "supported yet (torch 2.15 fails in their backward when a block's input is an un-waited "
+                    "AsyncCollectiveTensor): compile without tensor parallelism"
                 )
     fullgraph = config.fullgraph if config is not None else False
-    dynamic = config.dynamic if config is not None else False
+    dynamic = config.dynamic if config is not None else None
     done = []
     for module in modules:
         if not getattr(module, "_d9d_compiled", False):

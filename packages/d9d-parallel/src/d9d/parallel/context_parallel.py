@@ -18,13 +18,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import causal_lower_right
 
 from d9d.parallel._mesh_axes import axis_names, axis_size
+from d9d.parallel._torch_compat import all_gather_autograd
 from d9d.parallel.errors import ParallelizeError
 
 __all__ = [
@@ -37,9 +37,6 @@ __all__ = [
     "parallelize_context_parallel",
     "sequence_length_problem",
 ]
-
-# torch >= 2.15 gives `all_gather_single` a backward and deprecates the `_autograd` variant.
-_all_gather_autograd = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor_autograd
 
 
 class SequenceLengthError(ParallelizeError):
@@ -249,7 +246,7 @@ class ContextParallel:
             return x
         self.check_seq_len(x.size(dim) * self._size)  # each rank's shard holds two equal chunks
         dim = dim % x.dim()
-        gathered = _all_gather_autograd(x.movedim(dim, 0).contiguous(), 0, self._group)
+        gathered = all_gather_autograd(x.movedim(dim, 0).contiguous(), self._group)
         # Rank r's block is [chunk r, chunk 2·size−1−r]; put the 2·size chunks back in global order.
         chunks = gathered.movedim(0, dim).chunk(2 * self._size, dim)
         first = [chunks[2 * r] for r in range(self._size)]

@@ -27,7 +27,8 @@ __all__ = ["DocumentAttentionBackend", "DocumentMask", "document_attention_backe
 
 DocumentAttentionBackend = Literal["auto", "flex", "sdpa"]
 
-_compiled_flex: Callable[..., Any] | None = None
+#: What `_compiled_on_cuda` compiled in this process, by the function compiled.
+_compiled: dict[Callable[..., Any], Callable[..., Any]] = {}
 
 
 def document_attention_backend(device: torch.device, backend: DocumentAttentionBackend = "auto") -> str:
@@ -57,24 +58,8 @@ class DocumentMask:
             raise ValueError(f"document_ids must be [batch, seq], got shape {tuple(document_ids.shape)}")
         self.document_ids = document_ids
         self.backend = document_attention_backend(document_ids.device, backend)
-        batch, seq = document_ids.shape
         if self.backend == "flex":
-            from torch.nn.attention.flex_attention import create_block_mask
-
-            ids = document_ids
-
-            def same_document_causal(b: Any, h: Any, q: Any, k: Any) -> Any:
-                return (ids[b, q] == ids[b, k]) & (q >= k)
-
-            self._block_mask: Any = create_block_mask(
-                same_document_causal,
-                batch,
-                None,
-                seq,
-                seq,
-                device=str(document_ids.device),
-                _compile=document_ids.device.type == "cuda",
-            )
+            self._block_mask: Any = _mask_builder(document_ids.device)(document_ids)
             self._dense: torch.Tensor | None = None
         else:
             self._block_mask = None
@@ -97,13 +82,45 @@ class DocumentMask:
         return _flex(q.device)(q, k, v, block_mask=self._block_mask, enable_gqa=gqa)
 
 
+def _build_block_mask(document_ids: torch.Tensor) -> Any:
+    """FlexAttention's block mask of `document_ids` [batch, seq]: causal within a document.
+
+    The mask function is made here, inside what `_mask_builder` compiles, so the compiled graph
+    takes the ids as its input: a batch with other documents (same shape) reuses it.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    batch, seq = document_ids.shape
+
+    def same_document_causal(b: Any, h: Any, q: Any, k: Any) -> Any:
+        return (document_ids[b, q] == document_ids[b, k]) & (q >= k)
+
+    return create_block_mask(same_document_causal, batch, None, seq, seq, device=document_ids.device)
+
+
+def _mask_builder(device: torch.device) -> Callable[[torch.Tensor], Any]:
+    """`_build_block_mask`, compiled once per process on CUDA, eager elsewhere.
+
+    Compiled, the mask is built block by block and never as a [seq, seq] tensor. `dynamic=None`:
+    one graph per process for one sequence length; a second length (an eval set's) recompiles once
+    with the length dynamic, and later lengths reuse that graph.
+    """
+    return _compiled_on_cuda(_build_block_mask, device, dynamic=None)
+
+
 def _flex(device: torch.device) -> Callable[..., Any]:
     """FlexAttention: compiled once on CUDA (the fused kernel), eager elsewhere (forward only on CPU)."""
-    global _compiled_flex
     from torch.nn.attention.flex_attention import flex_attention
 
+    return _compiled_on_cuda(flex_attention, device, dynamic=False)
+
+
+def _compiled_on_cuda(
+    fn: Callable[..., Any], device: torch.device, *, dynamic: bool | None
+) -> Callable[..., Any]:
+    """`fn` compiled on the first call for a CUDA device (the same one afterwards); `fn` elsewhere."""
     if device.type != "cuda":
-        return flex_attention
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex
+        return fn
+    if fn not in _compiled:
+        _compiled[fn] = torch.compile(fn, dynamic=dynamic)
+    return _compiled[fn]

@@ -242,7 +242,8 @@ def _check_combinations(config: JobConfig, where: str) -> None:
     if config.trainer.compile.enabled and config.mesh.tensor_parallel > 1:
         raise ConfigError(
             f"{where}: trainer.compile.enabled with mesh.tensor_parallel={config.mesh.tensor_parallel} is not "
-            "supported yet (torch 2.15 fails in the backward of compiled tensor-parallel blocks); set "
+            "supported yet (torch 2.15: a compiled block whose input is an un-waited AsyncCollectiveTensor, "
+            "as a vocab-parallel embedding's output is, hands DTensor a plain gradient in backward); set "
             "trainer.compile.enabled: false or mesh.tensor_parallel: 1"
         )
 

@@ -35,6 +35,7 @@ from typing import Any
 import torch.distributed as dist
 
 from d9d.mesh import get_logger
+from d9d.trainer._torch_compat import dump_fr_trace
 from d9d.trainer.failures import FailureBoard
 
 __all__ = ["EXIT_STEP_TIMEOUT", "FLIGHT_RECORDER_DIR", "REPORT_GRACE_S", "StepWatchdog", "issued_collectives"]
@@ -292,7 +293,7 @@ def _dump_flight_recorder(folder: Path, step: int, rank: int) -> list[str]:
         if "nccl" in name and hasattr(c10d_ext, "_dump_nccl_trace"):
             data = c10d_ext._dump_nccl_trace(includeCollectives=True, includeStackTraces=False)
         else:
-            data = c10d_ext._dump_fr_trace(includeStackTraces=False, backend=name)
+            data = dump_fr_trace(name)
         if data:
             target = folder / f"step-{step}-{name}"
             target.mkdir(parents=True, exist_ok=True)

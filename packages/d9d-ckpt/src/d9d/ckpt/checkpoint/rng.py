@@ -2,6 +2,12 @@
 
 `capture_rng_state()` returns a dict of bytes, ints, floats and lists that the checkpoint's extra
 state can hold; `restore_rng_state(state)` puts every generator back where it was.
+
+CUDA: only the current device's generator (the one this process draws from) is kept, under
+`cuda_device`, so a run resumes on any number of visible GPUs per process. Checkpoints written
+before kept every visible device's generator as a list under `cuda`; restoring one sets the current
+device from its entry, as the old code did (and skips the other entries, which could name devices
+this process no longer sees).
 """
 
 import random
@@ -31,20 +37,27 @@ def capture_rng_state() -> dict[str, Any]:
         "torch": torch.get_rng_state().numpy().tobytes(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = [s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()]
+        state["cuda_device"] = torch.cuda.get_rng_state().numpy().tobytes()
     return state
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
-    """Restore the generators captured by `capture_rng_state` (CUDA only where both have CUDA)."""
+    """Restore the generators captured by `capture_rng_state` (CUDA only where both have CUDA: the
+    current device's generator)."""
     py = state["python"]
     random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
     npy = state["numpy"]
     keys = np.frombuffer(npy["keys"], dtype=np.uint32).copy()
     np.random.set_state((npy["bit_generator"], keys, npy["pos"], npy["has_gauss"], npy["cached_gaussian"]))
     torch.set_rng_state(_byte_tensor(state["torch"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([_byte_tensor(s) for s in state["cuda"]])
+    if not torch.cuda.is_available():
+        return
+    if "cuda_device" in state:
+        torch.cuda.set_rng_state(_byte_tensor(state["cuda_device"]))
+    elif "cuda" in state:  # older checkpoints: every device the saving process saw, by index
+        current = torch.cuda.current_device()
+        if current < len(state["cuda"]):
+            torch.cuda.set_rng_state(_byte_tensor(state["cuda"][current]))
 
 
 def _byte_tensor(data: bytes) -> torch.Tensor:

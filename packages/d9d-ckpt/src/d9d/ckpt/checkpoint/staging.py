@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 
+from d9d.ckpt._torch_compat import reusable_stager
+
 __all__ = ["HostStaging", "state_on_cuda"]
 
 
@@ -58,7 +60,7 @@ class HostStaging:
                 use_async_staging=False,  # the copy completes before `save` returns: then training may go on
                 use_non_blocking_copy=pin,  # many copies queued, one synchronize
             )
-            self._stager = DefaultStager(options)
+            self._stager = reusable_stager(options)
             self._pinned = pin
         return self._stager
 

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 
+from d9d.parallel._torch_compat import schedule_step, skip_warmup_to_own_rank
 from d9d.parallel.pipeline.config import PipelineConfig, check_pipeline_microbatches
 from d9d.parallel.pipeline.errors import PipelineError
 from d9d.parallel.pipeline.layout import PipelineLayout
@@ -126,6 +127,7 @@ class Pipeline:
         for spec, module in zip(self.specs, modules, strict=True):
             stage = PipelineStage(module, spec.index, layout.num_stages, torch.device(device), group=group)
             stage.stage_index_to_group_rank = dict(mapping)
+            skip_warmup_to_own_rank(stage)
             self.stages.append(stage)
         info = config.info
         try:
@@ -178,6 +180,11 @@ class Pipeline:
             pipeline rank with `broadcast_loss`), else None. Summing over data-parallel ranks is the
             caller's business.
         """
+        if not torch.is_grad_enabled():
+            raise PipelineError(
+                "pipeline step: it runs forward and backward, so it needs gradients enabled; call it "
+                "outside torch.no_grad()/torch.inference_mode()"
+            )
         n = self.n_microbatches
         arg_mbs = kwarg_mbs = target_mbs = None
         if self.has_first_stage:
@@ -193,9 +200,7 @@ class Pipeline:
             arg_mbs = [() for _ in range(n)]
         losses: list[torch.Tensor] = []
         self.tied.copy_values()  # a later chunk's copy of a tied parameter: the updated (or loaded) value
-        self.schedule.step(
-            arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs, losses=losses, return_outputs=False
-        )
+        schedule_step(self.schedule, arg_mbs, kwarg_mbs, target_mbs, losses)
         self.tied.sum_grads()  # before any clipping or update: every copy gets the whole gradient
         total = torch.stack([loss.detach() for loss in losses]).sum() if self.has_last_stage else None
         if broadcast_loss:

@@ -1,0 +1,95 @@
+"""The torch calls of d9d.parallel that differ between the supported torch versions (2.11 to 2.15).
+
+One function per difference; each docstring says which versions differ and how. Code elsewhere in
+d9d.parallel calls these instead of checking versions itself.
+"""
+
+import inspect
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _PipelineSchedule
+
+__all__ = ["all_gather_autograd", "schedule_step", "skip_warmup_to_own_rank"]
+
+
+def all_gather_autograd(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """`x` of every rank of `group` concatenated along dim 0, differentiable (the backward
+    reduce-scatters the gradient back to its owners).
+
+    torch 2.13 gave `funcol.all_gather_single` a backward (2.15 deprecates the `_autograd` variants).
+    2.11 and 2.12 have only `funcol.all_gather_tensor_autograd`, whose backward refuses a
+    non-contiguous gradient ("Expected input.is_contiguous()"), as a gradient coming back through
+    views of the result (movedim, chunk) is: it gets the gradient made contiguous first.
+    """
+    gather = getattr(funcol, "all_gather_single", None)
+    if gather is not None:
+        return gather(x, 0, group)
+    return _ContiguousGrad.apply(funcol.all_gather_tensor_autograd(x, 0, group))
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def schedule_step(
+    schedule: _PipelineSchedule,
+    arg_mbs: list[tuple[Any, ...]] | None,
+    kwarg_mbs: list[dict[str, Any]] | None,
+    target_mbs: list[Any] | None,
+    losses: list[torch.Tensor],
+) -> None:
+    """Run one step of a torch pipeline schedule over microbatches that the caller already split.
+
+    torch 2.14 added the `arg_mbs=`, `kwarg_mbs=`, `target_mbs=` keywords to `step()`. Before (2.11
+    to 2.13), `step()` splits a whole batch itself and passes unknown keywords on to the model; the
+    pre-split path there is the schedule's `_step_microbatches`, preceded by what `step()` does
+    first on every stage (set its backward flag, clear its per-step state). The caller checks that
+    gradients are enabled (`step()` refuses to train under `torch.no_grad()`).
+    """
+    if _takes_pre_split(type(schedule)):
+        schedule.step(
+            arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs, losses=losses, return_outputs=False
+        )
+        return
+    has_backward = schedule._has_backward
+    stages = schedule._stages if isinstance(schedule, PipelineScheduleMulti) else [schedule._stage]
+    for stage in stages:
+        stage.has_backward = has_backward
+        stage.clear_runtime_states()
+    schedule._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, False)
+
+
+def _takes_pre_split(schedule_class: type) -> bool:
+    return "arg_mbs" in inspect.signature(schedule_class.step).parameters
+
+
+def skip_warmup_to_own_rank(stage: PipelineStage) -> None:
+    """Keep `stage`'s communicator warm-up from sending to its own rank.
+
+    torch 2.11 warms up a multi-stage schedule by sending a dummy tensor to every neighbour stage,
+    even one on the same rank (the V schedules, ZBV and DualPipeV, place stages 1 and 2 of a pp 2
+    pipeline together), which gloo refuses ("Pair is not connected"). 2.12 and 2.13 warm a
+    `PipelineStage` up by a vote between ranks and never call the method patched here; 2.15 has
+    no such method.
+    """
+    legacy = getattr(stage, "_get_init_p2p_neighbors_ops", None)
+    if legacy is None:
+        return
+    own = stage.group_rank
+
+    def to_other_ranks() -> list[dist.P2POp]:
+        return [op for op in legacy() if op.group_peer != own]
+
+    stage._get_init_p2p_neighbors_ops = to_other_ranks  # type: ignore[method-assign]
