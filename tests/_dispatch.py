@@ -13,13 +13,14 @@ REDUCTIONS = ("reduce_scatter", "allreduce", "all_reduce")
 
 
 class OpRecorder(HostSyncCounter):
-    """Records (op name, input dtypes, inside backward) of matmuls and reducing collectives, and counts
-    host syncs as `d9d.mesh.testing.HostSyncCounter` does (`host_syncs`)."""
+    """Records (op name, input dtypes) of matmuls and (op name, input dtypes, inside backward, input
+    shapes) of reducing collectives, and counts host syncs as `d9d.mesh.testing.HostSyncCounter`
+    does (`host_syncs`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.matmuls: list[tuple[str, tuple[torch.dtype, ...]]] = []
-        self.reductions: list[tuple[str, tuple[torch.dtype, ...], bool]] = []
+        self.reductions: list[tuple[str, tuple[torch.dtype, ...], bool, tuple[tuple[int, ...], ...]]] = []
 
     @property
     def host_syncs(self) -> int:
@@ -33,7 +34,8 @@ class OpRecorder(HostSyncCounter):
         if name in MATMULS or "scaled_dot_product" in name:
             self.matmuls.append((name, dtypes))
         elif any(r in name for r in REDUCTIONS):
-            self.reductions.append((name, dtypes, torch._C._current_graph_task_id() != -1))
+            shapes = tuple(tuple(t.shape) for t in tensors if t.is_floating_point())
+            self.reductions.append((name, dtypes, torch._C._current_graph_task_id() != -1, shapes))
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 

@@ -10,19 +10,44 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _dispatch import OpRecorder
-from _quickstart import CONFIG, MOE, overrides, run_local
+from _quickstart import CONFIG, MOE, TINY, overrides, run_local
 
 from d9d.mesh.testing import run_distributed
 from d9d.trainer import Trainer
 
 BF16 = ["trainer.precision.param_dtype=bfloat16", "trainer.checkpointing.period_steps=0"]
+HIDDEN = int(next(a for a in TINY if a.startswith("model.hidden_size=")).split("=")[1])
+
+
+class _ActivationDtypes:
+    """(module class, dtype) of every module output shaped [batch, seq, hidden] during a step.
+
+    nn.Embedding is left out: its output is the float32 table lookup, which the model casts to the
+    compute dtype as its next operation (what is checked is the residual stream after it).
+    """
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[str, str]] = set()
+
+    def __enter__(self) -> "_ActivationDtypes":
+        self._handle = torch.nn.modules.module.register_module_forward_hook(self._hook)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._handle.remove()
+
+    def _hook(self, module: torch.nn.Module, args: object, output: object) -> None:
+        if isinstance(module, torch.nn.Embedding) or not isinstance(output, torch.Tensor):
+            return
+        if output.ndim == 3 and output.is_floating_point() and output.shape[-1] == HIDDEN:
+            self.seen.add((type(module).__name__, str(output.dtype)))
 
 
 def _one_step(args: list[str]) -> dict:
     """One training step under the recorder; what the precision contract is about."""
     with Trainer.from_config(CONFIG, args) as trainer:
         recorder = OpRecorder()
-        with recorder:
+        with recorder, _ActivationDtypes() as activations:
             trainer.train()
         opt = trainer.optimizer
         params = [p for group in opt.param_groups for p in group["params"]]
@@ -31,12 +56,29 @@ def _one_step(args: list[str]) -> dict:
         ]
         return {
             "matmuls": [(name, [str(d) for d in dtypes]) for name, dtypes in recorder.matmuls],
+            # parameter gradients (flat buckets, shards); an activation's gradient [batch, seq, hidden]
+            # (tensor parallel's sequence-parallel reduce-scatter) travels in the compute dtype
             "grad_reductions": [
-                (name, [str(d) for d in dtypes]) for name, dtypes, bwd in recorder.reductions if bwd
+                (name, [str(d) for d in dtypes])
+                for name, dtypes, bwd, shapes in recorder.reductions
+                if bwd and not _is_activation(shapes)
             ],
+            "activation_reductions": sorted(
+                {
+                    (name, str(d))
+                    for name, dtypes, bwd, shapes in recorder.reductions
+                    if _is_activation(shapes)
+                    for d in dtypes
+                }
+            ),
             "param_dtypes": sorted({str(p.dtype) for p in params}),
             "state_dtypes": sorted({str(t.dtype) for t in state}),
+            "activations": sorted(activations.seen),
         }
+
+
+def _is_activation(shapes: tuple[tuple[int, ...], ...]) -> bool:
+    return any(len(shape) == 3 and shape[-1] == HIDDEN for shape in shapes)
 
 
 MESHES = {
@@ -63,8 +105,18 @@ def test_bf16_matmuls_fp32_master_weights_and_reductions(tmp_path, mesh):
             assert set(dtypes) == {"torch.float32"}, (rank, name, dtypes)
         if mesh in ("ddp2", "fsdp2", "ep2"):
             assert seen["grad_reductions"], f"rank {rank}: no gradient reduction seen"
+        if mesh == "tp2":  # sequence parallel: the activations' collectives are bf16 like the activations
+            assert seen["activation_reductions"], f"rank {rank}: no activation reduction seen"
+            assert {d for _, d in seen["activation_reductions"]} == {"torch.bfloat16"}, seen
         assert seen["param_dtypes"] == ["torch.float32"]
         assert seen["state_dtypes"] == ["torch.float32"]
+        # the residual stream, norms, attention and MLP outputs are bf16 on the autocast meshes
+        # (local, tp2, pp2) as on the FSDP ones: no [batch, seq, hidden] activation is float32
+        modules = {name for name, _ in seen["activations"]}
+        # (FSDP and DDP rename a wrapped module's class: FSDPDecoderLayer, ReplicateDecoderLayer)
+        assert "RMSNorm" in modules and any(m.endswith("DecoderLayer") for m in modules), (rank, modules)
+        fp32 = [name for name, dtype in seen["activations"] if dtype != "torch.bfloat16"]
+        assert not fp32, (rank, mesh, seen["activations"])
 
 
 def _train_records(tmp_path: Path, name: str, steps: int, *extra: str, nproc: int = 1) -> list[dict]:

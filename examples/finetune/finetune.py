@@ -36,6 +36,7 @@ from reference_model import (
     hf_import_mapper,
     read_hf_config,
     save_hf_pretrained,
+    shard_units,
     to_hf_config,
     trim_to_stage,
 )
@@ -161,7 +162,8 @@ class HFModelProvider:
             apply_lora(model, context.lora)
         apply_activation_checkpointing(blocks, context.activation_checkpointing)
         compile_blocks(blocks, context.compile)
-        parallelize_hsdp(model, context.mesh, blocks=blocks, precision=context.precision)
+        # one FSDP group per layer, for the embedding and for [norm, lm_head]
+        parallelize_hsdp(model, context.mesh, blocks=shard_units(model), precision=context.precision)
 
     def prepare_import_model_stage(
         self, context: PrepareImportModelStageContext

@@ -23,6 +23,7 @@ from reference_model import (
     check_mesh,
     check_sequence_length,
     hf_export_mapper,
+    shard_units,
     to_hf_config,
     trim_to_stage,
 )
@@ -90,8 +91,9 @@ class QuickstartModelProvider:
             blocks, context.activation_checkpointing
         )  # trainer.activation_checkpointing
         compile_blocks(blocks, context.compile)  # trainer.compile: per block, before FSDP
-        # trainer.precision: FSDP gathers parameters in the compute dtype (bf16 on GPUs by default)
-        parallelize_hsdp(model, context.mesh, blocks=blocks, precision=context.precision)
+        # trainer.precision: FSDP gathers parameters in the compute dtype (bf16 on GPUs by default);
+        # one FSDP group per layer, for the embedding and for [norm, lm_head] (shard_units)
+        parallelize_hsdp(model, context.mesh, blocks=shard_units(model), precision=context.precision)
 
     def prepare_export_model_stage(
         self, context: PrepareExportModelStageContext

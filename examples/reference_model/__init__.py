@@ -49,6 +49,7 @@ from .parallelize import (
     apply_expert_parallel,
     apply_tensor_parallel,
     check_mesh,
+    shard_units,
     tensor_parallel_plan,
     trim_to_stage,
 )
@@ -90,6 +91,7 @@ __all__ = [
     "rope_attention_factor",
     "rope_inverse_frequencies",
     "save_hf_pretrained",
+    "shard_units",
     "tensor_parallel_plan",
     "to_hf_config",
     "trim_to_stage",

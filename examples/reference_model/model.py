@@ -41,7 +41,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalize `x` [..., dim]; the result has the dtype of `x`."""
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-        return self.weight * normed
+        # In x's dtype: under autocast the float32 weight would make the product float32 (FSDP's
+        # gathered weight is already the compute dtype, so both paths compute the same).
+        return self.weight.to(normed.dtype) * normed
 
     def reset_parameters(self) -> None:
         """Weight to ones."""
@@ -64,6 +66,18 @@ def document_mask(document_ids: torch.Tensor) -> Any:
     except ImportError:  # the model itself is plain PyTorch
         return block_causal(document_ids)
     return DocumentMask(document_ids)
+
+
+def _in_compute_dtype(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+    """The embedding's forward hook: its output in autocast's compute dtype
+    (`d9d.parallel.to_autocast_dtype`), so the residual stream is bf16 on every mesh; unchanged
+    without d9d.parallel. A hook registered at construction runs before the ones tensor parallelism
+    adds, so a vocabulary-split embedding also reduce-scatters its output in bf16."""
+    try:
+        from d9d.parallel import to_autocast_dtype
+    except ImportError:  # the model itself is plain PyTorch
+        return output
+    return to_autocast_dtype(output)
 
 
 class Attention(nn.Module):
@@ -221,6 +235,8 @@ class ReferenceModel(nn.Module):
         self.embed_tokens: nn.Embedding | None = nn.Embedding(
             config.vocab_size, config.hidden_size, _weight=table
         )
+        # autocast leaves a lookup in float32: the residual stream starts in the compute dtype
+        self.embed_tokens.register_forward_hook(_in_compute_dtype)
         self.embeds_inputs = True  # False on every pipeline stage but the first
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i) for i in range(config.num_layers)})
         self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)

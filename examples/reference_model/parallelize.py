@@ -4,6 +4,7 @@ Data parallelism (`d9d.parallel.parallelize_hsdp`) is applied by the caller afte
 reads: tensor parallel → expert parallel → HSDP.
 """
 
+from torch import nn
 from torch.distributed.tensor import Shard
 
 from d9d.mesh import DistributedContext, MeshConfig
@@ -11,6 +12,7 @@ from d9d.parallel import (
     MixedPrecision,
     MoE,
     ReplicateParallel,
+    ShardUnit,
     StageSpec,
     TensorParallelPlan,
     attention_plan,
@@ -30,6 +32,7 @@ __all__ = [
     "apply_expert_parallel",
     "apply_tensor_parallel",
     "check_mesh",
+    "shard_units",
     "tensor_parallel_plan",
     "trim_to_stage",
 ]
@@ -124,6 +127,26 @@ def apply_expert_parallel(
         return
     if any(isinstance(module, MoE) for module in model.modules()):  # a pipeline stage may hold none
         parallelize_expert_parallel(model, context, precision=precision)
+
+
+def shard_units(model: ReferenceForCausalLM) -> list[ShardUnit]:
+    """The FSDP groups of the model (or of a pipeline stage: the modules it holds), in forward order,
+    for `parallelize_hsdp(blocks=...)`: the embedding, each decoder layer, then the final norm with the
+    LM head, so neither the table nor the head stays gathered for the whole step and their gradients
+    are reduced as soon as they are ready. A tied embedding and head share one weight, so they are one
+    group (gathered from the embedding's forward to the head's); the norm is the last group then.
+    """
+    inner, head = model.model, model.lm_head
+    embed = inner.embed_tokens
+    tied = embed is not None and head is not None and head.weight is embed.weight
+    units: list[ShardUnit] = []
+    if embed is not None:
+        units.append([embed, head] if tied and head is not None else embed)
+    units.extend(inner.layers.values())
+    last: list[nn.Module] = [m for m in (inner.norm, None if tied else head) if m is not None]
+    if last:
+        units.append(last)
+    return units
 
 
 def trim_to_stage(model: ReferenceForCausalLM, stage: StageSpec) -> None:

@@ -29,6 +29,7 @@ from d9d.parallel.context_parallel import (
 )
 from d9d.parallel.data_parallel import (
     GradientReduction,
+    ShardUnit,
     parallelize_fsdp,
     parallelize_hsdp,
     parallelize_replicate,
@@ -88,6 +89,7 @@ from d9d.parallel.precision import (
     enable_tf32,
     precision_autocast,
     resolve_precision,
+    to_autocast_dtype,
 )
 from d9d.parallel.tensor_parallel import (
     ReplicateParallel,
@@ -127,6 +129,7 @@ __all__ = [
     "RouterOutput",
     "SequenceLengthError",
     "SequenceShare",
+    "ShardUnit",
     "TensorParallelPlan",
     "TokenDispatcher",
     "TopKRouter",
@@ -179,6 +182,7 @@ __all__ = [
     "sequence_length_problem",
     "set_gradient_accumulation",
     "set_gradient_sync",
+    "to_autocast_dtype",
     "update_expert_biases",
 ]
 

@@ -24,6 +24,7 @@ from d9d.parallel.precision import MixedPrecision
 
 __all__ = [
     "GradientReduction",
+    "ShardUnit",
     "parallelize_fsdp",
     "parallelize_hsdp",
     "parallelize_replicate",
@@ -32,6 +33,10 @@ __all__ = [
 ]
 
 GradientReduction = Literal["sum", "mean"]
+
+#: One FSDP group of `blocks`: a module, or several sharded together (gathered when the first of them
+#: runs, e.g. a tied embedding and LM head, or a final norm with the head).
+ShardUnit = nn.Module | Sequence[nn.Module]
 
 #: How `_apply` distributed an FSDP2 unit (stored on it): decides what gradient accumulation may skip.
 _KIND_ATTR = "_d9d_data_parallel"
@@ -42,7 +47,7 @@ def parallelize_hsdp(
     mesh: DeviceMesh | None,
     *,
     shard_axis: str = "dp_shard",
-    blocks: Sequence[nn.Module] = (),
+    blocks: Sequence[ShardUnit] = (),
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     precision: MixedPrecision | None = None,
@@ -63,13 +68,17 @@ def parallelize_hsdp(
         mesh: a named device mesh; its data axes are all axes except pp and tp. None (one
             process, e.g. `ParallelizeModelStageContext.mesh` in local mode) leaves the module as is.
         shard_axis: the axis to shard parameters, gradients and optimizer state over.
-        blocks: submodules (e.g. transformer blocks) sharded as their own groups before the root, so
-            only one block's full parameters live at a time.
+        blocks: submodules (e.g. transformer blocks, the embedding, `[norm, lm_head]`) sharded as
+            their own groups before the root, so only one group's full parameters live at a time;
+            an entry may be a list of modules sharded as one group (a tied embedding and LM head
+            share a weight, so they must be one). Under DDP (no shard axis) each single module gets
+            its own all-reduce and a list of several stays in the root.
         param_dtype: dtype of the gathered parameters in forward/backward (mixed precision).
         reduce_dtype: dtype of gradient reduction.
         precision: both dtypes at once (e.g. the job's `context.precision`); not with the two above.
-        reshard_after_forward: free gathered parameters after forward (None: FSDP2's default, True
-            for blocks and False for the root).
+        reshard_after_forward: free gathered parameters after forward (None: True for blocks, False
+            for the root and for the last entry of `blocks`, with which backward starts, so that
+            it is not gathered again at once: pass `blocks` in forward order).
         gradient_reduction: "sum" (the d9d contract, see the module docstring) or "mean".
         ignored_params: parameters left alone (e.g. experts sharded by expert parallelism).
     """
@@ -101,7 +110,7 @@ def parallelize_fsdp(
     mesh: DeviceMesh | None,
     *,
     axes: Sequence[str] | None = None,
-    blocks: Sequence[nn.Module] = (),
+    blocks: Sequence[ShardUnit] = (),
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     precision: MixedPrecision | None = None,
@@ -135,7 +144,7 @@ def parallelize_replicate(
     mesh: DeviceMesh | None,
     *,
     axes: Sequence[str] | None = None,
-    blocks: Sequence[nn.Module] = (),
+    blocks: Sequence[ShardUnit] = (),
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     precision: MixedPrecision | None = None,
@@ -235,7 +244,7 @@ def _apply(
     shard: list[str],
     replicate: list[str],
     *,
-    blocks: Sequence[nn.Module],
+    blocks: Sequence[ShardUnit],
     mp: MixedPrecisionPolicy,
     reshard_after_forward: bool | None,
     gradient_reduction: GradientReduction,
@@ -257,11 +266,12 @@ def _apply(
         else:
             dp_mesh = sub_mesh(mesh, shard)
         kind = "hybrid" if replicate else "shard"
-        for block in blocks:
+        for index, block in enumerate(blocks):
+            last = index == len(blocks) - 1
             fully_shard(
-                block,
+                block if isinstance(block, nn.Module) else list(block),
                 mesh=dp_mesh,
-                reshard_after_forward=reshard_after_forward,
+                reshard_after_forward=(not last) if reshard_after_forward is None else reshard_after_forward,
                 mp_policy=mp,
                 ignored_params=ignored,
             )
@@ -277,13 +287,20 @@ def _apply(
         from torch.distributed._composable.replicate_with_fsdp import replicate as fsdp_replicate
 
         dp_mesh = sub_mesh(mesh, replicate)
-        for block in blocks:  # one all-reduce per block, overlapping the rest of backward
+        single = [b if isinstance(b, nn.Module) else b[0] for b in blocks if _size(b) == 1]
+        for block in single:  # one all-reduce per block, overlapping the rest of backward
             fsdp_replicate(block, mesh=dp_mesh, mp_policy=mp, ignored_params=ignored)
+        blocks = single  # replicate takes one module: a group of several stays in the root
         fsdp_replicate(module, mesh=dp_mesh, mp_policy=mp, ignored_params=ignored)
     for unit in (*blocks, module):
-        setattr(unit, _KIND_ATTR, kind)
+        for part in [unit] if isinstance(unit, nn.Module) else unit:
+            setattr(part, _KIND_ATTR, kind)
     _set_reduction(module, gradient_reduction)
     return module
+
+
+def _size(unit: ShardUnit) -> int:
+    return 1 if isinstance(unit, nn.Module) else len(unit)
 
 
 def _hybrid_mesh(mesh: DeviceMesh, replicate: str, shard: Sequence[str]) -> DeviceMesh:

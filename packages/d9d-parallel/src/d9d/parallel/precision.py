@@ -30,6 +30,7 @@ __all__ = [
     "enable_tf32",
     "precision_autocast",
     "resolve_precision",
+    "to_autocast_dtype",
 ]
 
 _DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -87,6 +88,21 @@ def precision_autocast(
     if precision is None or not precision.enabled:
         return contextlib.nullcontext()
     return torch.autocast(device_type=torch.device(device).type, dtype=precision.param_dtype)
+
+
+def to_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
+    """`x` in the dtype autocast computes in on `x`'s device when autocast is on there (and `x` is a
+    float32 tensor), else `x` itself.
+
+    Call it on an embedding's output: autocast leaves a lookup in the table's float32, so without it
+    the residual stream, the norms and anything built in the hidden states' dtype (RoPE tables) run
+    in float32 on the autocast paths (one device, tensor or pipeline parallel only), while under FSDP
+    the gathered table is already bfloat16: the two paths would then differ in numbers too.
+    """
+    device_type = x.device.type
+    if x.dtype != torch.float32 or device_type == "meta" or not torch.is_autocast_enabled(device_type):
+        return x
+    return x.to(torch.get_autocast_dtype(device_type))
 
 
 def autocast_forward(module: nn.Module, precision: MixedPrecision | None, device: torch.device | str) -> None:

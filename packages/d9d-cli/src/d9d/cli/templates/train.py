@@ -21,6 +21,7 @@ from d9d.parallel import (
     compile_blocks,
     parallelize_context_parallel,
     parallelize_hsdp,
+    to_autocast_dtype,
 )
 from d9d.trainer import (
     BuildDatasetContext,
@@ -89,7 +90,8 @@ class QuickstartLM(nn.Module):
             positions = cp.position_ids(seq * cp.size, input_ids.device)
         else:
             positions = torch.arange(seq, device=input_ids.device)
-        x = self.embed(input_ids) + self.pos(positions)
+        # the compute dtype under autocast (a lookup stays float32): the residual stream is bf16 on GPUs
+        x = to_autocast_dtype(self.embed(input_ids) + self.pos(positions))
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
@@ -125,8 +127,11 @@ class QuickstartModelProvider:
             blocks, context.activation_checkpointing
         )  # trainer.activation_checkpointing
         compile_blocks(blocks, context.compile)  # trainer.compile
-        # trainer.precision: FSDP gathers parameters in the compute dtype (bf16 on GPUs by default)
-        parallelize_hsdp(model, context.mesh, blocks=blocks, precision=context.precision)
+        # trainer.precision: FSDP gathers parameters in the compute dtype (bf16 on GPUs by default).
+        # One FSDP group per block, one for the embeddings, one for [norm, head], in forward order:
+        # only one group's full weights live at a time, and each group's gradients are reduced early.
+        units = [[model.embed, model.pos], *blocks, [model.norm, model.head]]
+        parallelize_hsdp(model, context.mesh, blocks=units, precision=context.precision)
 
     def prepare_export_model_stage(
         self, context: PrepareExportModelStageContext
