@@ -7,7 +7,7 @@ path runs.
 - The reference path, started from the folder's weights with LoRA, under tensor parallel 2 and
   pipeline parallel 2 equals one process (3 SGD steps, fp32, no clipping: every loss, grad norm,
   adapter and frozen weight), and a Qwen3-MoE folder under expert parallel 2 (x FSDP 2) does too.
-- "reference" on a Gemma 2 folder, and the transformers path on a tensor-parallel mesh, are one
+- "reference" on a Gemma 2 folder, and the transformers path on a pipeline-parallel mesh, are one
   line each, exit 2, before anything is written.
 
 Ranks are forked from this process (`run_distributed`); REL is the e2e tests' 1e-5.
@@ -192,7 +192,7 @@ def test_a_qwen3_moe_folder_under_expert_parallel_2_equals_one_process(folders):
     assert exported["model_type"] == "qwen3_moe"
 
 
-def test_reference_on_gemma2_and_transformers_on_a_tp_mesh_are_one_line_before_anything_is_written(folders):
+def test_reference_on_gemma2_and_transformers_on_a_pp_mesh_are_one_line_before_anything_is_written(folders):
     pytest.importorskip("transformers")
     root = folders["root"] / "refused"
     root.mkdir()
@@ -200,9 +200,9 @@ def test_reference_on_gemma2_and_transformers_on_a_tp_mesh_are_one_line_before_a
     cases = [
         (_config(root, "ref-gemma2", {"hf_folder": str(gemma2), "backend": "reference"}), [], "gemma2"),
         (
-            _config(root, "hf-tp2", {"hf_folder": str(folders["qwen3"]), "backend": "hf"}),
-            ["--world-size", "2", "--set", "mesh.tensor_parallel=2"],
-            "mesh.tensor_parallel=2: the Hugging Face backend",
+            _config(root, "hf-pp2", {"hf_folder": str(folders["qwen3"]), "backend": "hf"}),
+            ["--world-size", "2", "--set", "mesh.pipeline_parallel=2"],
+            "mesh.pipeline_parallel=2: the Hugging Face backend",
         ),
     ]
     for config, plan_args, expected in cases:

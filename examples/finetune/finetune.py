@@ -73,8 +73,9 @@ class HFModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         hf_folder: config.json plus model.safetensors (or shards + index), relative to the config file.
         backend: "reference" (the reference model: every parallelism d9d has; qwen3, llama, qwen2,
             mistral, qwen3_moe, mixtral), "hf" (transformers' own model class, `d9d.trainer.hf`: any
-            causal LM, FSDP/HSDP only) or "auto" (the reference model when it can hold the folder's
-            config.json exactly, else transformers'; the "job built" line says which and why).
+            causal LM, FSDP/HSDP, tensor parallel where it is verified) or "auto" (the reference
+            model when it can hold the folder's config.json exactly, else transformers'; the "job
+            built" line says which and why).
         fp32_logits: return float32 logits whatever the parameter dtype.
     """
 
@@ -88,7 +89,7 @@ class HFModelProvider:
 
     The choice is made once, here, from the folder's config.json; every stage then goes to the chosen
     path: the reference model (shaped by the config, tensor/expert/pipeline/context parallel, imported
-    through `hf_import_mapper`) or `d9d.trainer.hf.HFCausalLMProvider` (which refuses those degrees).
+    through `hf_import_mapper`) or `d9d.trainer.hf.HFCausalLMProvider` (which refuses what it cannot split).
     """
 
     config_type = HFModelConfig
@@ -128,7 +129,7 @@ class HFModelProvider:
 
     def check_mesh(self, mesh: MeshConfig) -> None:
         if self.hf is not None:
-            self.hf.check_mesh(mesh)  # no tp/pp/cp/ep: the message names the reference path
+            self.hf.check_mesh(mesh)  # pp/cp/ep, and tp it cannot split: the message names the reference path
         else:
             check_mesh(self._reference(), mesh)
 

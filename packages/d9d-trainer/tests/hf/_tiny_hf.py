@@ -1,6 +1,7 @@
 """Tiny random Hugging Face models (built by transformers from its own config classes, nothing
 downloaded), saved as model folders, and the d9d job that trains one through the HF backend."""
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -41,12 +42,19 @@ ARCHITECTURES: dict[str, Any] = {
     "phi3": lambda: transformers.Phi3Config(**_COMMON),
     "olmo2": lambda: transformers.Olmo2Config(**_COMMON),
 }
+#: Families the tensor-parallel tests add (per-head q/k norms without Gemma's scaling; sliding-window code).
+MORE_ARCHITECTURES: dict[str, Any] = {
+    "qwen3": lambda: transformers.Qwen3Config(**_COMMON),
+    "mistral": lambda: transformers.MistralConfig(**_COMMON),
+}
 
 
 def save_tiny(model_type: str, folder: Path, *, seed: int = 0, max_shard_size: str | None = None) -> Path:
     """A random tiny model of `model_type` saved by transformers into `folder` (fp32 safetensors)."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(ARCHITECTURES[model_type]())
+    model = transformers.AutoModelForCausalLM.from_config(
+        {**ARCHITECTURES, **MORE_ARCHITECTURES}[model_type]()
+    )
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
     model.save_pretrained(folder, **kwargs)
     return folder
@@ -55,6 +63,59 @@ def save_tiny(model_type: str, folder: Path, *, seed: int = 0, max_shard_size: s
 def load_hf(folder: Path) -> Any:
     """`AutoModelForCausalLM.from_pretrained(folder)` in float32, in eval mode."""
     return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def hf_logits(folder: Path, adapter: Path | None = None) -> torch.Tensor:
+    """transformers' logits of the folder's model (with PEFT adapters from `adapter`) on `probe_batch`."""
+    model = load_hf(folder)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter).eval()
+    ids, positions = probe_batch()
+    with torch.no_grad():  # without a cache, as in training: transformers then keeps the documents apart
+        return model(input_ids=ids, position_ids=positions, use_cache=False).logits
+
+
+def model_logits(model: torch.nn.Module) -> torch.Tensor:
+    """A trained model's logits on `probe_batch` (in eval mode, back to training after)."""
+    ids, positions = probe_batch()
+    model.eval()
+    with torch.no_grad():
+        logits = model(ids, position_ids=positions).detach().clone()
+    model.train()
+    return logits
+
+
+def train(config: dict[str, Any], export_dir: Path) -> dict[str, Any]:
+    """One run (one process, or one rank of several): logits after the import and after training,
+    losses, grad norms, full weights, the model's state-dict keys; the export written to `export_dir`."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from d9d.trainer import Trainer
+
+    with Trainer.from_config(config) as trainer:
+        trainer.resume()  # a fresh run: the folder's weights (train() finds no checkpoint and reads them again)
+        imported = model_logits(trainer.model)
+        result = trainer.train()
+        trained = model_logits(trainer.model)
+        trainer.export(export_dir)
+        state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
+        metrics = trainer.run_dir / "metrics.jsonl"
+        norms = [json.loads(line)["grad_norm"] for line in metrics.read_text().splitlines()]
+        return {
+            "imported": imported,
+            "trained": trained,
+            "losses": result.losses,
+            "grad_norms": norms,
+            "weights": {name: t.detach().cpu().clone() for name, t in state.items()},
+            "keys": list(trainer.model.state_dict()),
+        }
+
+
+def max_rel(a: list[float], b: list[float]) -> float:
+    """The largest relative difference of two equally long lists of numbers."""
+    return max(abs(x - y) / max(abs(y), 1e-30) for x, y in zip(a, b, strict=True))
 
 
 def probe_batch() -> tuple[torch.Tensor, torch.Tensor]:

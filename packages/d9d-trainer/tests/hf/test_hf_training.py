@@ -3,20 +3,17 @@ steps on one process equal FSDP 2 with activation checkpointing (real gloo proce
 norms and weights, and both exports load in transformers with the trained logits; a LoRA run's
 adapters load in PEFT likewise."""
 
-import json
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _tiny_hf import ARCHITECTURES, hf_job, load_hf, probe_batch, save_tiny
+from _tiny_hf import ARCHITECTURES, hf_job, hf_logits, load_hf, max_rel, save_tiny, train
 
 from d9d.ckpt import safetensors_shapes
 from d9d.mesh.testing import run_distributed
-from d9d.trainer import Trainer
 
 #: Measured (torch 2.15, transformers 5.24, CPU): import and export logits are identical to
 #: transformers' (0 in float32; the merged LoRA export 1e-7); FSDP 2 with activation checkpointing is
@@ -31,61 +28,13 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: save_tiny(name, root / name) for name in ARCHITECTURES}
 
 
-def _logits(model: torch.nn.Module) -> torch.Tensor:
-    ids, positions = probe_batch()
-    model.eval()
-    with torch.no_grad():
-        logits = model(ids, position_ids=positions).detach().clone()
-    model.train()
-    return logits
-
-
-def _hf_logits(folder: Path, adapter: Path | None = None) -> torch.Tensor:
-    model = load_hf(folder)
-    if adapter is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, adapter).eval()
-    ids, positions = probe_batch()
-    with torch.no_grad():  # without a cache, as in training: transformers then keeps the documents apart
-        return model(input_ids=ids, position_ids=positions, use_cache=False).logits
-
-
-def _train(config: dict[str, Any], export_dir: Path) -> dict[str, Any]:
-    """One run (one process, or one rank of several): logits after the import and after training,
-    losses, grad norms, full weights, the model's state-dict keys; the export written to `export_dir`."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    with Trainer.from_config(config) as trainer:
-        trainer.resume()  # a fresh run: the folder's weights (train() finds no checkpoint and reads them again)
-        imported = _logits(trainer.model)
-        result = trainer.train()
-        trained = _logits(trainer.model)
-        trainer.export(export_dir)
-        state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
-        metrics = trainer.run_dir / "metrics.jsonl"
-        norms = [json.loads(line)["grad_norm"] for line in metrics.read_text().splitlines()]
-        return {
-            "imported": imported,
-            "trained": trained,
-            "losses": result.losses,
-            "grad_norms": norms,
-            "weights": {name: t.detach().cpu().clone() for name, t in state.items()},
-            "keys": list(trainer.model.state_dict()),
-        }
-
-
-def _max_rel(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) / max(abs(y), 1e-30) for x, y in zip(a, b, strict=True))
-
-
 @pytest.mark.parametrize("model_type", list(ARCHITECTURES))
 def test_import_train_fsdp2_and_export_match_transformers(tmp_path, folders, model_type):
     folder = folders[model_type]
-    expected = _hf_logits(folder)
-    one = _train(hf_job(folder, tmp_path / "runs", name="one"), tmp_path / "export-one")
+    expected = hf_logits(folder)
+    one = train(hf_job(folder, tmp_path / "runs", name="one"), tmp_path / "export-one")
     fsdp = run_distributed(
-        _train,
+        train,
         2,
         hf_job(
             folder,
@@ -102,14 +51,14 @@ def test_import_train_fsdp2_and_export_match_transformers(tmp_path, folders, mod
     for run in (one, fsdp):
         torch.testing.assert_close(run["imported"], expected, rtol=0, atol=LOGITS_ATOL)
     assert one["losses"][-1] < one["losses"][0]  # it trains
-    assert _max_rel(fsdp["losses"], one["losses"]) <= RUN_REL
-    assert _max_rel(fsdp["grad_norms"], one["grad_norms"]) <= RUN_REL
+    assert max_rel(fsdp["losses"], one["losses"]) <= RUN_REL
+    assert max_rel(fsdp["grad_norms"], one["grad_norms"]) <= RUN_REL
     assert fsdp["weights"].keys() == one["weights"].keys()
     for name, value in one["weights"].items():
         torch.testing.assert_close(fsdp["weights"][name], value, rtol=1e-5, atol=1e-6, msg=name)
     for run, export in ((one, "export-one"), (fsdp, "export-fsdp2")):
         assert safetensors_shapes(tmp_path / export) == safetensors_shapes(folder)  # HF's own layout
-        torch.testing.assert_close(_hf_logits(tmp_path / export), run["trained"], rtol=0, atol=LOGITS_ATOL)
+        torch.testing.assert_close(hf_logits(tmp_path / export), run["trained"], rtol=0, atol=LOGITS_ATOL)
     assert not torch.allclose(one["trained"], expected)
 
 
@@ -125,10 +74,10 @@ def test_lora_fsdp2_adapters_load_in_peft_with_the_trained_logits(tmp_path, fold
         peft=lora,
         export={"lora": "both"},
     )
-    run = run_distributed(_train, 2, config, tmp_path / "export", timeout=120)[0]
+    run = run_distributed(train, 2, config, tmp_path / "export", timeout=120)[0]
     adapters = [k for k in run["keys"] if ".lora_" in k]
     assert adapters and all(k.startswith("model.layers.") for k in adapters)
-    with_adapters = _hf_logits(folder, adapter=tmp_path / "export" / "adapter")
+    with_adapters = hf_logits(folder, adapter=tmp_path / "export" / "adapter")
     torch.testing.assert_close(with_adapters, run["trained"], rtol=0, atol=LOGITS_ATOL)
-    torch.testing.assert_close(_hf_logits(tmp_path / "export" / "merged"), run["trained"], rtol=0, atol=1e-5)
-    assert not torch.allclose(with_adapters, _hf_logits(folder))  # the adapters trained
+    torch.testing.assert_close(hf_logits(tmp_path / "export" / "merged"), run["trained"], rtol=0, atol=1e-5)
+    assert not torch.allclose(with_adapters, hf_logits(folder))  # the adapters trained

@@ -4,6 +4,8 @@ from typing import Literal
 
 import msgspec
 
+from d9d.trainer.loading import ConfigPath
+
 __all__ = ["HFCausalLMConfig"]
 
 
@@ -19,6 +21,6 @@ class HFCausalLMConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
             it, else eager), `sdpa` or `eager`.
     """
 
-    folder: str
+    folder: ConfigPath
     fp32_logits: bool = False
     attention: Literal["auto", "sdpa", "eager"] = "auto"

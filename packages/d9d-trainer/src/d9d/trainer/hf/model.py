@@ -14,6 +14,7 @@ with it.
 """
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from d9d.trainer.hf.errors import HFModelError
 
-__all__ = ["HFCausalLM", "HFStateLayout", "state_layout", "unwrap"]
+__all__ = ["HFCausalLM", "HFStateLayout", "base_model_path", "state_layout", "unwrap"]
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,13 @@ class HFCausalLM(nn.Module):
         self._hf.training = mode
         return self
 
+    @property
+    def base_model_path(self) -> str:
+        """The module path of the transformers base model (`base_model_prefix`, e.g. "model"), which
+        transformers' parallel plans (`config.base_model_tp_plan`) name their modules under; "" when
+        the causal LM is its own base model."""
+        return base_model_path(type(self._hf), dict(self.named_children()))
+
     def get_input_embeddings(self) -> nn.Module:
         """The token embedding (Hugging Face's accessor; the trainer checks the data's vocabulary with it)."""
         return self._hf.get_input_embeddings()
@@ -219,6 +227,13 @@ def _flops_terms(model: PreTrainedModel) -> tuple[float, float]:
     heads = getattr(config, "num_attention_heads", 0) or 0
     head_dim = getattr(config, "head_dim", None) or (getattr(config, "hidden_size", 0) // max(heads, 1))
     return matmul, float(getattr(config, "num_hidden_layers", 0) * heads * head_dim)
+
+
+def base_model_path(model_class: type[PreTrainedModel], children: Mapping[str, object] | None = None) -> str:
+    """The base model's module path in a causal LM of `model_class` (its `base_model_prefix`), or ""
+    when `children` (the causal LM's, if known) has no module of that name."""
+    prefix = str(getattr(model_class, "base_model_prefix", "") or "")
+    return prefix if children is None or prefix in children else ""
 
 
 def unwrap(model: Any) -> HFCausalLM:

@@ -30,7 +30,12 @@ from d9d.trainer.hf.folder import (
     exported_config,
     read_folder,
 )
-from d9d.trainer.hf.model import HFCausalLM, unwrap
+from d9d.trainer.hf.model import HFCausalLM, base_model_path, unwrap
+from d9d.trainer.hf.tensor_parallel import (
+    TENSOR_PARALLEL_ARCHITECTURES,
+    apply_tensor_parallel,
+    tensor_parallel_problem,
+)
 from d9d.trainer.hf.weights import check_folder_weights, export_mapper, import_mapper
 from d9d.trainer.providers import (
     InitializeModelStageContext,
@@ -42,7 +47,7 @@ from d9d.trainer.providers import (
     PrepareImportModelStageResult,
 )
 
-__all__ = ["HFCausalLMProvider", "mesh_refusal"]
+__all__ = ["HFCausalLMProvider", "mesh_refusal", "tensor_parallel_refusal"]
 
 _SPEC = "d9d.trainer.hf:HFCausalLMProvider"
 _DENSE_AND_MOE = "llama, qwen2, qwen3, mistral, mixtral and qwen3_moe"
@@ -50,10 +55,6 @@ _DENSE_AND_MOE = "llama, qwen2, qwen3, mistral, mixtral and qwen3_moe"
 _UNSUPPORTED: dict[str, tuple[str, str]] = {
     "pipeline_parallel": (
         "pipeline parallelism: it runs transformers' whole forward, which it does not cut into stages",
-        _DENSE_AND_MOE,
-    ),
-    "tensor_parallel": (
-        "tensor parallelism yet (it will come from config.json's base_model_tp_plan)",
         _DENSE_AND_MOE,
     ),
     "context_parallel": (
@@ -69,7 +70,8 @@ _UNSUPPORTED: dict[str, tuple[str, str]] = {
 
 
 def mesh_refusal(mesh: MeshConfig) -> str | None:
-    """Why the Hugging Face backend cannot run on `mesh` (the first degree it lacks), or None."""
+    """Why the Hugging Face backend cannot run on `mesh` (the first degree it lacks for every model), or
+    None. Tensor parallelism depends on the model: `tensor_parallel_refusal`."""
     for key, (lacks, families) in _UNSUPPORTED.items():
         degree = getattr(mesh, key)
         if degree > 1:
@@ -79,6 +81,25 @@ def mesh_refusal(mesh: MeshConfig) -> str | None:
                 "examples/finetune)"
             )
     return None
+
+
+def tensor_parallel_refusal(folder: HFFolder, tp: int) -> str | None:
+    """Why the folder's model cannot be trained at `mesh.tensor_parallel=tp`, or None (from its
+    config.json and safetensors headers: nothing is built)."""
+    problem = tensor_parallel_problem(
+        folder.config, tp, prefix=base_model_path(folder.model_class), shapes=safetensors_shapes(folder.path)
+    )
+    if problem is None:
+        return None
+    reference = (
+        f", or for {_DENSE_AND_MOE} train the reference model (model.backend: reference, examples/finetune)"
+        if folder.model_type not in TENSOR_PARALLEL_ARCHITECTURES
+        else ""
+    )
+    return (
+        f"mesh.tensor_parallel={tp}: the Hugging Face backend ({_SPEC}) cannot split {folder.path / CONFIG_FILE}'s "
+        f"model: {problem}; set mesh.tensor_parallel: 1{reference}"
+    )
 
 
 class HFCausalLMProvider:
@@ -96,12 +117,18 @@ class HFCausalLMProvider:
         self._folder: HFFolder | None = None
 
     def check_mesh(self, mesh: MeshConfig) -> None:
-        """Refuse pipeline, tensor, context and expert parallelism (one line: why, and what to use).
+        """Refuse pipeline, context and expert parallelism, and tensor parallelism of a model the
+        backend cannot split exactly (reading the folder's config.json and safetensors headers).
 
         Raises:
-            HFModelError: naming the mesh key, the reason and the reference path where there is one.
+            HFModelError: one line naming the mesh key, the reason and the reference path where there
+                is one (or the folder's problem, when tensor parallelism has to read it).
         """
         problem = mesh_refusal(mesh)
+        if problem is None and mesh.tensor_parallel > 1:
+            problem = tensor_parallel_refusal(
+                read_folder(Path(self.config.folder).resolve()), mesh.tensor_parallel
+            )
         if problem is not None:
             raise HFModelError(problem)
 
@@ -135,8 +162,14 @@ class HFCausalLMProvider:
                 f"{type(model.hf_model).__name__} names no decoder-layer class (_no_split_modules), so "
                 "it cannot be sharded per layer; train it with a model provider of its own"
             )
-        # Tensor parallelism (from the config's base_model_tp_plan) and context parallelism (through an
-        # attention implementation) go here, before LoRA; check_mesh refuses them until they exist.
+        tp = context.context.axis_size("tp")
+        if tp > 1:
+            shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+            problem = tensor_parallel_problem(model.config, tp, prefix=model.base_model_path, shapes=shapes)
+            if problem is not None:  # check_mesh refuses it first; a caller that skipped it gets the reason
+                raise HFModelError(f"mesh.tensor_parallel={tp}: {problem}")
+            apply_tensor_parallel(model, model.config, model.base_model_path, context.context)
+        # Context parallelism (an attention implementation that splits the sequence) would go here.
         if context.lora is not None:
             apply_lora(model, context.lora)
         apply_activation_checkpointing(blocks, context.activation_checkpointing)
