@@ -54,7 +54,6 @@ def _copy(folder: Path, target: Path) -> Path:
             "pipeline_parallel",
             ["does not cut", "stages", "mesh.pipeline_parallel: 1", "model.backend: reference"],
         ),
-        ("tensor_parallel", ["tensor parallelism yet", "base_model_tp_plan", "mesh.tensor_parallel: 1"]),
         (
             "context_parallel",
             ["context parallelism yet", "attention implementation", "mesh.context_parallel: 1"],
