@@ -88,7 +88,11 @@ def test_gpu_check_dry_run_on_cpu_passes_every_check_it_runs(tmp_path):
         SKIP="quickstart gpu_throughput moe_compile fsdp_compiled",
     )  # fmt: skip
     done = subprocess.run(
-        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], capture_output=True, text=True, timeout=600, env=env
+        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
     )
     summary = (out / "summary.txt").read_text().splitlines()
     results = {line.split()[1]: line.split()[2] for line in summary if line.startswith("RESULT ")}

@@ -155,10 +155,47 @@ class ReplicateParallel(ParallelStyle):
         return distribute_module(module, device_mesh, input_fn=to_dtensor, output_fn=to_local)
 
 
+class _VocabParallelEmbedding(RowwiseParallel):
+    """RowwiseParallel on an embedding whose weight gradient keeps the weight's `Shard(0)`.
+
+    DTensor's embedding backward returns the table's gradient replicated, at full size on every tp
+    rank (a 128k x 4096 vocabulary: 2 GB of fp32 per rank, held from the backward to the optimizer
+    step). A hook on the weight takes each rank's rows of it before it is accumulated (a local
+    slice, no communication). It is put on the weight at forward, once per parameter object, because
+    materializing a meta model (`to_empty`) replaces a DTensor parameter and its hooks. Under FSDP
+    the unsharded weight gets it too, harmlessly (FSDP2 itself reduces a gradient in its parameter's
+    tp placement).
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        module.register_forward_pre_hook(_keep_gradient_placement)
+        return module
+
+
+def _keep_gradient_placement(module: nn.Module, args: object) -> None:
+    weight = module.weight
+    if (
+        isinstance(weight, DTensor)
+        and weight.requires_grad
+        and not getattr(weight, "_d9d_grad_placement", False)
+    ):
+        placements = weight.placements
+        weight.register_hook(lambda grad: _to_placements(grad, placements))
+        weight._d9d_grad_placement = True  # type: ignore[attr-defined]
+
+
+def _to_placements(grad: torch.Tensor, placements: Sequence[Placement]) -> torch.Tensor:
+    if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(placements):
+        return grad.redistribute(grad.device_mesh, placements)
+    return grad
+
+
 def embedding_plan(name: str, *, sequence_parallel: bool = True) -> TensorParallelPlan:
-    """Vocab-parallel embedding: the table's rows are split over tp, outputs summed (or reduce-scattered)."""
+    """Vocab-parallel embedding: the table's rows are split over tp, outputs summed (or reduce-scattered);
+    its gradient stays split like the table."""
     return {
-        name: RowwiseParallel(
+        name: _VocabParallelEmbedding(
             input_layouts=Replicate(),
             output_layouts=_sharded_or_replicated(sequence_parallel),
         )
