@@ -219,6 +219,10 @@ class AutoDataProvider(Generic[BatchT]):
             pin_memory=self._pin_memory,
             prefetch_factor=config.prefetch if workers > 0 else None,
             worker_init_fn=_init_worker if workers > 0 else None,
+            # Its own generator: a loader draws a base seed when an iterator starts, which from the
+            # global one would move the training randomness (dropout) by where the iterator started
+            # (a resumed run starts it after restoring the RNG state, the first run before step 1).
+            generator=torch.Generator().manual_seed(config.seed),
         )
 
     def close(self) -> None:

@@ -4,6 +4,7 @@ runs too), then materialize and initialize it identically on any mesh (`material
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from d9d.mesh import D9dError, DistributedContext
@@ -92,6 +93,10 @@ def materialize_model(job: ResolvedJob, context: DistributedContext, model: nn.M
     init_device = "cpu" if determinism.init_device == "cpu" else context.device
     try:
         materialize_and_initialize(model, context.device, determinism.seed, init_device=init_device)
+        # The randomness of training (dropout) starts from the seed too, the same on every rank (tensor
+        # parallel ranks must draw the same masks for the activations they share), so a job gives the
+        # same numbers in a fresh process, a notebook or a forked test; resumes restore the state.
+        torch.manual_seed(determinism.seed)
     except Exception as exc:
         if not is_out_of_memory(exc):
             raise

@@ -192,7 +192,9 @@ class GradientClippingConfig(_Section):
 
 
 class DeterminismConfig(_Section):
-    """Seed of model initialization (the same on every rank, so every mesh starts from one model).
+    """Seed of model initialization (the same on every rank, so every mesh starts from one model) and
+    of training's randomness (dropout: torch's generator is seeded with it after initialization, the
+    same on every rank; a resume restores each rank's generator state from the checkpoint).
 
     `init_device`: where weights are initialized, `auto` (the job's device: fast on GPUs) or `cpu`
     (slower on GPUs, but bit-identical initial weights across device types; CPU and CUDA random
