@@ -1,4 +1,5 @@
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -92,9 +93,33 @@ def test_nonfinite_loss_can_skip_the_step(tmp_path):
     config["providers"]["task"] = "_job:NaNAtStepTask"
     config["trainer"]["on_nonfinite"] = "skip"
     with Trainer.from_config(config) as trainer:
+        after: list[dict[str, torch.Tensor]] = []  # weights and AdamW moments after each step
+        run = trainer.train_step.run
+
+        def recording(microbatches, step):
+            output = run(microbatches, step)
+            state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+            for i, s in enumerate(trainer.optimizer.state.values()):
+                state |= {f"opt{i}.{k}": v.clone() for k, v in s.items() if isinstance(v, torch.Tensor)}
+            after.append(state)
+            return output
+
+        trainer.train_step.run = recording
         result = trainer.train()
         params = trainer.model.state_dict()
         assert all(torch.isfinite(v).all() for v in params.values())
     records = [json.loads(line) for line in (tmp_path / "tiny" / METRICS_FILE).read_text().splitlines()]
     assert [r["skipped"] for r in records] == [False, False, True, False]
     assert result.final_step == 4
+    # the skipped step changed nothing: weights, moments and AdamW's step count as after step 2
+    assert after[2].keys() == after[1].keys()
+    assert all(torch.equal(after[2][k], after[1][k]) for k in after[1]), "the skipped step moved the state"
+    assert not all(torch.equal(after[3][k], after[2][k]) for k in after[2])  # step 4 updated
+    # the schedule follows the step number (trainer.on_nonfinite): the skipped step spends its
+    # learning rate, and step 4 uses the 4th (warmup 1 of 4 steps, then a cosine to 0 at the last)
+    base = config["optimizer"]["lr"]
+    schedule = [base / 2, base, base * 0.5 * (1 + math.cos(math.pi / 2)), 0.0]
+    applied = [r["step"] for r in records if not r["skipped"]]
+    assert [r["lr"] for r in records if not r["skipped"]] == pytest.approx(
+        [schedule[s - 1] for s in applied], abs=1e-15
+    )

@@ -230,6 +230,11 @@ class TrainerConfig(_Section):
     `device`: `auto` (CUDA when usable, else CPU), `cuda` or `cpu`. `precision`,
     `activation_checkpointing` and `compile` are the d9d.parallel mechanisms' own configs; the trainer
     passes them to the model provider (see `ParallelizeModelStageContext`).
+
+    `on_nonfinite`: a step whose loss or grad norm is not finite `stop`s the run (the last committed
+    checkpoint stays the latest) or is `skip`ped: its gradients are dropped and weights and optimizer
+    state stay as they were, while the LR schedule, which follows the step number, moves on (the
+    run still ends where `total_steps` says, at the schedule's end).
     """
 
     run: RunConfig
