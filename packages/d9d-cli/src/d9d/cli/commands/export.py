@@ -139,7 +139,11 @@ def _with_values(loaded: "LoadedJob", values: dict[str, Any]) -> "LoadedJob":
 @overrides_option
 @reports_errors
 def export(source: str, out_dir: str, step: int | None, overrides: Sequence[str]) -> None:
-    """Export a checkpoint's model as safetensors (Hugging Face sharded layout).
+    """Export a checkpoint's model as safetensors files (sharded, with an index).
+
+    The tensor names and any config.json are the model provider's mapper's: the reference model
+    (examples/quickstart, examples/finetune) and the Hugging Face backend write a folder transformers
+    loads; the model of the `d9d init` template writes its own module names, without a config.json.
 
     CONFIG_OR_RUN_DIR is either the job's config file (its run directory is save_dir/run.name) or a
     run directory, whose checkpoint holds the config the job ran with. The model goes through the

@@ -66,7 +66,9 @@ def init(directory: str) -> None:
 
     It writes train.py (a small GPT-style model and its dataset provider), config.yaml (the job) and
     corpus.txt (public-domain text to train on), and never overwrites an existing file. The job
-    needs only the d9d packages.
+    needs only the d9d packages. Its model is a starting point to edit: its export holds its own
+    module names (no config.json), not a folder transformers loads; for that, start from
+    examples/quickstart (the reference model, exported in the Hugging Face layout).
 
     \b
     Examples:
