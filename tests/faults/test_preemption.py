@@ -123,7 +123,8 @@ def test_sigterm_to_torchrun_saves_on_both_ranks_and_resumes(tmp_path, fsdp2_ref
     ]
     assert len(stopped) == 2 and stopped[0] == stopped[1], out[-3000:]  # both ranks, the same step
     # what a scheduler sees (docs/running-jobs.md): the agent's own non-zero status, the ranks' lines
-    assert agent.returncode != 0 and out.count("checkpoint saved; resume with the same command") == 2, out[-3000:]
+    resumable = out.count("checkpoint saved; resume with the same command")
+    assert agent.returncode != 0 and resumable == 2, out[-3000:]
     step = stopped[0]
     assert step < STEPS and step in committed_steps(tmp_path / "run"), out[-3000:]
     (tmp_path / "again").mkdir()

@@ -102,12 +102,13 @@ class Exporter:
                 tmp.write_text(text, encoding="utf-8")
                 tmp.replace(path)
         self._context.barrier()
-        _log.info(
-            "exported",
-            dir=str(target),
-            weights=sorted(set(weights.values())),
-            files=sorted(result.extra_files),
-        )
+        if self._context.is_main_process:  # one line for the job (every rank's would be the same)
+            _log.info(
+                "exported",
+                dir=str(target),
+                weights=sorted(set(weights.values())),
+                files=sorted(result.extra_files),
+            )
         return Path(target)
 
     def _export_lora(self, target: Path) -> Path:

@@ -119,7 +119,8 @@ class RunCheckpoints:
             rank_state=capture_rng_state(),
             trainable_only=lora,
         )
-        _log.info("checkpoint saved", step=step, run_dir=str(self.manager.run_dir))
+        # d9d.ckpt logs "checkpoint committed" (rank 0, with its path) once the save is durable
+        _log.debug("checkpoint saved", step=step, run_dir=str(self.manager.run_dir))
 
 
 def _reapply_schedule(

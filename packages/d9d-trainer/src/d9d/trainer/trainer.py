@@ -458,7 +458,7 @@ class Trainer:
         records.close()
         unrecorded = read_phases([self._timer.take()])[0]  # the stall of the last checkpoint
         latest = self._checkpoints.manager.checkpoints()
-        _log.info(
+        (_log.info if self._context.is_main_process else _log.debug)(  # one line for the job
             "run summary",
             steps=self._step - start,
             final_step=self._step,
