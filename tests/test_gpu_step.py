@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _dispatch import OpRecorder
-from _quickstart import CONFIG, MOE, TINY, overrides, run_local
+from _quickstart import CONFIG, MOE, TINY, overrides, run_forked
 
 from d9d.mesh.testing import run_distributed
 from d9d.trainer import Trainer
@@ -124,28 +124,33 @@ def test_bf16_matmuls_fp32_master_weights_and_reductions(tmp_path, mesh):
 def _train_records(tmp_path: Path, name: str, steps: int, *extra: str, nproc: int = 1) -> list[dict]:
     args = overrides(tmp_path, name, steps, "trainer.checkpointing.period_steps=0", *extra)
     if nproc == 1:
-        result = run_local(args)
-        assert result.returncode == 0, result.stderr[-3000:]
+        run_forked(_train, args, timeout=300)  # one plain process, forked: no interpreter start-up
     else:
         run_distributed(_train, nproc, args, timeout=300)
     return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
 
 
 def _train(args: list[str]) -> None:
-    with Trainer.from_config(CONFIG, args) as trainer:
-        trainer.train()
+    """The job as train.py runs it: train, then export when export.dir is set."""
+    from d9d.trainer import run_job
+
+    run_job(CONFIG, args)
+
+
+#: Enough steps to learn (the last 5 below 0.8 of the first loss) at the quickstart's lr.
+STEPS_BF16 = 30
 
 
 def test_bf16_quickstart_tracks_fp32_on_one_process_and_fsdp2(tmp_path):
     # This bounds how far bf16 drifts from fp32; it would also pass with autocast off (fp32 on both
     # sides). That bf16 is really computed is proven by the dtype recorder above
     # (test_bf16_matmuls_fp32_master_weights_and_reductions), not here.
-    fp32 = _train_records(tmp_path, "fp32", 50)
-    bf16 = _train_records(tmp_path, "bf16", 50, "trainer.precision.param_dtype=bfloat16")
+    fp32 = _train_records(tmp_path, "fp32", STEPS_BF16)
+    bf16 = _train_records(tmp_path, "bf16", STEPS_BF16, "trainer.precision.param_dtype=bfloat16")
     bf16_fsdp = _train_records(
         tmp_path,
         "bf16_fsdp",
-        50,
+        STEPS_BF16,
         "trainer.precision.param_dtype=bfloat16",
         "mesh.data_parallel_shard=2",
         nproc=2,
@@ -255,9 +260,19 @@ COMPILE = "trainer.compile.enabled=true"
 
 
 def _run_local_ok(tmp_path: Path, name: str, steps: int, *extra: str) -> list[dict]:
-    result = run_local(overrides(tmp_path, name, steps, "trainer.checkpointing.period_steps=3", *extra))
-    assert result.returncode == 0, result.stderr[-3000:]
+    """One plain process (forked, as the e2e tests' one-process runs), the job's export included."""
+    args = overrides(tmp_path, name, steps, "trainer.checkpointing.period_steps=3", *extra)
+    run_forked(_train_and_export_compiled, args, timeout=300)
     return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def _train_and_export_compiled(args: list[str]) -> None:
+    import torch._inductor.config as inductor_config
+
+    from d9d.trainer import run_job
+
+    inductor_config.compile_threads = 1  # no compile worker pool inside a forked process
+    run_job(CONFIG, args)  # as train.py runs it: train, then export when export.dir is set
 
 
 def _assert_steps_match(records: list[dict], reference: list[dict], tol: float = 1e-5) -> None:
