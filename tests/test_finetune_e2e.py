@@ -141,3 +141,18 @@ def test_sft_with_lora_killed_and_resumed_equals_the_uninterrupted_run(example):
     resumed = run_forked(_run, config, _args(example, "killed"))
     _assert_records_equal(records(example / "runs" / "killed"), records(example / "runs" / "straight"), rel=0)
     torch.testing.assert_close(resumed["logits"], straight["logits"], rtol=0, atol=0)
+
+
+def test_full_sft_on_packed_chat_rows_equals_a_plain_pytorch_loop(example):
+    # The anchor outside the trainer (tests/test_trainer_anchor.py) on the fine-tune path: packed chat
+    # rows whose loss mask leaves most tokens out, so the loss must be normalized by the labelled tokens
+    # of the whole step, and attention must stay within each conversation (position and document ids).
+    from test_trainer_anchor import Settings, assert_trainer_equals_loop, trainer_and_loop
+
+    settings = Settings(steps=STEPS, warmup=3, lr=2e-3, weight_decay=0.0, max_norm=1.0)
+    args = _args(
+        example, "anchor", "peft.lora=null", "eval.period_steps=0", "trainer.checkpointing.period_steps=0"
+    )
+    got = run_forked(trainer_and_loop, str(example / "config.yaml"), args, settings, timeout=300)
+    assert got["microbatches"] == 4 and got["ignored"] > 0  # accumulation; masked tokens in the rows
+    assert_trainer_equals_loop(got, settings)
