@@ -68,6 +68,14 @@ def _garble(name: str, problem: str) -> Callable[[Path], str]:
     return damage
 
 
+def _flip_byte(checkpoint: Path) -> str:
+    shard = _largest(checkpoint, "*.distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10  # the size stays: only the checksums (verify_on_load, the default) tell
+    shard.write_bytes(bytes(data))
+    return f"{shard.name} is damaged (checksum mismatch)"
+
+
 def _unchanged(checkpoint: Path) -> str:
     return "cannot be loaded"
 
@@ -86,6 +94,7 @@ class CheckpointCase:
 
 CASES = [
     CheckpointCase("truncated-shard", _truncate_shard, separate=True),
+    CheckpointCase("flipped-byte-in-shard", _flip_byte),
     CheckpointCase("missing-dcp-metadata", _remove(".metadata", ".metadata is missing")),
     CheckpointCase(
         "garbled-dcp-metadata", _garble(".metadata", "torch.distributed.checkpoint metadata cannot be read")

@@ -87,7 +87,8 @@ def test_flipped_byte_in_rank1s_shard_is_one_error_on_every_rank(tmp_path):
     results = run_distributed(_load, 2, str(tmp_path), True)
     assert {r["type"] for r in results} == {CheckpointDamagedError.__name__}
     assert {r["error"] for r in results} == {
-        f"checkpoint {tmp_path / 'run' / 'save-4'} cannot be loaded (1 problem); nothing was loaded:\n"
+        f"checkpoint {tmp_path / 'run' / 'save-4'} cannot be loaded (1 problem); the model's state is "
+        "undefined (found while loading it): do not use it:\n"
         "  - save-4/__1_0.distcp is damaged (checksum mismatch); move save-4 aside to resume from save-2"
     }
     shutil.move(tmp_path / "run" / "save-4", tmp_path / "save-4.damaged")

@@ -64,9 +64,9 @@ class _FileCounter:
         os.stat, builtins.open, io.open = self._stat, self._open, self._io_open
 
 
-def _load_counting(save_dir: str, world_size: int) -> dict[str, Any]:
+def _load_counting(save_dir: str, world_size: int, verify: bool = False) -> dict[str, Any]:
     ctx, model, opt = sharded_job(MeshConfig(data_parallel_shard=world_size), seed=3)
-    with CheckpointManager(save_dir, "run", context=ctx) as manager:
+    with CheckpointManager(save_dir, "run", context=ctx, verify_on_load=verify) as manager:
         counter = _FileCounter(manager.run_dir)
         error = None
         with counter:
@@ -98,6 +98,16 @@ def test_only_rank0_stats_the_files_of_a_checkpoint(saved, world_size):
     assert results[0]["opens"].get(".metadata") == 1
     if world_size == 2:
         assert [r["rank_state"] for r in results] == [{"rank": 0}, {"rank": 1}]
+
+
+def test_verification_while_loading_reads_each_file_on_one_rank(saved):
+    # verify_on_load (the default): the file a rank loads, that rank checksums; the shared ones, rank 0
+    results = run_distributed(_load_counting, 2, str(saved), 2, True)
+    assert all(r["error"] is None for r in results), results[0]["error"]
+    assert {".metadata", "extra.msgpack", "__0_0.distcp"} <= set(results[0]["opens"])
+    assert not {".metadata", "extra.msgpack", "commit.json", "__0_0.distcp"} & set(results[1]["opens"])
+    assert {"__1_0.distcp", "rank-00001.msgpack"} <= set(results[1]["opens"])
+    assert results[1]["stats"] == {}
 
 
 @pytest.mark.parametrize("world_size", [2, 4], ids=["world2", "world4"])

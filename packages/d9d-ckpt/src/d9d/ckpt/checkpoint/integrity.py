@@ -24,6 +24,8 @@ opening `.metadata` again. So the file-system metadata operations of a load stay
 O(ranks x files).
 """
 
+import re
+import threading
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -48,6 +50,7 @@ from d9d.ckpt.checkpoint.layout import EXTRA_FILE, CheckpointInfo, recovery_hint
 
 __all__ = [
     "ALGORITHM",
+    "BackgroundVerification",
     "CheckpointReport",
     "CheckpointVerification",
     "ChecksummingWriter",
@@ -63,6 +66,7 @@ __all__ = [
     "inspect_checkpoint",
     "problem_report",
     "read_dcp_metadata",
+    "verifier_of",
     "verify_checkpoint",
 ]
 
@@ -288,10 +292,14 @@ class KnownMetadataReader(FileSystemReader):
         return metadata
 
 
-def problem_report(path: Path, problems: list[str], hint: str | None = None, *, damaged: bool = True) -> str:
+def problem_report(
+    path: Path, problems: list[str], hint: str | None = None, *, damaged: bool = True, loaded: bool = False
+) -> str:
     """The load error of checkpoint `path`: its problems, and for a damaged one how to recover.
 
     `hint` is `recovery_hint(path)` when known (computed here otherwise, which lists the run).
+    `loaded`: the problems were found while the checkpoint was being read into the model (its
+    checksums are verified during the load), so the model's state is undefined.
     """
     shown = problems[:_MAX_LISTED_PROBLEMS]
     more = len(problems) - len(shown)
@@ -303,7 +311,48 @@ def problem_report(path: Path, problems: list[str], hint: str | None = None, *, 
         else:
             lines.append(f"  {hint}")
     count = f"{len(problems)} problem{'s' if len(problems) != 1 else ''}"
-    return f"checkpoint {path} cannot be loaded ({count}); nothing was loaded:\n" + "\n".join(lines)
+    outcome = (
+        "the model's state is undefined (found while loading it): do not use it"
+        if loaded
+        else "nothing was loaded"
+    )
+    return f"checkpoint {path} cannot be loaded ({count}); {outcome}:\n" + "\n".join(lines)
+
+
+def verifier_of(name: str, world_size: int) -> int:
+    """The rank that verifies file `name` of a checkpoint while it loads: the rank that wrote a rank's
+    shards and rank file (on the same world size it is the rank that reads them), rank 0 the rest."""
+    match = _RANK_OWNED.fullmatch(name)
+    return int(match.group(1) or match.group(2)) % world_size if match else 0
+
+
+#: `__<rank>_<n>.distcp` (a DCP shard) and `rank-<rank>.msgpack` (a rank's own state).
+_RANK_OWNED = re.compile(r"__(\d+)_\d+\.distcp|rank-(\d+)\.msgpack")
+
+
+class BackgroundVerification:
+    """This rank's share of a checkpoint's checksums, computed on a thread while the load reads the
+    same files (zlib releases the GIL; the second reader of a file finds it in the page cache), so
+    verifying costs little more wall time than the load alone. `result()` joins it: problem lines."""
+
+    def __init__(self, info: CheckpointInfo, rank: int, world_size: int) -> None:
+        checksums = info.meta.checksums or {}
+        names = {n for n in checksums if verifier_of(n, world_size) == rank}
+        self._problems: list[str] = []
+        self._thread = threading.Thread(
+            target=self._run, args=(info.path, checksums, names), name="d9d-ckpt-verify", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, path: Path, checksums: Mapping[str, str], names: set[str]) -> None:
+        try:
+            self._problems = check_checksums(path, checksums, names)
+        except Exception as exc:  # reported like a damaged file: the load must not pass unverified
+            self._problems = [f"{path.name} could not be verified ({type(exc).__name__}: {exc})"]
+
+    def result(self) -> list[str]:
+        self._thread.join()
+        return list(self._problems)
 
 
 def read_dcp_metadata(path: Path) -> tuple[Metadata | None, str | None]:

@@ -10,7 +10,7 @@ are older checkpoints beyond `num_to_keep` and leftovers of crashed saves remove
 checks that it sees every rank's files (`visibility.py`: a `save_dir` not shared by all nodes fails
 the save) and records the checksums. A full disk in any layer fails the save as such (`_failure.py`).
 An asynchronous save stages into reused host buffers (`staging.py`); a load is validated, and with
-`verify_on_load` its checksums verified, by one rank for all (`integrity.py`).
+`verify_on_load` its checksums verified while it loads, each rank its share (`integrity.py`).
 """
 
 import concurrent.futures
@@ -52,6 +52,7 @@ from d9d.ckpt.checkpoint._testhooks import (  # re-exported: crash tests import 
 from d9d.ckpt.checkpoint.errors import CheckpointDamagedError, CheckpointError, SaveDirNotSharedError
 from d9d.ckpt.checkpoint.extra import decode_state, encode_state
 from d9d.ckpt.checkpoint.integrity import (
+    BackgroundVerification,
     CheckpointReport,
     ChecksummingWriter,
     KnownMetadataReader,
@@ -138,9 +139,12 @@ class CheckpointManager:
             memory when the state is on CUDA), so that each save stalls training for one
             device-to-host copy into the same buffers. It holds one copy of this rank's state in host
             memory until `close()`; False allocates a fresh pageable copy per save.
-        verify_on_load: before a load, rank 0 reads every file of the checkpoint and compares it with
-            the checksum its commit recorded (finds a flipped byte; costs one read of the
-            checkpoint). A checkpoint saved without checksums loads with a warning.
+        verify_on_load: while a load reads the checkpoint, each rank compares its share of the files
+            (the shards and rank file it wrote; rank 0 the shared files) with the checksums the
+            commit recorded, on a thread (finds a flipped byte; the load's wall time stays about the
+            same). Damage found then raises `CheckpointDamagedError` on every rank after the load,
+            whose model state is then undefined. A checkpoint saved without checksums loads with a
+            warning.
     """
 
     def __init__(
@@ -152,7 +156,7 @@ class CheckpointManager:
         async_save: bool = False,
         context: DistributedContext | None = None,
         reuse_staging: bool = True,
-        verify_on_load: bool = False,
+        verify_on_load: bool = True,
     ) -> None:
         if not run_name or run_name in (".", "..") or "/" in run_name or os.sep in run_name:
             raise CheckpointError(f"run name {run_name!r} must be a non-empty name without path separators")
@@ -496,16 +500,18 @@ class CheckpointManager:
             )
 
         report: CheckpointReport = self._group.broadcast(
-            inspect_checkpoint(info, with_metadata=model is not None, verify=self._verify_on_load)
-            if self._group.rank == 0
-            else None
+            inspect_checkpoint(info, with_metadata=model is not None) if self._group.rank == 0 else None
         )
-        if report.verified is False and self._group.rank == 0:
+        verification: BackgroundVerification | None = None
+        if self._verify_on_load and info.meta.checksums is None and self._group.rank == 0:
             _log.warning(
                 "checkpoint has no checksums (saved before d9d recorded them): its files are not verified",
                 step=info.step,
                 path=str(info.path),
             )
+        elif self._verify_on_load and not report.problems:
+            # each rank checksums its share of the files while the load below reads them
+            verification = BackgroundVerification(info, self._group.rank, self._group.world_size)
         damage = list(report.problems)  # damaged files: the checkpoint itself is broken
         problems: list[str] = []  # the checkpoint does not fit the model
         extra = report.extra_state
@@ -541,6 +547,10 @@ class CheckpointManager:
 
         gathered = self._group.all_gather((damage, problems))
         damaged = list(dict.fromkeys(p for rank_damage, _ in gathered for p in rank_damage))
+        refused = bool(damaged) or any(rank_problems for _, rank_problems in gathered)
+        if refused and verification is not None:  # refused before the load: its checksums add nothing
+            verification.result()
+            verification = None
         if damaged:
             hint = self._group.broadcast(recovery_hint(info.path) if self._group.rank == 0 else None)
             raise CheckpointDamagedError(problem_report(info.path, damaged, hint))
@@ -582,8 +592,19 @@ class CheckpointManager:
                     f"({type(exc).__name__}: {exc}); the model state is undefined: load again, or "
                     f"{recovery_hint(info.path)}"
                 ) from exc
+        found = self._verified(verification)
+        if found:
+            hint = self._group.broadcast(recovery_hint(info.path) if self._group.rank == 0 else None)
+            raise CheckpointDamagedError(problem_report(info.path, found, hint, loaded=model is not None))
         _log.info("checkpoint loaded", step=info.step, path=str(info.path))
         return LoadedCheckpoint(info=info, extra_state=extra, rank_state=own)
+
+    def _verified(self, verification: BackgroundVerification | None) -> list[str]:
+        """Every rank's checksum problems, once each rank's verification thread ended (collective)."""
+        mine = verification.result() if verification is not None else []
+        if not self._verify_on_load:
+            return mine
+        return list(dict.fromkeys(p for rank in self._group.all_gather(mine) for p in rank))
 
     # ------------------------------------------------------------------ lifecycle
 
