@@ -5,9 +5,9 @@
 #   DEVICE=cpu OUT=/tmp/gpu-check bash benchmarks/gpu_check.sh # dry run without a GPU (a test runs it)
 #
 # It needs no installed d9d: it uses the machine's python3 and torch (2.11 or later) with the
-# packages' source, examples/ and benchmarks/ on PYTHONPATH. msgspec and structlog, which a bare
-# GPU image may lack, are installed from wheels in $WHEELS (no package index needed) into a temp
-# folder. Writes $OUT/summary.txt (one `RESULT <check> PASS|FAIL|INFO|SKIP ...` line per check) and
+# packages' source, examples/ and benchmarks/ on PYTHONPATH. What d9d needs besides torch (msgspec,
+# structlog, numpy, pyyaml, safetensors), where a bare GPU image lacks it, is installed from the
+# wheels in $WHEELS (no package index needed) into a temp folder. Bash 4.4 or later. Writes $OUT/summary.txt (one `RESULT <check> PASS|FAIL|INFO|SKIP ...` line per check) and
 # $OUT/logs.tgz (every check's log, the profiler trace and memory snapshot); exits 1 if a check failed.
 #
 # Environment: PY (python3), WHEELS (directory of .whl files), BUDGET_S (480: the whole run),
@@ -17,6 +17,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 PY=${PY:-python3}
 OUT=${OUT:-/tmp/d9d-gpu-check}
+case "$OUT" in /*) ;; *) OUT="$ROOT/$OUT" ;; esac  # relative to the repository root (we cd there)
 DEVICE=${DEVICE:-cuda}
 export DEVICE
 BUDGET_S=${BUDGET_S:-480}
@@ -27,12 +28,18 @@ mkdir -p "$OUT" "$LOGS"
 SUMMARY=$OUT/summary.txt
 : >"$SUMMARY"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-if ! $PY -c "import msgspec, structlog" 2>/dev/null; then
+# what d9d imports besides torch (numpy usually comes with torch, pyyaml and safetensors may not)
+NEEDED="msgspec structlog numpy yaml safetensors"
+missing() { for m in $NEEDED; do $PY -c "import $m" 2>/dev/null || printf '%s ' "$m"; done; }
+LACKS=$(missing)
+if [ -n "$LACKS" ]; then
   if [ -n "${WHEELS:-}" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
     $PY -m pip install -q --no-index --no-deps --target "$WORK/lib" "$WHEELS"/*.whl >"$LOGS/pip.log" 2>&1 ||
       echo "installing the wheels of $WHEELS failed: $(tail -c 300 "$LOGS/pip.log")"
-  else
-    echo "error: $PY lacks msgspec or structlog; set WHEELS to a directory holding their wheels" >&2
+  fi
+  LACKS=$(PYTHONPATH="$WORK/lib:${PYTHONPATH:-}" missing)
+  if [ -n "$LACKS" ]; then
+    echo "error: $PY lacks $LACKS(import names); set WHEELS to a directory holding their wheels" >&2
     exit 2
   fi
 fi
@@ -55,6 +62,8 @@ check() {
   local took=$(($(date +%s) - start))
   if grep -q '^RESULT ' "$LOGS/$name.log"; then
     grep '^RESULT ' "$LOGS/$name.log" | sed "s/\$/  [${took}s]/" | tee -a "$SUMMARY"
+    # a crash after its RESULT line (teardown, a second failure) is a failure too
+    [ $rc -eq 0 ] || note "RESULT $name FAIL exit $rc after its result: $(tail -c 300 "$LOGS/$name.log" | tr '\n' ' ')"
   elif [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
     note "RESULT $name FAIL timed out after ${limit}s: $(tail -c 300 "$LOGS/$name.log" | tr '\n' ' ')"
   elif [ $rc -eq 0 ]; then
@@ -93,6 +102,9 @@ else
   THROUGHPUT=(--layers 8 --seq 8192 --steps 8 --warmup 3 --phases bf16 plain-bf16 bf16+compile bf16+full-ac)
 fi
 check env 60 $PY $C env
+if command -v nvidia-smi >/dev/null 2>&1; then  # the driver, which torch does not report
+  note "INFO driver $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
+fi
 # the quickstart: 20 steps, checkpoints at 10 and 20, one profiled step with a memory snapshot, then
 # a resume to 24 from the device's checkpoint (pinned staging, the device's RNG state)
 check quickstart 120 bash -c "$PY examples/quickstart/train.py ${Q[*]} ${SMALL[*]} trainer.run.name=qs \

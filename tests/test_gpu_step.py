@@ -65,11 +65,12 @@ def _one_step(args: list[str]) -> dict:
                 for name, dtypes, bwd, shapes in recorder.reductions
                 if bwd and not _is_activation(shapes)
             ],
+            # in backward (the forward's one is the vocab-parallel embedding's float32 lookup)
             "activation_reductions": sorted(
                 {
                     (name, str(d))
                     for name, dtypes, bwd, shapes in recorder.reductions
-                    if _is_activation(shapes)
+                    if bwd and _is_activation(shapes)
                     for d in dtypes
                 }
             ),

@@ -68,16 +68,16 @@ def document_mask(document_ids: torch.Tensor) -> Any:
     return DocumentMask(document_ids)
 
 
-def _in_compute_dtype(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
-    """The embedding's forward hook: its output in autocast's compute dtype
-    (`d9d.parallel.to_autocast_dtype`), so the residual stream is bf16 on every mesh; unchanged
-    without d9d.parallel. A hook registered at construction runs before the ones tensor parallelism
-    adds, so a vocabulary-split embedding also reduce-scatters its output in bf16."""
+def _in_compute_dtype(hidden_states: torch.Tensor) -> torch.Tensor:
+    """The embedding's output in autocast's compute dtype (`d9d.parallel.to_autocast_dtype`), so the
+    residual stream is bf16 on every mesh; unchanged without d9d.parallel. Cast after the embedding
+    module returns: on a vocab-split embedding (tensor parallel) its output is then this rank's plain
+    tensor, reduced in the table's float32 (casting the partial DTensor inside would all-reduce it)."""
     try:
         from d9d.parallel import to_autocast_dtype
     except ImportError:  # the model itself is plain PyTorch
-        return output
-    return to_autocast_dtype(output)
+        return hidden_states
+    return to_autocast_dtype(hidden_states)
 
 
 class Attention(nn.Module):
@@ -235,8 +235,6 @@ class ReferenceModel(nn.Module):
         self.embed_tokens: nn.Embedding | None = nn.Embedding(
             config.vocab_size, config.hidden_size, _weight=table
         )
-        # autocast leaves a lookup in float32: the residual stream starts in the compute dtype
-        self.embed_tokens.register_forward_hook(_in_compute_dtype)
         self.embeds_inputs = True  # False on every pipeline stage but the first
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i) for i in range(config.num_layers)})
         self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -262,7 +260,8 @@ class ReferenceModel(nn.Module):
                 `document_masking`): attention is block-causal, never across documents.
         """
         embedding = self.embed_tokens if self.embeds_inputs else None
-        hidden_states = embedding(inputs) if embedding is not None else inputs
+        # The residual stream in the compute dtype on every mesh (autocast leaves a lookup in float32)
+        hidden_states = _in_compute_dtype(embedding(inputs)) if embedding is not None else inputs
         # The sequence length comes from `inputs`: under sequence parallelism the embedding's output
         # holds only this rank's slice of the sequence, while attention sees all of it.
         batch, seq = inputs.shape[:2]

@@ -130,22 +130,28 @@ def apply_expert_parallel(
 
 
 def shard_units(model: ReferenceForCausalLM) -> list[ShardUnit]:
-    """The FSDP groups of the model (or of a pipeline stage: the modules it holds), in forward order,
-    for `parallelize_hsdp(blocks=...)`: the embedding, each decoder layer, then the final norm with the
+    """The FSDP groups of the model (or of a pipeline stage: the modules it holds) for
+    `parallelize_hsdp(blocks=...)`: the embedding, each decoder layer, then the final norm with the
     LM head, so neither the table nor the head stays gathered for the whole step and their gradients
-    are reduced as soon as they are ready. A tied embedding and head share one weight, so they are one
-    group (gathered from the embedding's forward to the head's); the norm is the last group then.
+    are reduced as soon as they are ready. The group that runs last in forward comes last (it keeps
+    its weights gathered into backward, which starts with it). A tied embedding and head share one
+    weight, so they are one group, gathered from the embedding's forward to the head's: it is the
+    last group then, after the norm's.
     """
     inner, head = model.model, model.lm_head
     embed = inner.embed_tokens
     tied = embed is not None and head is not None and head.weight is embed.weight
     units: list[ShardUnit] = []
-    if embed is not None:
-        units.append([embed, head] if tied and head is not None else embed)
+    if embed is not None and not tied:
+        units.append(embed)
     units.extend(inner.layers.values())
-    last: list[nn.Module] = [m for m in (inner.norm, None if tied else head) if m is not None]
-    if last:
-        units.append(last)
+    if tied:
+        units += [[inner.norm]] if inner.norm is not None else []
+        units.append([embed, head])
+    else:
+        last: list[nn.Module] = [m for m in (inner.norm, head) if m is not None]
+        if last:
+            units.append(last)
     return units
 
 

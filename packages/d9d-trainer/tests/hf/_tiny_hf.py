@@ -110,6 +110,12 @@ def train(config: dict[str, Any], export_dir: Path) -> dict[str, Any]:
             "grad_norms": norms,
             "weights": {name: t.detach().cpu().clone() for name, t in state.items()},
             "keys": list(trainer.model.state_dict()),
+            # the parameters split over a mesh axis (tensor parallel), with their local shapes
+            "split": {
+                name: tuple(p.to_local().shape)
+                for name, p in trainer.model.named_parameters()
+                if any(type(pl).__name__ == "Shard" for pl in getattr(p, "placements", ()))
+            },
         }
 
 

@@ -59,6 +59,15 @@ def test_tp2_trains_like_one_process_and_exports_transformers_loads(tmp_path, fo
     config = hf_job(folder, tmp_path / "runs", name="tp2", mesh={"tensor_parallel": 2})
     tp = run_distributed(train, 2, config, tmp_path / "export-tp2", timeout=120)[0]
     assert one["losses"][-1] < one["losses"][0]  # it trains
+    # it is split: every projection of every layer holds half its rows (colwise) or columns (rowwise)
+    shapes = {k: tuple(v.shape) for k, v in one["weights"].items()}
+    projections = [k for k in shapes if k.endswith("_proj.weight") and ".layers." in k]
+    assert projections and all(k in tp["split"] for k in projections), sorted(
+        set(projections) - set(tp["split"])
+    )
+    for name in projections:
+        ratios = [a / b for a, b in zip(tp["split"][name], shapes[name], strict=True)]
+        assert sorted(ratios) == [0.5, 1.0], (name, tp["split"][name], shapes[name])
     _assert_equal_runs(tp, one)
     torch.testing.assert_close(tp["imported"], one["imported"], rtol=RTOL, atol=ATOL)
     assert safetensors_shapes(tmp_path / "export-tp2") == safetensors_shapes(folder)  # whole tensors

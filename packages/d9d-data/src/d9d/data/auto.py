@@ -222,7 +222,8 @@ class AutoDataProvider(Generic[BatchT]):
             # Its own generator: a loader draws a base seed when an iterator starts, which from the
             # global one would move the training randomness (dropout) by where the iterator started
             # (a resumed run starts it after restoring the RNG state, the first run before step 1).
-            generator=torch.Generator().manual_seed(config.seed),
+            # Seeded by where it starts, so workers' seeds follow the data position, not the restarts.
+            generator=torch.Generator().manual_seed(_loader_seed(config.seed, self._epoch, self._position)),
         )
 
     def close(self) -> None:
@@ -367,6 +368,11 @@ def _pipeline_ranks(stages: PipelineStages, pp_size: int) -> frozenset[int]:
             + (f"; {bad} do not exist" if bad else "")
         )
     return ranks
+
+
+def _loader_seed(seed: int, epoch: int, position: int) -> int:
+    """The loader's base seed from (seed, epoch, position), the same in every process."""
+    return ((seed * 1_000_003 + epoch) * 1_000_003 + position) % (2**63)
 
 
 def _init_worker(_worker_id: int) -> None:

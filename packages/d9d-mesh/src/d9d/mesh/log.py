@@ -6,7 +6,7 @@ pipeline. Two renderings: `console` for people, `json` (one object per line) for
 
 Console line format::
 
-    2026-11-29T19:40:01.123Z INFO    [rank 1 dps1 tp0] d9d.trainer: checkpoint saved  step=50
+    2026-11-29T19:40:01.123Z INFO    [rank 1 dps1 tp0] d9d.trainer: job built  run=quickstart
 
 i.e. UTC timestamp, level, [rank tag], logger name, event, then `key=value` pairs.
 """

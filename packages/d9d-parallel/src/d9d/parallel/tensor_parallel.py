@@ -175,14 +175,21 @@ class _VocabParallelEmbedding(RowwiseParallel):
 
 def _keep_gradient_placement(module: nn.Module, args: object) -> None:
     weight = module.weight
-    if (
-        isinstance(weight, DTensor)
-        and weight.requires_grad
-        and not getattr(weight, "_d9d_grad_placement", False)
-    ):
-        placements = weight.placements
-        weight.register_hook(lambda grad: _to_placements(grad, placements))
-        weight._d9d_grad_placement = True  # type: ignore[attr-defined]
+    if not isinstance(weight, DTensor) or not weight.requires_grad:
+        return
+    hooks = weight._backward_hooks or {}  # a copy of the parameter (deepcopy, pickling) has none
+    if not any(isinstance(hook, _ToPlacements) for hook in hooks.values()):
+        weight.register_hook(_ToPlacements(tuple(weight.placements)))
+
+
+class _ToPlacements:
+    """The gradient hook: the gradient redistributed to the weight's placements (a local slice)."""
+
+    def __init__(self, placements: tuple[Placement, ...]) -> None:
+        self.placements = placements
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        return _to_placements(grad, self.placements)
 
 
 def _to_placements(grad: torch.Tensor, placements: Sequence[Placement]) -> torch.Tensor:

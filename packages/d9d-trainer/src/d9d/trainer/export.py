@@ -133,7 +133,12 @@ class Exporter:
             tmp.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
             tmp.replace(target / "adapter_config.json")
         self._context.barrier()
-        _log.info("exported LoRA adapters", dir=str(target), tensors=len(state))
+        if self._context.is_main_process:  # one line for the job; `tensors`: the file's (every stage's)
+            from safetensors import safe_open
+
+            with safe_open(str(target / "adapter_model.safetensors"), "pt") as written:
+                count = len(list(written.keys()))
+            _log.info("exported LoRA adapters", dir=str(target), tensors=count)
         return target
 
     def _lora_base(self) -> str:

@@ -31,6 +31,7 @@ from transformers import PretrainedConfig
 
 from d9d.mesh import DistributedContext
 from d9d.parallel import ReplicateParallel, TensorParallelPlan, parallelize_tensor_parallel
+from d9d.trainer.hf.errors import HFModelError
 
 __all__ = [
     "STYLES",
@@ -156,7 +157,13 @@ def apply_tensor_parallel(
         return
     mesh = context.mesh("dense")
     ties = _tied_parameters(model)
-    parallelize_tensor_parallel(model, mesh, tensor_parallel_plan(model, config, prefix))
+    plan = tensor_parallel_plan(model, config, prefix)
+    if not plan:  # nothing would be split: every rank would compute the whole model
+        raise HFModelError(
+            f"mesh.tensor_parallel: the base_model_tp_plan of model_type {config.model_type!r} names no module of the model under "
+            f"{prefix or 'its root'!r}; set mesh.tensor_parallel: 1"
+        )
+    parallelize_tensor_parallel(model, mesh, plan)
     replicated: TensorParallelPlan = {
         path: ReplicateParallel()
         for path, module in model.named_modules()
