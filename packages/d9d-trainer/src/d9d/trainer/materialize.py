@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from d9d.mesh import D9dError
 
-__all__ = ["ModelInitError", "materialize_and_initialize"]
+__all__ = ["ModelInitError", "materialize_and_initialize", "shared_parameters"]
 
 
 class ModelInitError(D9dError, TypeError):
@@ -40,7 +40,7 @@ def materialize_and_initialize(
         init_device: where the unsharded copies are initialized; default `device`.
     """
     init_on = torch.device(init_device) if init_device is not None else torch.device(device)
-    ties = _shared_parameters(model)
+    ties = shared_parameters(model)
     model.to_empty(device=device)
     for (module, name), (owner, owner_name) in ties.items():  # to_empty gives each user its own copy
         module._parameters[name] = owner._parameters[owner_name]
@@ -70,7 +70,7 @@ def materialize_and_initialize(
                 _copy_into(target, full[name])
 
 
-def _shared_parameters(model: nn.Module) -> dict[tuple[nn.Module, str], tuple[nn.Module, str]]:
+def shared_parameters(model: nn.Module) -> dict[tuple[nn.Module, str], tuple[nn.Module, str]]:
     """(module, name) of every repeated use of a parameter → (module, name) of its first use."""
     first: dict[int, tuple[nn.Module, str]] = {}
     ties: dict[tuple[nn.Module, str], tuple[nn.Module, str]] = {}

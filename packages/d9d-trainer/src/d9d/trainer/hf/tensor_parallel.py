@@ -32,6 +32,7 @@ from transformers import PretrainedConfig
 from d9d.mesh import DistributedContext
 from d9d.parallel import ReplicateParallel, TensorParallelPlan, parallelize_tensor_parallel
 from d9d.trainer.hf.errors import HFModelError
+from d9d.trainer.materialize import shared_parameters
 
 __all__ = [
     "STYLES",
@@ -156,7 +157,7 @@ def apply_tensor_parallel(
     if context.axis_size("tp") == 1:
         return
     mesh = context.mesh("dense")
-    ties = _tied_parameters(model)
+    ties = shared_parameters(model)  # DTensor styles replace parameters: re-tie them after
     plan = tensor_parallel_plan(model, config, prefix)
     if not plan:  # nothing would be split: every rank would compute the whole model
         raise HFModelError(
@@ -172,21 +173,6 @@ def apply_tensor_parallel(
     parallelize_tensor_parallel(model, mesh, replicated)
     for (module, name), (owner, owner_name) in ties.items():
         module._parameters[name] = owner._parameters[owner_name]
-
-
-def _tied_parameters(model: nn.Module) -> dict[tuple[nn.Module, str], tuple[nn.Module, str]]:
-    """(module, name) of every later use of a shared parameter → (module, name) of its first use."""
-    first: dict[int, tuple[nn.Module, str]] = {}
-    ties: dict[tuple[nn.Module, str], tuple[nn.Module, str]] = {}
-    for module in model.modules():
-        for name, param in module._parameters.items():
-            if param is None:
-                continue
-            if id(param) in first:
-                ties[(module, name)] = first[id(param)]
-            else:
-                first[id(param)] = (module, name)
-    return ties
 
 
 def _join(prefix: str, name: str) -> str:
