@@ -198,6 +198,47 @@ class DistributedContext:
             step_timeout=_DEFAULT_STEP_TIMEOUT,
         )
 
+    def tensor_parallel_view(self) -> "DistributedContext":
+        """Planning mode only: this rank on a mesh of its own tensor-parallel group.
+
+        Every other degree is 1, so a model shaped on the view is split as the job's tensor
+        parallelism splits it but is neither sharded (FSDP needs real memory) nor pipelined; `d9d
+        plan` runs a forward on such a meta-device model to count activations.
+        The view's meshes are built over the real global ranks of the group in this process's fake
+        process group; closing the view leaves that group alone.
+        """
+        if self._mode != "planning":
+            raise D9dError(
+                "tensor_parallel_view() is for planning contexts (DistributedContext.for_planning)"
+            )
+        full = self._config
+        sub = MeshConfig(tensor_parallel=full.tensor_parallel)
+        dense = self._coords["dense"]
+        group = (
+            domain_layout(full, "dense")
+            .grid[dense["pp"], dense["dp_replicate"], dense["dp_shard"], dense["cp"]]
+            .reshape(-1)
+        )
+        meshes = {
+            domain: DeviceMesh(
+                "cpu",
+                torch.as_tensor(group[domain_layout(sub, domain).grid]),
+                mesh_dim_names=domain_layout(sub, domain).axes,
+            )
+            for domain in DOMAINS
+        }
+        return DistributedContext(
+            sub,
+            mode="planning",
+            rank=int(list(group).index(self._rank)),
+            local_rank=0,
+            local_world_size=sub.world_size,
+            device=torch.device("cpu"),
+            meshes=meshes,
+            owns_process_group=False,
+            step_timeout=self._step_timeout,
+        )
+
     # ------------------------------------------------------------------ where am I
 
     @property

@@ -239,17 +239,25 @@ def _memory_lines(job_plan: "JobPlan", config: "JobConfig") -> list[str]:
         f"  optimizer   {format_size(est.optimizer):>10}  ({job_plan.optimizer_states.description})",
     ]
     if acts is not None:
+        flight = ""
+        if any(n > 1 for n in acts.in_flight):
+            flight = f" × {'+'.join(str(n) for n in acts.in_flight)} in flight"
+        dtype = compute
+        if config.trainer.precision.param_dtype == "auto":
+            dtype = f"{compute}, the auto dtype on CUDA (a CPU run computes in float32: about 2×)"
         lines.append(
-            f"  activations {format_size(acts.checkpointed):>10}  (one microbatch of {acts.tokens} tokens in "
-            f"{compute}, checkpointing {ac.mode}; none: {format_size(acts.plain)}, full: {format_size(acts.full)})"
+            f"  activations {format_size(acts.checkpointed):>10}  (one microbatch of {acts.tokens} tokens"
+            f"{flight} in {dtype}, checkpointing {ac.mode}; none: {format_size(acts.plain)}, full: "
+            f"{format_size(acts.full)})"
         )
     else:
         lines.append(f"  activations {'?':>10}  ({memory.activations_note})")
     lines.append(f"  total       {format_size(memory.total):>10}")
     if acts is not None:
-        lines.append(
-            f"  activation estimate assumes: {_activation_assumptions(mesh, config.pipelining.schedule)}"
-        )
+        if acts.per_pp_rank:
+            per_rank = ", ".join(f"pp rank {r}: {format_size(b)}" for r, b in enumerate(acts.per_pp_rank))
+            lines.append(f"  activations per pp rank (checkpointing {ac.mode}): {per_rank}")
+        lines.append(f"  activation estimate assumes: {_activation_assumptions(mesh, acts.in_flight_note)}")
     return lines
 
 
@@ -356,7 +364,7 @@ def _bubble_lines(pipeline: "PipelinePlan") -> list[str]:
     return [f"  bubble: {head}", f"  bubble assumes: {assumes}"]
 
 
-def _activation_assumptions(mesh: "MeshConfig", schedule: str) -> str:
+def _activation_assumptions(mesh: "MeshConfig", in_flight: str) -> str:
     """What the activation figure assumes, in one line (see `estimate_activations`)."""
     parts = ["attention saves what a fused (flash) kernel saves"]
     if mesh.context_parallel > 1:
@@ -365,10 +373,10 @@ def _activation_assumptions(mesh: "MeshConfig", schedule: str) -> str:
             "all-gathers (full length)"
         )
     if mesh.tensor_parallel > 1:
-        parts.append(f"divided by tp {mesh.tensor_parallel}")
-    if mesh.pipeline_parallel > 1:
-        other = "" if schedule == "1f1b" else f"; the {schedule} schedule keeps another number in flight"
         parts.append(
-            f"all the layers with up to pp {mesh.pipeline_parallel} microbatches in flight (1F1B{other})"
+            f"tensor parallel {mesh.tensor_parallel} as the model provider splits the model (what it "
+            "keeps whole counts whole)"
         )
+    if mesh.pipeline_parallel > 1:
+        parts.append(f"this rank's stages; {in_flight}")
     return "; ".join(parts)

@@ -10,8 +10,9 @@ built (`d9d.trainer.build.shape_model`), so a job the trainer would refuse is re
 
 import copy
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
+import msgspec
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,6 +21,7 @@ from torch.overrides import TorchFunctionMode
 from d9d.mesh import DistributedContext
 from d9d.parallel import (
     ActivationCheckpointingConfig,
+    CompileConfig,
     MixedPrecision,
     apply_activation_checkpointing,
     parallelize_context_parallel,
@@ -27,10 +29,15 @@ from d9d.parallel import (
 )
 from d9d.trainer.build import shape_model
 from d9d.trainer.job import ResolvedJob
-from d9d.trainer.providers import InitializeModelStageContext, LossContext
+from d9d.trainer.providers import (
+    InitializeModelStageContext,
+    LossContext,
+    ParallelizeModelStageContext,
+    PipelineTask,
+)
 
 if TYPE_CHECKING:
-    from d9d.trainer.planning.job_plan import JobPlan
+    from d9d.trainer.planning.job_plan import JobPlan, PipelinePlan
 
 __all__ = [
     "ActivationEstimate",
@@ -95,19 +102,30 @@ def estimate_memory(
 
 @dataclass(frozen=True)
 class ActivationEstimate:
-    """Bytes one microbatch saves for backward on one rank, without and with the job's checkpointing.
+    """Bytes saved for backward on one rank at the step's peak, without and with the job's checkpointing.
+
+    Each figure is one microbatch's saved activations of every stage the rank runs, times the
+    microbatches that stage holds in flight under the schedule (`in_flight`; 1 without pipeline
+    parallelism).
 
     Attributes:
         plain: no activation checkpointing.
         checkpointed: with `trainer.activation_checkpointing` as configured (`plain` for `none`).
         full: with every block checkpointed.
         tokens: microbatch size × sequence length the forward ran on (this rank's share under cp).
+        in_flight: per stage of this rank (stage order), the microbatches it holds at once.
+        in_flight_note: how `in_flight` follows from the schedule ("" without pipeline parallelism).
+        per_pp_rank: under pipeline parallelism, `checkpointed` of every pp rank (index: pp
+            coordinate), whose stages and microbatches in flight differ; () without.
     """
 
     plain: int
     checkpointed: int
     full: int
     tokens: str
+    in_flight: tuple[int, ...] = (1,)
+    in_flight_note: str = ""
+    per_pp_rank: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -194,6 +212,7 @@ def _activations(
             seq_len=sequence.seq_len,
             microbatch_size=plan.batching.microbatch_size,
             precision=plan.precision,
+            pipeline=plan.pipeline,
         )
     except Exception as exc:  # a forward that cannot run on meta (e.g. MoE routing) is not an error
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -208,6 +227,7 @@ def estimate_activations(
     seq_len: int,
     microbatch_size: int,
     precision: MixedPrecision,
+    pipeline: "PipelinePlan | None" = None,
 ) -> ActivationEstimate:
     """Run the task's loss on the meta device (no memory) and count what autograd saves for backward.
 
@@ -218,10 +238,15 @@ def estimate_activations(
     (seq_len / cp tokens), so everything is counted at that length except the K/V that attention
     all-gathers, which it keeps at the full length for backward. `F.scaled_dot_product_attention` is
     counted as the fused kernels on CUDA and CPU save it (q, k, v, output, float32 log-sum-exp), not
-    as its math path, which the meta device would take (a float32 seq × seq matrix). Tensor
-    parallelism divides activations by tp (sequence-parallel norms, split heads); a pipeline stage
-    holds 1/pp of the layers but, with 1F1B, up to pp microbatches in flight, so pp leaves the
-    figure as it is.
+    as its math path, which the meta device would take (a float32 seq × seq matrix).
+
+    Under tensor or pipeline parallelism the model is built and parallelized by its provider as the
+    rank's stages, on the rank's tensor-parallel group alone
+    (`DistributedContext.tensor_parallel_view`: no FSDP, which needs real memory; the cp group is
+    then given as in the one-process path), so what tensor
+    parallelism splits and what it keeps whole (e.g. the embedding's output, the loss) is counted as
+    it runs. Each stage runs the previous stage's output; the rank's figure adds each of its stages
+    times the microbatches the schedule keeps in flight there (`_in_flight`).
 
     Raises:
         Exception: whatever the model's forward raised on the meta device (e.g. data-dependent MoE
@@ -229,6 +254,10 @@ def estimate_activations(
     """
     config = job.config.trainer.activation_checkpointing
     mesh = job.config.mesh
+    local = seq_len // mesh.context_parallel
+    tokens = f"{microbatch_size} × {local}"
+    if mesh.tensor_parallel > 1 or pipeline is not None:
+        return _split_activations(job, context, seq_len, microbatch_size, precision, pipeline, tokens)
     with torch.device("meta"):
         base = job.model_provider.initialize_model_stage(
             InitializeModelStageContext(context=context, base_dir=job.loaded.base_dir, precision=precision)
@@ -253,15 +282,151 @@ def estimate_activations(
             return job.task.compute_loss(LossContext(model=model, batch=batch, device=torch.device("meta")))
 
         with _AttentionAsFusedKernel():
-            saved = saved_activation_bytes(loss, exclude=model.parameters())
-        return -(-saved // mesh.tensor_parallel)
+            return saved_activation_bytes(loss, exclude=model.parameters())
 
     plain = measure("none")
     full = measure("full")
     checkpointed = {"none": plain, "full": full}.get(config.mode) or measure(config.mode)
-    local = seq_len // mesh.context_parallel
+    return ActivationEstimate(plain=plain, checkpointed=checkpointed, full=full, tokens=tokens)
+
+
+def _split_activations(
+    job: ResolvedJob,
+    context: DistributedContext,
+    seq_len: int,
+    microbatch_size: int,
+    precision: MixedPrecision,
+    pipeline: "PipelinePlan | None",
+    tokens: str,
+) -> ActivationEstimate:
+    """`estimate_activations` under tensor or pipeline parallelism: the rank's stages as its provider
+    parallelizes them, on the view of its tp group."""
+    config = job.config
+    ac = config.trainer.activation_checkpointing
+    view = context.tensor_parallel_view()
+    stages: tuple[Any, ...] = pipeline.stages if pipeline is not None else (None,)
+    in_flight, note = _in_flight(pipeline, stages)
+    shape = (microbatch_size, seq_len)
+    full_batch: Any = {
+        name: torch.zeros(shape, dtype=torch.long, device="meta") for name in ("input_ids", "labels")
+    }
+
+    def measure(mode: str, stages: tuple[Any, ...] = stages, in_flight: tuple[int, ...] = in_flight) -> int:
+        models = [_shaped(job, view, precision, stage, pipeline, msgspec.structs.replace(ac, mode=mode))
+                  for stage in stages]  # fmt: skip
+        batch = full_batch
+        if config.mesh.context_parallel > 1:
+            cp = [parallelize_context_parallel(model, context.mesh("dense")) for model in models][0]  # noqa: RUF015 (every stage gets the group)
+            batch = cp.shard_batch(batch)
+        if pipeline is None:
+            (model,) = models
+
+            def loss() -> object:
+                return job.task.compute_loss(
+                    LossContext(model=model, batch=batch, device=torch.device("meta"))
+                )
+
+            with _AttentionAsFusedKernel():
+                return saved_activation_bytes(loss, exclude=model.parameters())
+        task = cast(PipelineTask, job.task)
+        x, target = task.pipeline_inputs(batch)
+        total = 0
+        for model, stage, count in zip(models, stages, in_flight, strict=True):
+            if stage.index > 0:  # a stage receives the output of the stage before it (on any rank)
+                x = _stage_input(job, view, precision, pipeline, stage.index - 1, batch)
+            run_x = x
+
+            def forward(model: nn.Module = model, stage: Any = stage, run_x: Any = run_x) -> object:
+                out = model(run_x)
+                return task.pipeline_loss(out, target) if stage.is_last else out
+
+            with _AttentionAsFusedKernel():
+                total += count * saved_activation_bytes(forward, exclude=model.parameters())
+        return total
+
+    plain = measure("none")
+    full = measure("full")
+    checkpointed = {"none": plain, "full": full}.get(ac.mode) or measure(ac.mode)
+    per_pp_rank: tuple[int, ...] = ()
+    if pipeline is not None:
+        layout = pipeline.layout
+        per_pp_rank = tuple(
+            measure(ac.mode, layout.stages_of_rank(r), _in_flight(pipeline, layout.stages_of_rank(r))[0])
+            for r in range(layout.pp_size)
+        )
     return ActivationEstimate(
-        plain=plain, checkpointed=checkpointed, full=full, tokens=f"{microbatch_size} × {local}"
+        plain=plain, checkpointed=checkpointed, full=full, tokens=tokens, in_flight=in_flight,
+        in_flight_note=note, per_pp_rank=per_pp_rank,
+    )  # fmt: skip
+
+
+def _shaped(
+    job: ResolvedJob,
+    view: DistributedContext,
+    precision: MixedPrecision,
+    stage: Any,
+    pipeline: "PipelinePlan | None",
+    ac: Any,
+) -> nn.Module:
+    """One stage (or the whole model) on the meta device, parallelized by its provider on `view`, in
+    the compute dtype."""
+    where: dict[str, Any] = {
+        "stage_index": stage.index if stage is not None else 0,
+        "num_stages": pipeline.layout.num_stages if pipeline is not None else 1,
+        "stage": stage,
+        "base_dir": job.loaded.base_dir,
+    }
+    with torch.device("meta"):
+        model = job.model_provider.initialize_model_stage(
+            InitializeModelStageContext(context=view, precision=precision, **where)
+        ).model
+    job.model_provider.parallelize_model_stage(
+        ParallelizeModelStageContext(
+            context=view,
+            model=model,
+            precision=precision,
+            activation_checkpointing=ac,
+            compile=CompileConfig(),
+            lora=job.config.peft.lora,
+            **where,
+        )
+    )
+    return model.to(precision.param_dtype)
+
+
+def _stage_input(
+    job: ResolvedJob,
+    view: DistributedContext,
+    precision: MixedPrecision,
+    pipeline: "PipelinePlan | None",
+    index: int,
+    batch: Any,
+) -> Any:
+    """What stage `index + 1` receives: stage `index`'s output (run from the first stage, no grad),
+    detached and requiring grad as the schedule hands it over."""
+    assert pipeline is not None
+    task = cast(PipelineTask, job.task)
+    x, _ = task.pipeline_inputs(batch)
+    with torch.no_grad():
+        for stage in pipeline.layout.stages[: index + 1]:
+            x = _shaped(job, view, precision, stage, pipeline, ActivationCheckpointingConfig())(x)
+    return x.detach().requires_grad_(x.is_floating_point())
+
+
+def _in_flight(pipeline: "PipelinePlan | None", stages: tuple[Any, ...]) -> tuple[tuple[int, ...], str]:
+    """Per stage of `stages` (one pp rank's), the microbatches whose activations it holds at once, and how."""
+    if pipeline is None:
+        return (1,), ""
+    schedule = pipeline.layout.config.schedule
+    m, p = pipeline.microbatches_per_step, pipeline.layout.pp_size
+    if schedule == "1f1b":
+        counts = tuple(min(p - stage.index, m) for stage in stages)
+        return counts, "1F1B: stage s holds min(pp − s, microbatches) forwards before its first backward"
+    if schedule == "gpipe":
+        return tuple(m for _ in stages), "GPipe: every microbatch's forward before any backward"
+    return (
+        tuple(m for _ in stages),
+        f"{schedule}: an upper bound (every microbatch in flight on every stage); the schedule keeps fewer",
     )
 
 
