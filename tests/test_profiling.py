@@ -4,7 +4,7 @@ those steps; the traces parse and hold the step's operators."""
 import gzip
 import json
 
-from _quickstart import overrides, records, train
+from _quickstart import overrides, records, run_local, train
 
 PROFILE = ["trainer.profiling={start_step: 2, active_steps: 2}"]
 
@@ -32,3 +32,13 @@ def test_every_rank_writes_its_own_trace_under_fsdp_2(tmp_path):
                        f"trainer.profiling={{start_step: 1, active_steps: 1, dir: {profile_dir}}}"))  # fmt: skip
     assert sorted(p.name for p in profile_dir.iterdir()) == ["rank-0-step-1.json.gz", "rank-1-step-1.json.gz"]
     assert all(_trace(p)["traceEvents"] for p in profile_dir.iterdir())
+
+
+def test_profiling_on_cpu_leaves_the_console_free_of_the_profilers_own_lines(tmp_path):
+    done = run_local(overrides(tmp_path, "quiet", 2, "trainer.profiling={start_step: 2, active_steps: 1}"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "quiet" / "profile" / "rank-0-step-2.json.gz").exists()
+    console = done.stdout + done.stderr
+    for kineto in ("USDT:", "STAGE:", "gpuGetDeviceCount", "SyncActivityProfilerHandler"):
+        assert kineto not in console, console[-2000:]
+    assert "profiled step" in console

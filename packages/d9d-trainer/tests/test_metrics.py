@@ -59,3 +59,25 @@ def test_a_log_line_clears_the_progress_line_first():
     assert out.index("3/10") < cleared < out.index("a log line") < out.index("4/10")
     assert out.count("\r\033[K") == 1  # after close() the handler is left alone
     assert out.endswith("after the end\n")
+
+
+def test_the_progress_line_shows_a_logging_steps_own_loss_and_names_the_step_of_an_older_one(tmp_path):
+    from d9d.trainer.records import StepRecords
+    from d9d.trainer.step.base import StepOutput
+
+    tty = _Tty()
+    records = StepRecords(tmp_path / "metrics.jsonl", writer=True, total=6, period=3, launch="l", peak_flops=None,
+                         world_size=1, device=torch.device("cpu"), progress=ProgressLine(6, 0, stream=tty))  # fmt: skip
+    shown = []
+    for step in range(1, 7):
+        loss = torch.tensor(float(step), dtype=torch.float64)
+        records.add(step, StepOutput(loss, loss, torch.tensor(4.0, dtype=torch.float64), True),
+                    lr=0.1, step_time_s=0.01)  # fmt: skip
+        shown.append(tty.getvalue().rsplit("\r", 1)[-1])
+    records.close()
+    # steps 1 (the first), 3 and 6 are logging steps: their own loss; the others name the step
+    assert "1/6 loss 1.0000 eta" in shown[0]
+    assert "2/6 loss 1.0000 (step 1) eta" in shown[1]
+    assert "3/6 loss 3.0000 eta" in shown[2]
+    assert "5/6 loss 3.0000 (step 3) eta" in shown[4]
+    assert "6/6 loss 6.0000 eta" in shown[5]

@@ -29,7 +29,7 @@ __all__ = ["LogFormat", "configure_logging", "get_logger", "rank_log_path"]
 LogFormat = Literal["console", "json"]
 
 _HANDLER_MARK = "_d9d_handler"
-_EVENT_WIDTH = 32
+_LABEL_WIDTH = 45
 #: Libraries that install their own stderr handlers (and stop propagation) on import.
 _SELF_HANDLED_LOGGERS = ("torch",)
 
@@ -84,9 +84,10 @@ def _render_console(_logger: Any, _method: str, event_dict: dict[str, Any]) -> s
     exception = event_dict.pop("exception", None)
     stack = event_dict.pop("stack", None)
     tag = f"[{_RANK.tag}]".ljust(_RANK.tag_width + 2)
-    head = f"{timestamp} {level:<7} {tag} {name}: " if name else f"{timestamp} {level:<7} {tag} "
+    head = f"{timestamp} {level:<7} {tag} "
+    label = f"{name}: {event}" if name else event  # padded together: columns line up across loggers
     pairs = "  ".join(f"{k}={_format_value(v)}" for k, v in event_dict.items())
-    line = head + (f"{event:<{_EVENT_WIDTH}}  {pairs}" if pairs else event)
+    line = head + (f"{label:<{_LABEL_WIDTH}}  {pairs}" if pairs else label)
     for extra in (stack, exception):
         if extra:
             line += "\n" + str(extra)

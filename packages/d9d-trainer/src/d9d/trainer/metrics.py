@@ -90,8 +90,10 @@ class ProgressLine:
             self._shown = ""
         return True
 
-    def update(self, step: int, loss: float | None) -> None:
-        """Show `step/total`, the last logged loss (None: none yet) and the time left."""
+    def update(self, step: int, loss: float | None, loss_step: int | None = None) -> None:
+        """Show `step/total`, the last logged loss (None: none yet) with the step it is from (it is
+        read at logging steps only: reading every step's loss would wait for the device) and the time
+        left."""
         if not self._enabled:
             return
         done = step - self._start
@@ -101,6 +103,8 @@ class ProgressLine:
         filled = int(width * step / self._total)
         bar = "#" * filled + "." * (width - filled)
         shown = f"{loss:.4f}" if loss is not None else "-"
+        if loss is not None and loss_step is not None and loss_step != step:
+            shown += f" (step {loss_step})"
         self._shown = f"[{bar}] {step}/{self._total} loss {shown} eta {left:5.0f}s "
         self._stream.write("\r" + self._shown)
         self._stream.flush()

@@ -69,6 +69,11 @@ class StepProfiler:
             yield
             return
         self._directory.mkdir(parents=True, exist_ok=True)
+        if self._device.type != "cuda":
+            # Kineto (the profiler's C++ collector) prints its stages and a failed GPU probe to stderr
+            # on every start and stop; without a GPU none of it says anything. Its level is read when
+            # it first starts, so this takes effect here; a KINETO_LOG_LEVEL the user set stays.
+            os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self._device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)

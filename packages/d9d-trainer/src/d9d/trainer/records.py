@@ -100,6 +100,7 @@ class StepRecords:
         self._pending: list[_Pending] = []
         self._last_log = time.perf_counter()
         self._last_loss: float | None = None
+        self._last_loss_step: int | None = None
         self.flops_per_token: float | None = None
         self.losses: list[float] = []
         self.tokens = 0.0
@@ -122,10 +123,10 @@ class StepRecords:
         )
         if evaluation is not None:
             self._last_log += evaluation.wall_s  # tokens/s counts training time only
-        if self._progress is not None:
-            self._progress.update(step, self._last_loss)
         if step % self._period == 0 or step == self._total or step == self._first or evaluation is not None:
             self.flush(log=True)
+        if self._progress is not None:  # after a logging step's flush: its own loss, not the one before
+            self._progress.update(step, self._last_loss, self._last_loss_step)
 
     def flush(self, *, log: bool = False) -> None:
         """Read the pending results from the device (one sync) and append them to the metrics file."""
@@ -166,7 +167,7 @@ class StepRecords:
             )
         self.losses += [r["loss"] for r in records]
         self.tokens += sum(r["tokens"] for r in records)
-        self._last_loss = records[-1]["loss"]
+        self._last_loss, self._last_loss_step = records[-1]["loss"], records[-1]["step"]
         if not self._writer:
             return
         self._path.parent.mkdir(parents=True, exist_ok=True)

@@ -267,21 +267,26 @@ class Trainer:
         tcfg = config.trainer
         provider = self._job.model_provider
         described = dict(provider.describe_model()) if isinstance(provider, DescribesModel) else {}
+        params = sum(p.numel() for p in model.parameters())  # a DTensor counts its global size
+        local_params = sum(_local_numel(p) for p in model.parameters())
+        optional: dict[str, Any] = {  # only what says more than the fields before it
+            "local_params": local_params if local_params != params else None,
+            "device_name": ctx.device_name if ctx.device_name != str(ctx.device) else None,
+            "cpu_threads": self._threads if ctx.device.type == "cpu" else None,
+            "activation_checkpointing": (
+                tcfg.activation_checkpointing.mode if tcfg.activation_checkpointing.mode != "none" else None
+            ),
+            "compile": True if tcfg.compile.enabled else None,
+        }
         _log.info(
             "job built",
-            run=tcfg.run.name,
             run_dir=str(self.run_dir.resolve()),
             mesh=config.mesh.describe_degrees(),
-            data_parallel=config.mesh.data_parallel,
             microbatches_per_step=plan.batching.microbatches_per_step if plan.batching is not None else None,
-            params=sum(p.numel() for p in model.parameters()),  # a DTensor counts its global size
-            local_params=sum(_local_numel(p) for p in model.parameters()),
+            params=params,
             device=str(ctx.device),
-            device_name=ctx.device_name,
-            cpu_threads=self._threads,
             precision=plan.precision.describe(),
-            activation_checkpointing=tcfg.activation_checkpointing.mode,
-            compile=tcfg.compile.enabled,
+            **{key: value for key, value in optional.items() if value is not None},
             **described,  # the model provider's own account (e.g. which backend built the model)
         )
 
