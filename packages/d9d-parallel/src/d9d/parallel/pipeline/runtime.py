@@ -166,6 +166,13 @@ class Pipeline:
         The gradients of tied parameters' copies are summed over their holders at the end of every
         call, so zero the gradients between calls (as an optimizer step does).
 
+        Nothing saved for backward outlives the call, on any stage of any schedule, the first call's
+        metadata-inference forward included (d9d-parallel's tests/pipeline/test_saved_tensors.py). A
+        `saved_tensors_hooks` pack hook around the call must keep `tensor.detach()`, not `tensor`: a
+        kept saved output refers back to the node that saved it, a cycle gc cannot free when no
+        backward runs over that node (torch 2.15 runs stage 0's inference forward and no backward
+        over it: its inputs are token ids).
+
         Args:
             inputs: per microbatch, the first stage's input (a tensor, or a tuple of positional
                 tensors), of the same shapes every step; read only on the rank with the first stage
