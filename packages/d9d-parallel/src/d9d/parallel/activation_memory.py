@@ -26,7 +26,7 @@ def saved_activation_bytes(fn: Callable[[], Any], *, exclude: Iterable[torch.Ten
         key = _storage_key(tensor)
         if key not in excluded and key not in seen:
             seen[key] = _nbytes(tensor)
-            keep.append(tensor)
+            keep.append(tensor.detach())  # its grad_fn would make a cycle gc cannot free
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):

@@ -153,6 +153,12 @@ class StepBase:
         """
         self.mark("forward_backward")
         loads, self._loads = self._loads, None
+        for layer in self.moes:  # backward is done: the stats' graph would outlive the step
+            stats = layer.last_stats
+            if stats is not None:
+                layer.last_stats = dataclasses.replace(
+                    stats, aux_loss=stats.aux_loss.detach(), z_loss=stats.z_loss.detach()
+                )
         output = self._update(loss, weight, step)
         if loads is not None:
             if output.applied:
