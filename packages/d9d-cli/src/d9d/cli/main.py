@@ -18,6 +18,7 @@ COMMANDS: dict[str, str] = {
     "checkpoints": "List a run's checkpoints; flag unfinished ones.",
     "metrics": "Summarize (and plot) a run's metrics; several runs to compare them.",
     "export": "Export a checkpoint as safetensors.",
+    "data": "Prepare a corpus for training: tokenize it once into shards.",
 }
 
 #: The group's own options and their help, as `d9d.cli._group` declares them.
@@ -37,7 +38,8 @@ Examples:
   torchrun --nproc-per-node 4 -m d9d.cli train config.yaml --set mesh.data_parallel_shard=4
   d9d checkpoints runs/quickstart
   d9d metrics runs/quickstart
-  d9d export runs/quickstart --out exported/"""
+  d9d export runs/quickstart --out exported/
+  d9d data prepare corpus/ --out prepared/ --workers 4"""
 
 _HELP_OPTIONS = ("--help", "-h")
 

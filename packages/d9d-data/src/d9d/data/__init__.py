@@ -24,7 +24,9 @@ from d9d.data.batching import (
     steps_per_epoch,
 )
 from d9d.data.config import AutoDataConfig
+from d9d.data.datasets.mixture import MixtureDataset
 from d9d.data.datasets.packed import IGNORE_INDEX, CausalLMSample, PackedTokens
+from d9d.data.datasets.prepared import PreparedDataset
 from d9d.data.datasets.sft import SFTDataset, SFTStats
 from d9d.data.datasets.text import TextDataset
 from d9d.data.datasets.token_file import TokenFileDataset, TokenFileInfo, write_token_file
@@ -47,6 +49,7 @@ from d9d.data.packing import (
     pack_lengths,
 )
 from d9d.data.placement import DataPlacement
+from d9d.data.prepare import PreparedIndex, PreparedShard, prepare_dataset, read_index
 from d9d.data.protocol import (
     DataProvider,
     DeclaresDocumentMasking,
@@ -75,8 +78,12 @@ __all__ = [
     "DeclaresVocabSize",
     "EpochOrder",
     "MapDataset",
+    "MixtureDataset",
     "PackedTokens",
     "PipelineStages",
+    "PreparedDataset",
+    "PreparedIndex",
+    "PreparedShard",
     "SFTDataset",
     "SFTStats",
     "SizedDataProvider",
@@ -98,7 +105,9 @@ __all__ = [
     "microbatches_per_rank",
     "pack_lengths",
     "pin_memory_enabled",
+    "prepare_dataset",
     "rank_slice",
+    "read_index",
     "step_sample_indices",
     "steps_per_epoch",
     "to_device",

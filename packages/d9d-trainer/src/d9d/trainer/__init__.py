@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports t
     from d9d.trainer.materialize import materialize_and_initialize
     from d9d.trainer.metrics_file import read_metrics
     from d9d.trainer.planning import JobPlan, MemoryPlan, PipelinePlan, SequencePlan, plan_job
+    from d9d.trainer.prepared_data import MixtureSource, PreparedDataConfig, PreparedDataProvider
     from d9d.trainer.providers import (
         Batching,
         BuildDataProviderContext,
@@ -84,6 +85,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "materialize": ("materialize_and_initialize",),
     "metrics_file": ("read_metrics",),
     "planning": ("JobPlan", "MemoryPlan", "PipelinePlan", "SequencePlan", "plan_job"),
+    "prepared_data": ("MixtureSource", "PreparedDataConfig", "PreparedDataProvider"),
     "providers": (
         "Batching",
         "BuildDataProviderContext",
@@ -151,6 +153,7 @@ __all__ = [
     "LossContext",
     "LossResult",
     "MemoryPlan",
+    "MixtureSource",
     "ModelProvider",
     "OptimizerProvider",
     "OptimizerStates",
@@ -162,6 +165,8 @@ __all__ = [
     "PrepareExportModelStageResult",
     "PrepareImportModelStageContext",
     "PrepareImportModelStageResult",
+    "PreparedDataConfig",
+    "PreparedDataProvider",
     "ResolvedJob",
     "SequencePlan",
     "SupportsClose",

@@ -1,0 +1,217 @@
+"""`prepare_dataset` / `PreparedDataset`: the tokens of every document with an EOS after each, the
+same bytes for any number of workers, a killed prepare continues without redoing finished shards,
+and bad sources are refused with the file and line, leaving nothing half-written."""
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from d9d.data import ByteTokenizer, DatasetError, PreparedDataset, prepare_dataset, read_index
+
+
+def _corpus(root: Path) -> tuple[Path, list[str]]:
+    """A source folder of .txt, .jsonl and .jsonl.gz files, and its documents in prepare order."""
+    src = root / "src"
+    (src / "web").mkdir(parents=True)
+    docs: list[str] = []
+    book = "It was the best of times, it was the worst of times.\n" * 7
+    (src / "a_book.txt").write_text(book, encoding="utf-8")
+    lines = [{"text": f"page {i}: " + "lorem ipsum " * (i % 5 + 1), "id": i} for i in range(40)]
+    (src / "web" / "b.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in lines[:25]) + "\n", encoding="utf-8"
+    )  # a blank last line is skipped
+    with gzip.open(src / "web" / "c.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in lines[25:]))
+    (src / "notes.md").write_text("not a source", encoding="utf-8")
+    (src / ".hidden").mkdir()
+    (src / ".hidden" / "skip.txt").write_text("hidden folders are skipped", encoding="utf-8")
+    docs = [book, *(r["text"] for r in lines)]
+    return src, docs
+
+
+def test_a_prepared_folder_holds_every_document_followed_by_eos_and_reads_as_samples(tmp_path):
+    src, docs = _corpus(tmp_path)
+    index = prepare_dataset(src, tmp_path / "out", progress=False)
+    tok = ByteTokenizer()
+    expected = np.concatenate([np.append(tok.encode(d), tok.eos_id) for d in docs]).astype(np.int64)
+    assert [Path(s.source).name for s in index.shards] == ["a_book.txt", "b.jsonl", "c.jsonl.gz"]
+    assert [s.documents for s in index.shards] == [1, 25, 15]
+    assert index.documents == len(docs) and index.tokens == len(expected)
+    assert read_index(tmp_path / "out") == index
+    dataset = PreparedDataset(tmp_path / "out", 16, document_masking=True)
+    assert len(dataset) == (len(expected) - 1) // 16
+    for i in range(len(dataset)):  # windows cross the shard boundaries
+        sample = dataset[i]
+        assert np.array_equal(sample["input_ids"].numpy(), expected[i * 16 : i * 16 + 16])
+        assert np.array_equal(sample["labels"].numpy(), expected[i * 16 + 1 : i * 16 + 17])
+    assert dataset.vocab_size == tok.vocab_size and dataset.eos_id == tok.eos_id
+
+
+def test_the_output_is_the_same_bytes_whatever_the_number_of_workers(tmp_path):
+    src, _ = _corpus(tmp_path)
+    prepare_dataset(src, tmp_path / "one", workers=1, progress=False)
+    prepare_dataset(src, tmp_path / "three", workers=3, progress=False)
+    names = sorted(p.name for p in (tmp_path / "one").iterdir())
+    assert names == ["index.json", "shard-00000.bin", "shard-00001.bin", "shard-00002.bin"]
+    assert names == sorted(p.name for p in (tmp_path / "three").iterdir())
+    for name in names:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "three" / name).read_bytes(), name
+
+
+def test_a_finished_prepare_run_again_returns_at_once_and_another_corpus_there_is_refused(tmp_path):
+    src, _ = _corpus(tmp_path)
+    first = prepare_dataset(src, tmp_path / "out", progress=False)
+    stamp = (tmp_path / "out" / "shard-00000.bin").stat().st_mtime_ns
+    assert prepare_dataset(src, tmp_path / "out", progress=False) == first
+    assert (tmp_path / "out" / "shard-00000.bin").stat().st_mtime_ns == stamp
+    with pytest.raises(DatasetError, match="already holds a prepared dataset of other sources"):
+        prepare_dataset(src / "web", tmp_path / "out", progress=False)
+
+
+_KILLED_PREPARE = """
+import sys, time
+from pathlib import Path
+import d9d.data.prepare as prepare
+
+real = prepare._tokenize_shard
+def slow(job, tok, out):
+    shard = real(job, tok, out)
+    if job.index >= 1:  # shard 1 is written (renamed) but its worker never returns: killed here
+        print("stalled", flush=True)
+        time.sleep(120)
+    return shard
+prepare._tokenize_shard = slow
+prepare.prepare_dataset(sys.argv[1], sys.argv[2], progress=False)
+"""
+
+
+def test_a_killed_prepare_continues_without_redoing_finished_shards_and_ends_identical(tmp_path):
+    src, _ = _corpus(tmp_path)
+    out = tmp_path / "out"
+    script = tmp_path / "killed.py"
+    script.write_text(textwrap.dedent(_KILLED_PREPARE), encoding="utf-8")
+    child = subprocess.Popen(
+        [sys.executable, str(script), str(src), str(out)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "stalled"
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.wait(30)
+    assert not (out / "index.json").exists()  # not a dataset yet, and it says why
+    with pytest.raises(DatasetError, match="did not finish: run it again"):
+        PreparedDataset(out, 16)
+    kept = (out / "shard-00000.bin").stat().st_mtime_ns
+    time.sleep(0.01)
+    resumed = prepare_dataset(src, out, progress=False)
+    assert (out / "shard-00000.bin").stat().st_mtime_ns == kept  # finished: not redone
+    fresh = prepare_dataset(src, tmp_path / "fresh", progress=False)
+    assert resumed == fresh
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in (tmp_path / "fresh").iterdir())
+    for shard in fresh.shards:
+        assert (out / shard.file).read_bytes() == (tmp_path / "fresh" / shard.file).read_bytes()
+
+
+def _jsonl(path: Path, *rows: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(r + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        (
+            ['{"text": "fine"}', '{"content": "no text key"}'],
+            r"bad\.jsonl:2: no 'text' key \(its keys: content\)",
+        ),
+        (['{"text": "fine"}', '{"text": 7}'], r"bad\.jsonl:2: 'text' is a int, not a string"),
+        (['{"text": "fine"}', "{not json"], r"bad\.jsonl:2: not a JSON object"),
+        (['["a", "list"]'], r"bad\.jsonl:1: a list, not a JSON object"),
+        (["", "  "], r"bad\.jsonl holds no documents"),
+    ],
+)
+def test_a_bad_source_is_refused_with_file_and_line_and_leaves_no_shard_of_it(tmp_path, rows, message):
+    src, _ = _corpus(tmp_path)
+    _jsonl(src / "web" / "bad.jsonl", *rows)
+    out = tmp_path / "out"
+    with pytest.raises(DatasetError, match=message) as refused:
+        prepare_dataset(src, out, progress=False)
+    assert "\n" not in str(refused.value)
+    assert not (out / "index.json").exists()
+    assert not list(out.glob(".shard-*"))  # the failed shard is neither visible nor left as a temporary
+    failed = [s for s in sorted(out.glob("shard-*.bin"))]
+    assert len(failed) < 4  # the bad source's shard (index 2 of 4) is not there
+    assert not (out / "shard-00002.bin").exists()
+
+
+def test_missing_sources_and_settings_are_refused_in_one_line(tmp_path):
+    with pytest.raises(DatasetError, match="no source file or folder at"):
+        prepare_dataset(tmp_path / "nothing", tmp_path / "out", progress=False)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DatasetError, match=r"holds no \.txt/\.jsonl"):
+        prepare_dataset(tmp_path / "empty", tmp_path / "out", progress=False)
+    (tmp_path / "doc.md").write_text("x", encoding="utf-8")
+    with pytest.raises(DatasetError, match="is not a source d9d reads"):
+        prepare_dataset(tmp_path / "doc.md", tmp_path / "out", progress=False)
+    src, _ = _corpus(tmp_path)
+    with pytest.raises(DatasetError, match="workers must be an integer >= 1"):
+        prepare_dataset(src, tmp_path / "out", workers=0, progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_parquet_source_without_pyarrow_names_the_extra(tmp_path):
+    try:
+        import pyarrow  # noqa: F401
+
+        pytest.skip("pyarrow is installed: the refusal is not reachable")
+    except ImportError:
+        pass
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "part.parquet").write_bytes(b"PAR1")
+    with pytest.raises(DatasetError, match=r"needs pyarrow .*parquet.* extra"):
+        prepare_dataset(tmp_path / "src", tmp_path / "out", progress=False)
+
+
+def test_a_damaged_prepared_folder_is_refused(tmp_path):
+    src, _ = _corpus(tmp_path)
+    prepare_dataset(src, tmp_path / "out", progress=False)
+    shard = tmp_path / "out" / "shard-00001.bin"
+    shard.write_bytes(shard.read_bytes()[:-2])
+    with pytest.raises(DatasetError, match=r"shard-00001\.bin is .* bytes, but .*index\.json says"):
+        PreparedDataset(tmp_path / "out", 16)
+    with pytest.raises(DatasetError, match="no prepared dataset folder"):
+        PreparedDataset(tmp_path / "missing", 16)
+
+
+def test_parquet_and_zstandard_jsonl_sources_give_the_documents_of_their_rows(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    pa = pytest.importorskip("pyarrow")
+    zstandard = pytest.importorskip("zstandard")
+    src = tmp_path / "src"
+    src.mkdir()
+    texts = [f"row {i} " * (i + 1) for i in range(12)]
+    pq.write_table(pa.table({"content": texts[:7], "n": list(range(7))}), src / "a.parquet", row_group_size=3)
+    raw = "".join(json.dumps({"content": t}) + "\n" for t in texts[7:]).encode()
+    (src / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(raw))
+    index = prepare_dataset(src, tmp_path / "out", text_key="content", workers=2, progress=False)
+    assert [s.documents for s in index.shards] == [7, 5]
+    tok = ByteTokenizer()
+    expected = np.concatenate([np.append(tok.encode(t), tok.eos_id) for t in texts])
+    dataset = PreparedDataset(tmp_path / "out", 8)
+    assert np.array_equal(dataset.read(0, dataset.num_tokens), expected)
+    # a Parquet row that is not a string names the file and the row
+    pq.write_table(pa.table({"content": ["fine", None]}), src / "c.parquet")
+    with pytest.raises(DatasetError, match=r"c\.parquet: row 1: 'content' is null, not a string"):
+        prepare_dataset(src, tmp_path / "out2", text_key="content", progress=False)
+    with pytest.raises(DatasetError, match=r"a\.parquet: no 'text' column \(its columns: content, n\)"):
+        prepare_dataset(src / "a.parquet", tmp_path / "out3", progress=False)
