@@ -205,3 +205,15 @@ def hf_job(
     }
     config.update(sections)
     return config
+
+
+class PlainTokens(PackedTokens):
+    """The same rows as one document each (no position or document ids): what context parallelism takes."""
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.tokens[i, :-1], "labels": self.tokens[i, 1:].clone()}
+
+
+class PlainTokensProvider(PackedTokensProvider):
+    def build_dataset(self, context: Any) -> BuildDatasetResult:
+        return BuildDatasetResult(dataset=PlainTokens(self.config), seq_len=self.config.seq_len)

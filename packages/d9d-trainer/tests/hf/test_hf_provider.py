@@ -54,10 +54,6 @@ def _copy(folder: Path, target: Path) -> Path:
             "pipeline_parallel",
             ["does not cut", "stages", "mesh.pipeline_parallel: 1", "model.backend: reference"],
         ),
-        (
-            "context_parallel",
-            ["context parallelism yet", "attention implementation", "mesh.context_parallel: 1"],
-        ),
         ("expert_parallel", ["expert parallelism", "mixtral and qwen3_moe", "mesh.expert_parallel: 1"]),
     ],
 )
@@ -73,6 +69,7 @@ def test_the_mesh_degrees_it_lacks_are_refused_before_anything_is_built(tmp_path
     assert all(word in message for word in words), message
     assert "\n" not in message
     check_model_mesh(resolve_job(load_job_config(hf_job(llama, tmp_path, mesh={"data_parallel_shard": 2}))))
+    check_model_mesh(resolve_job(load_job_config(hf_job(llama, tmp_path, mesh={"context_parallel": 2}))))
 
 
 def test_folder_problems_are_one_line_naming_the_file_and_the_fix(tmp_path, llama):

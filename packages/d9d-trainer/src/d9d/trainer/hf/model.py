@@ -105,6 +105,8 @@ class HFCausalLM(nn.Module):
         for name, child in model.named_children():
             self.add_module(name, child)
         self.fp32_logits = fp32_logits
+        #: the cp group once `apply_context_parallel` gave it (the forward then passes global positions)
+        self.context_parallel: Any = None
         self.layout = state_layout(model)
         self._flops_terms = _flops_terms(model)
 
@@ -141,6 +143,10 @@ class HFCausalLM(nn.Module):
                 "documents apart by their position_ids (restarting at 0 in every document, as d9d.data's "
                 "packed datasets yield them); add position_ids to the batch"
             )
+        cp = self.context_parallel
+        if cp is not None and cp.enabled and position_ids is None:  # the chunks' global positions
+            local = cp.position_ids(input_ids.size(1) * cp.size, device=input_ids.device)
+            position_ids = local.unsqueeze(0).expand(input_ids.size(0), -1)
         output = self._hf(input_ids=input_ids, position_ids=position_ids, use_cache=False)
         logits: torch.Tensor = output.logits
         return logits.float() if self.fp32_logits else logits

@@ -6,7 +6,9 @@
       folder: models/my-hf-model        # config.json + *.safetensors, relative to this file
 
 The model is built by `AutoModelForCausalLM.from_config` on the meta device (float32 master
-weights), shaped per decoder layer (LoRA, activation checkpointing, compile, FSDP2/HSDP), then
+weights), split by tensor parallelism (transformers' tp plan) and context parallelism (d9d's
+context-parallel attention as a transformers attention implementation, `hf.context_parallel`),
+shaped per decoder layer (LoRA, activation checkpointing, compile, FSDP2/HSDP), then
 materialized and initialized by transformers' own `_init_weights`, and on a fresh run filled from
 the folder (each rank reads only its shards). Exports are Hugging Face folders again. What the
 backend cannot do yet is refused with the reason before anything is built (`check_mesh`).
@@ -22,6 +24,7 @@ from d9d.mesh import MeshConfig
 from d9d.parallel import apply_activation_checkpointing, apply_lora, compile_blocks, parallelize_hsdp
 from d9d.trainer.errors import first_line
 from d9d.trainer.hf.config import HFCausalLMConfig
+from d9d.trainer.hf.context_parallel import apply_context_parallel, context_parallel_problem
 from d9d.trainer.hf.errors import HFModelError
 from d9d.trainer.hf.folder import (
     CONFIG_FILE,
@@ -47,7 +50,7 @@ from d9d.trainer.providers import (
     PrepareImportModelStageResult,
 )
 
-__all__ = ["HFCausalLMProvider", "mesh_refusal", "tensor_parallel_refusal"]
+__all__ = ["HFCausalLMProvider", "context_parallel_refusal", "mesh_refusal", "tensor_parallel_refusal"]
 
 _SPEC = "d9d.trainer.hf:HFCausalLMProvider"
 _DENSE_AND_MOE = "llama, qwen2, qwen3, mistral, mixtral and qwen3_moe"
@@ -55,10 +58,6 @@ _DENSE_AND_MOE = "llama, qwen2, qwen3, mistral, mixtral and qwen3_moe"
 _UNSUPPORTED: dict[str, tuple[str, str]] = {
     "pipeline_parallel": (
         "pipeline parallelism: it runs transformers' whole forward, which it does not cut into stages",
-        _DENSE_AND_MOE,
-    ),
-    "context_parallel": (
-        "context parallelism yet (it needs an attention implementation that splits the sequence)",
         _DENSE_AND_MOE,
     ),
     "expert_parallel": (
@@ -81,6 +80,17 @@ def mesh_refusal(mesh: MeshConfig) -> str | None:
                 "examples/finetune)"
             )
     return None
+
+
+def context_parallel_refusal(folder: HFFolder, cp: int) -> str | None:
+    """Why the folder's model cannot be trained at `mesh.context_parallel=cp`, or None (from its config.json)."""
+    problem = context_parallel_problem(folder.model_class, folder.config)
+    if problem is None:
+        return None
+    return (
+        f"mesh.context_parallel={cp}: the Hugging Face backend ({_SPEC}) cannot split the sequence of "
+        f"{folder.path / CONFIG_FILE}'s model: {problem}; set mesh.context_parallel: 1"
+    )
 
 
 def tensor_parallel_refusal(folder: HFFolder, tp: int) -> str | None:
@@ -117,7 +127,7 @@ class HFCausalLMProvider:
         self._folder: HFFolder | None = None
 
     def check_mesh(self, mesh: MeshConfig) -> None:
-        """Refuse pipeline, context and expert parallelism, and tensor parallelism of a model the
+        """Refuse pipeline and expert parallelism, and tensor or context parallelism of a model the
         backend cannot split exactly (reading the folder's config.json and safetensors headers).
 
         Raises:
@@ -128,6 +138,10 @@ class HFCausalLMProvider:
         if problem is None and mesh.tensor_parallel > 1:
             problem = tensor_parallel_refusal(
                 read_folder(Path(self.config.folder).resolve()), mesh.tensor_parallel
+            )
+        if problem is None and mesh.context_parallel > 1:
+            problem = context_parallel_refusal(
+                read_folder(Path(self.config.folder).resolve()), mesh.context_parallel
             )
         if problem is not None:
             raise HFModelError(problem)
@@ -169,7 +183,11 @@ class HFCausalLMProvider:
             if problem is not None:  # check_mesh refuses it first; a caller that skipped it gets the reason
                 raise HFModelError(f"mesh.tensor_parallel={tp}: {problem}")
             apply_tensor_parallel(model, model.config, model.base_model_path, context.context)
-        # Context parallelism (an attention implementation that splits the sequence) would go here.
+        if context.context.axis_size("cp") > 1:
+            problem = context_parallel_problem(type(model.hf_model), model.config)
+            if problem is not None:  # check_mesh refuses it first
+                raise HFModelError(f"mesh.context_parallel: {problem}")
+            apply_context_parallel(model, model.hf_model, context.mesh)
         if context.lora is not None:
             apply_lora(model, context.lora)
         apply_activation_checkpointing(blocks, context.activation_checkpointing)
