@@ -15,24 +15,27 @@ on the same batches of the repository's corpus (bytes, seq `--seq`), AdamW. The 
 
 Import memory, each in a fresh process, libraries imported and the model's modeling code loaded
 before the baseline, `os.sync()` run first (see benchmarks/README.md):
-- HF backend, FSDP `--ranks` (forked ranks over gloo): every rank builds the model on the meta
-  device, shards it (FSDP2 per decoder layer), materializes and initializes it, and imports the
-  folder through the provider's mapper (`load_safetensors`: each rank reads only its rows). The
-  peak RSS above the baseline, the largest over the ranks, for the whole import and for its two
-  parts: materialize + initialize, and reading the folder.
+- HF backend, FSDP `--ranks` (forked ranks over gloo): the trainer's own path, `Trainer.from_config`
+  (the model built on the meta device, sharded by FSDP2 per decoder layer, materialized: each rank
+  allocates its shards and initializes only what the folder does not hold, the rotary tables) and
+  `Trainer.resume()` on a fresh run (the folder read through the provider's mapper by
+  `load_safetensors`: each rank reads only its rows). The peak RSS above the baseline, the largest
+  over the ranks, for the whole import and for its two parts: building the trainer, and reading the
+  folder; and the peak of the anonymous part of RSS, the process's own memory without the pages of
+  the memory-mapped shard file being read (page cache, which the kernel can drop).
 - transformers: `AutoModelForCausalLM.from_pretrained(folder)` on one process, every weight read once.
-The ideal is 1/N of the model plus one unit held whole: the trainer initializes every module on an
-unsharded copy (so any mesh starts from the same weights), so the largest module (here the
-embedding or the LM head, vocab × hidden) is that unit; the table says how large it is.
+The ideal is 1/N of the model plus one decoder layer. `--import-only` skips the step-time runs.
 """
 
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -115,41 +118,70 @@ def _step_times(backend: str, folder: Path, args: argparse.Namespace) -> list[fl
 # ---------------------------------------------------------------------------------------- import memory
 
 
-def _import_rank(folder: str, ranks: int) -> dict[str, float]:
+class _AnonPeakSampler(PeakSampler):
+    """`PeakSampler` that also keeps the peak of RSS without its file-backed and shared pages
+    (`anon_peak`: statm's resident - shared), i.e. without the memory-mapped files being read."""
+
+    def __init__(self) -> None:
+        self.anon_peak = _anon_rss()
+        super().__init__()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss())
+            self.anon_peak = max(self.anon_peak, _anon_rss())
+            time.sleep(0.001)
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        self.anon_peak = max(self.anon_peak, _anon_rss())
+
+
+def _anon_rss() -> int:
+    with open("/proc/self/statm") as fh:
+        fields = fh.read().split()
+    return (int(fields[1]) - int(fields[2])) * resource.getpagesize()
+
+
+def _import_job(folder: str, ranks: int, save_dir: str) -> dict[str, Any]:
+    return {
+        "providers": {"model": "d9d.trainer.hf:HFCausalLMProvider", "dataset": f"{FINETUNE}:CorpusProvider"},
+        "mesh": {"data_parallel_shard": ranks},
+        "model": {"folder": folder},
+        "dataset": {"path": str(CORPUS), "seq_len": 32},
+        "data": {"global_batch_size": ranks, "microbatch_size": 1},
+        "trainer": {
+            "run": {"name": "import"},
+            "schedule": {"total_steps": 1},
+            "checkpointing": {"save_dir": save_dir, "period_steps": 0},
+            "logging": {"level": "WARNING"},
+        },
+    }
+
+
+def _import_rank(folder: str, ranks: int, save_dir: str) -> dict[str, float]:
     """One rank of the HF backend's import on FSDP `ranks`: peak RSS above the baseline, by phase."""
     import torch
 
-    from d9d.ckpt import load_safetensors
     from d9d.mesh import DistributedContext, MeshConfig
-    from d9d.trainer import (
-        InitializeModelStageContext,
-        ParallelizeModelStageContext,
-        PrepareImportModelStageContext,
-    )
-    from d9d.trainer.hf import HFCausalLMConfig, HFCausalLMProvider
-    from d9d.trainer.materialize import materialize_and_initialize
+    from d9d.trainer import InitializeModelStageContext, Trainer, load_job_config, resolve_job
 
+    job = resolve_job(load_job_config(_import_job(folder, ranks, save_dir)))  # providers imported, built
     context = DistributedContext.from_env(MeshConfig(data_parallel_shard=ranks))
-    provider = HFCausalLMProvider(HFCausalLMConfig(folder=folder))
     with torch.device("meta"):  # once before the baseline: the modeling code and the mesh are loaded
-        provider.initialize_model_stage(InitializeModelStageContext(context=context))
+        job.model_provider.initialize_model_stage(InitializeModelStageContext(context=context))
     context.barrier()
     os.sync()
-    base = rss()
-    with PeakSampler() as whole:
+    base, anon_base = rss(), _anon_rss()
+    with _AnonPeakSampler() as whole:
         with PeakSampler() as build:
-            with torch.device("meta"):
-                model = provider.initialize_model_stage(InitializeModelStageContext(context=context)).model
-            provider.parallelize_model_stage(ParallelizeModelStageContext(context=context, model=model))
-            materialize_and_initialize(model, context.device, seed=0)
+            trainer = Trainer(job)
         with PeakSampler() as read:
-            result = provider.prepare_import_model_stage(
-                PrepareImportModelStageContext(context=context, model=model)
-            )
-            load_safetensors(model, result.folder, mapper=result.mapper)
-    context.barrier()
+            trainer.resume()  # a fresh run: the folder's weights
+    trainer.close()
     return {
         "whole": (whole.peak - base) / MB,
+        "anon": (whole.anon_peak - anon_base) / MB,
         "build": (build.peak - base) / MB,
         "read": (read.peak - base) / MB,
     }
@@ -158,8 +190,9 @@ def _import_rank(folder: str, ranks: int) -> dict[str, float]:
 def _import_fsdp(folder: str, ranks: int) -> dict[str, float]:
     from d9d.mesh.testing import run_distributed
 
-    per_rank = run_distributed(_import_rank, ranks, folder, ranks, timeout=600)
-    return {phase: max(r[phase] for r in per_rank) for phase in ("whole", "build", "read")}
+    with tempfile.TemporaryDirectory() as save_dir:
+        per_rank = run_distributed(_import_rank, ranks, folder, ranks, save_dir, timeout=600)
+    return {phase: max(r[phase] for r in per_rank) for phase in ("whole", "anon", "build", "read")}
 
 
 def _from_pretrained(folder: str) -> dict[str, float]:
@@ -222,6 +255,7 @@ def main() -> None:
         "--shard-mb", type=int, default=100, help="safetensors shard size of the saved folder"
     )
     parser.add_argument("--tiny", action="store_true", help="tiny models, few steps (a smoke test)")
+    parser.add_argument("--import-only", action="store_true", help="measure the import only, no step time")
     parser.add_argument("--json", help="also write the ratios here (for run_all.py)")
     parser.add_argument("--child")
     parser.add_argument("--folder")
@@ -235,46 +269,50 @@ def main() -> None:
 
     torch.set_num_threads(1)
     step_sizes, import_sizes = SIZES["tiny" if args.tiny else "default"]
+    times: dict[str, list[float]] = {"hf": [], "reference": []}
     with tempfile.TemporaryDirectory() as tmp:
         step_folder, import_folder = Path(tmp) / "step", Path(tmp) / "import"
-        _save_llama(step_folder, step_sizes, args.shard_mb)
         _save_llama(import_folder, import_sizes, args.shard_mb)
-        times: dict[str, list[float]] = {"hf": [], "reference": []}
-        for i in range(args.rounds):
-            for backend in ("hf", "reference") if i % 2 == 0 else ("reference", "hf"):
-                times[backend] += _step_times(backend, step_folder, args)
+        if not args.import_only:
+            _save_llama(step_folder, step_sizes, args.shard_mb)
+            for i in range(args.rounds):
+                for backend in ("hf", "reference") if i % 2 == 0 else ("reference", "hf"):
+                    times[backend] += _step_times(backend, step_folder, args)
         sizes = _sizes_of(str(import_folder))
         fsdp = _run_child("import_fsdp", import_folder, args.ranks)
         hf_load = _run_child("from_pretrained", import_folder, args.ranks)
-    hf, ref = statistics.median(times["hf"]), statistics.median(times["reference"])
     n = args.ranks
-    print(
-        f"step time, Llama {step_sizes['num_hidden_layers']} layers hidden {step_sizes['hidden_size']}, seq {args.seq}:"
-    )
-    print(
-        f"  HF backend {hf * 1e3:.1f} ms, reference model {ref * 1e3:.1f} ms (median of {len(times['hf'])} / {len(times['reference'])} steps)"
-    )
+    rows: list[Row] = []
+    if not args.import_only:
+        hf, ref = statistics.median(times["hf"]), statistics.median(times["reference"])
+        print(
+            f"step time, Llama {step_sizes['num_hidden_layers']} layers hidden {step_sizes['hidden_size']}, seq {args.seq}:"
+        )
+        print(
+            f"  HF backend {hf * 1e3:.1f} ms, reference model {ref * 1e3:.1f} ms (median of {len(times['hf'])} / {len(times['reference'])} steps)"
+        )
+        rows.append(row("HF backend / reference model step time", hf / ref, "~1",
+                        f"{hf * 1e3:.0f} vs {ref * 1e3:.0f} ms, median of {len(times['hf'])} steps each"))  # fmt: skip
     print(
         f"import, Llama {import_sizes['num_hidden_layers']} layers hidden {import_sizes['hidden_size']}: model {sizes['model']:.0f} MB, "
         f"one decoder layer {sizes['layer']:.1f} MB, largest module {sizes['largest']:.1f} MB; shards of {args.shard_mb} MB"
     )
     print(
-        f"  HF backend FSDP {n}, peak extra per rank: {fsdp['whole']:.0f} MB (materialize + init {fsdp['build']:.0f}, "
-        f"reading the folder {fsdp['read']:.0f})"
+        f"  HF backend FSDP {n}, peak extra per rank: {fsdp['whole']:.0f} MB (building the trainer {fsdp['build']:.0f}, "
+        f"reading the folder {fsdp['read']:.0f}); without the mapped file pages {fsdp['anon']:.0f} MB"
     )
     print(f"  transformers from_pretrained, one process: {hf_load['whole']:.0f} MB")
-    ideal = 1 / n + sizes["largest"] / sizes["model"]
-    rows: list[Row] = [
-        row("HF backend / reference model step time", hf / ref, "~1",
-            f"{hf * 1e3:.0f} vs {ref * 1e3:.0f} ms, median of {len(times['hf'])} steps each"),
-        row(f"HF import, FSDP {n}: peak per rank / model size", fsdp["whole"] / sizes["model"],
-            f"<= {ideal:.2f} (1/{n} + largest module)",
+    ideal = f"<= {1 / n + sizes['layer'] / sizes['model']:.2f} (1/{n} + one layer)"
+    rows += [
+        row(f"HF import, FSDP {n}: peak per rank / model size", fsdp["whole"] / sizes["model"], ideal,
             f"{fsdp['whole']:.0f} of {sizes['model']:.0f} MB; one layer {sizes['layer']:.0f} MB, largest module {sizes['largest']:.0f} MB"),
         row(f"HF import, FSDP {n}: peak per rank / from_pretrained peak", fsdp["whole"] / hf_load["whole"],
-            f"<= {ideal:.2f}", f"{fsdp['whole']:.0f} vs {hf_load['whole']:.0f} MB"),
+            ideal, f"{fsdp['whole']:.0f} vs {hf_load['whole']:.0f} MB"),
         row(f"HF import, FSDP {n}: reading the folder, peak per rank / model size", fsdp["read"] / sizes["model"],
-            f"<= {1 / n + sizes['layer'] / sizes['model']:.2f} (1/{n} + one layer)",
-            f"{fsdp['read']:.0f} MB above the baseline, the rank's materialized shards included"),
+            ideal, f"{fsdp['read']:.0f} MB above the baseline, the rank's materialized shards included"),
+        row(f"HF import, FSDP {n}: peak per rank without the mapped file pages / model size",
+            fsdp["anon"] / sizes["model"], ideal,
+            f"{fsdp['anon']:.0f} MB: anonymous RSS, the pages of the shard file being read left out"),
     ]  # fmt: skip
     for r in rows:
         print(f"{r['name']}: {r['ratio']:.2f} (ideal {r['ideal']}) {r['note']}")

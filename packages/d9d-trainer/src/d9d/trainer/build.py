@@ -1,6 +1,7 @@
 """Building a job's model: initialize on the meta device, shape it for training (parallelisms,
 activation checkpointing, compile) and check what the provider built (`shape_model`, which `d9d plan`
-runs too), then materialize and initialize it identically on any mesh (`materialize_model`)."""
+runs too), then materialize and initialize it identically on any mesh (`materialize_model`), leaving
+what the starting weights fill allocated but not initialized."""
 
 from typing import Any
 
@@ -20,6 +21,7 @@ from d9d.trainer.errors import OutOfMemoryError, TrainingError, first_line, is_o
 from d9d.trainer.job import ResolvedJob
 from d9d.trainer.materialize import materialize_and_initialize
 from d9d.trainer.providers import InitializeModelStageContext, ParallelizeModelStageContext
+from d9d.trainer.starting_weights import imported_keys
 
 __all__ = [
     "check_lora_applied",
@@ -86,13 +88,20 @@ def check_lora_applied(model: nn.Module, lora: LoraConfig | None) -> None:
 def materialize_model(job: ResolvedJob, context: DistributedContext, model: nn.Module) -> nn.Module:
     """Allocate a shaped model (`shape_model`) on the rank's device and initialize it identically on any mesh.
 
+    What the provider's import folder fills (`imported_keys`: on a fresh run the folder, on a resume the
+    checkpoint) is allocated, this rank's shard of it, and not initialized, so a rank never holds more
+    than its shard of the model plus one module of what is initialized (rotary tables, LoRA adapters).
+
     Raises:
         OutOfMemoryError: the rank's share of the model does not fit on its device.
     """
     determinism = job.config.trainer.determinism
     init_device = "cpu" if determinism.init_device == "cpu" else context.device
+    loaded = imported_keys(job, context, model)
     try:
-        materialize_and_initialize(model, context.device, determinism.seed, init_device=init_device)
+        materialize_and_initialize(
+            model, context.device, determinism.seed, init_device=init_device, loaded=loaded
+        )
         # The randomness of training (dropout) starts from the seed too, the same on every rank (tensor
         # parallel ranks must draw the same masks for the activations they share), so a job gives the
         # same numbers in a fresh process, a notebook or a forked test; resumes restore the state.

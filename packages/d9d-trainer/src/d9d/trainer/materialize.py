@@ -8,11 +8,17 @@ weights do not depend on the mesh (the same job starts from the same model on on
 cluster of the same device type), and no rank holds more than one module's full parameters at a
 time. CPU and CUDA random streams differ: `init_device="cpu"` initializes on the CPU anywhere, for
 runs that must start bit-identical across device types.
+
+Tensors a load fills right after (`loaded`: an import folder's keys) are only allocated, the rank's
+shard of them, and zeroed: initializing them would cost a full copy of their module (the embedding and
+the LM head are many decoder layers large) for values the load overwrites. What no load fills (the
+non-persistent buffers such as rotary frequencies, LoRA adapters) is initialized as without a load,
+with the same per-module seeds, so it does not depend on which other tensors were loaded either.
 """
 
 import contextlib
 import zlib
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 import torch
 from torch import nn
@@ -24,11 +30,17 @@ __all__ = ["ModelInitError", "materialize_and_initialize", "shared_parameters"]
 
 
 class ModelInitError(D9dError, TypeError):
-    """A module cannot be initialized (it owns parameters but has no `reset_parameters`)."""
+    """A module cannot be initialized (it owns parameters but has no `reset_parameters`), or `loaded`
+    names a tensor the model does not hold."""
 
 
 def materialize_and_initialize(
-    model: nn.Module, device: torch.device, seed: int, *, init_device: torch.device | str | None = None
+    model: nn.Module,
+    device: torch.device,
+    seed: int,
+    *,
+    init_device: torch.device | str | None = None,
+    loaded: Collection[str] = (),
 ) -> None:
     """Allocate `model`'s (local) parameters on `device` and initialize them deterministically.
 
@@ -38,8 +50,17 @@ def materialize_and_initialize(
 
     Args:
         init_device: where the unsharded copies are initialized; default `device`.
+        loaded: state-dict keys of `model` that a load fills next (e.g. `d9d.trainer.starting_weights.
+            imported_keys`): allocated and zeroed, not initialized. A module holding some of them and
+            other tensors is initialized whole, as without a load, and keeps only the others' values.
     """
     init_on = torch.device(init_device) if init_device is not None else torch.device(device)
+    unknown = sorted(set(loaded) - set(model.state_dict(keep_vars=True))) if loaded else []
+    if unknown:
+        raise ModelInitError(
+            f"loaded names {unknown[:3]}, which the model's state dict does not hold; pass the "
+            "state-dict keys (model.state_dict()) that the load fills"
+        )
     ties = shared_parameters(model)
     model.to_empty(device=device)
     for (module, name), (owner, owner_name) in ties.items():  # to_empty gives each user its own copy
@@ -47,6 +68,13 @@ def materialize_and_initialize(
     hook = getattr(model, "initialize_module", None)
     done: set[int] = set()  # ids of tensors already initialized (a shared parameter: by its first user)
     with torch.no_grad():
+        if loaded:
+            state = model.state_dict(keep_vars=True)
+            for key in loaded:
+                tensor = state[key]
+                if id(tensor) not in done:
+                    done.add(id(tensor))
+                    _local(tensor).zero_()  # no rank ever reads memory nothing wrote
         for path, module in model.named_modules():
             own = dict(module.named_parameters(recurse=False)) | dict(module.named_buffers(recurse=False))
             own = {name: t for name, t in own.items() if id(t) not in done}
@@ -117,6 +145,10 @@ def _unsharded_twin(module: nn.Module, device: torch.device) -> nn.Module:
         for name, b in module._buffers.items()
     }
     return twin
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _copy_into(target: torch.Tensor, full: torch.Tensor) -> None:

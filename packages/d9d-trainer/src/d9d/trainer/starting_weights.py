@@ -1,5 +1,8 @@
 """Where a run's weights start: the model provider's import folder (asked once) loaded into the model,
-and, for a LoRA run, the identity of that frozen base, which its checkpoints record and a resume checks."""
+and, for a LoRA run, the identity of that frozen base, which its checkpoints record and a resume checks.
+
+`imported_keys` tells the build, before the model is allocated, which tensors that import fills, so
+they are not initialized first only to be overwritten (`materialize_and_initialize(loaded=...)`)."""
 
 from pathlib import Path
 from typing import Any
@@ -24,7 +27,7 @@ from d9d.trainer.providers import (
     PrepareImportModelStageResult,
 )
 
-__all__ = ["StartingWeights"]
+__all__ = ["StartingWeights", "imported_keys"]
 
 _log = get_logger("d9d.trainer")
 
@@ -60,11 +63,7 @@ class StartingWeights:
         if self._job.config.peft.lora is not None:
             self.base_reference()  # the base as it is read now is what the checkpoints will name
         target: nn.Module | dict[str, torch.Tensor] = self._model
-        # Training state no pretrained folder holds keeps its init: LoRA adapters (the folder is the
-        # base) and MoE routers' score biases (auxiliary-loss-free balancing starts at zero).
-        fresh = set(moe_score_bias_names(self._model))
-        if self._job.config.peft.lora is not None:
-            fresh |= set(lora_parameter_names(self._model))
+        fresh = _not_imported(self._job, self._model)
         if fresh:
             state = self._model.state_dict(keep_vars=True)
             target = {name: t for name, t in state.items() if name not in fresh}
@@ -131,6 +130,35 @@ class StartingWeights:
             _log.warning(
                 "LoRA base folder moved (same tensors)", checkpoint=saved["folder"], now=now["folder"]
             )
+
+
+def imported_keys(job: ResolvedJob, context: DistributedContext, model: nn.Module) -> frozenset[str]:
+    """The state-dict keys of `model` (a pipeline stage, or the whole model; on the meta device) that
+    its starting weights fill: on a fresh run the import folder's load (`StartingWeights.load`), which
+    writes every key but the training state no folder holds, or else a checkpoint, which holds them
+    all. Empty when the provider names no import folder.
+
+    It asks the provider's `prepare_import_model_stage` with this (not yet allocated) model; the
+    trainer's `StartingWeights` asks again, once, with the model it loads into.
+    """
+    provider = job.model_provider
+    if not isinstance(provider, ImportsModelWeights):
+        return frozenset()
+    result = provider.prepare_import_model_stage(
+        PrepareImportModelStageContext(context=context, model=model, base_dir=job.loaded.base_dir)
+    )
+    if result.folder is None:
+        return frozenset()
+    return frozenset(model.state_dict(keep_vars=True)) - _not_imported(job, model)
+
+
+def _not_imported(job: ResolvedJob, model: nn.Module) -> set[str]:
+    """Training state no pretrained folder holds, which keeps its init: LoRA adapters (the folder is
+    the base) and MoE routers' score biases (auxiliary-loss-free balancing starts at zero)."""
+    fresh = set(moe_score_bias_names(model))
+    if job.config.peft.lora is not None:
+        fresh |= set(lora_parameter_names(model))
+    return fresh
 
 
 def _describe_base(reference: dict[str, Any]) -> str:

@@ -9,9 +9,11 @@ The model is built by `AutoModelForCausalLM.from_config` on the meta device (flo
 weights), split by tensor parallelism (transformers' tp plan) and context parallelism (d9d's
 context-parallel attention as a transformers attention implementation, `hf.context_parallel`),
 shaped per decoder layer (LoRA, activation checkpointing, compile, FSDP2/HSDP), then
-materialized and initialized by transformers' own `_init_weights`, and on a fresh run filled from
-the folder (each rank reads only its shards). Exports are Hugging Face folders again. What the
-backend cannot do yet is refused with the reason before anything is built (`check_mesh`).
+materialized: each rank allocates its shards, and only what the folder does not hold (rotary tables,
+LoRA adapters) is initialized, by transformers' own `_init_weights`; a fresh run then fills the rest
+from the folder (each rank reads only its shards), so no rank holds more than its shard of the model
+plus one module. Exports are Hugging Face folders again. What the backend cannot do yet is refused
+with the reason before anything is built (`check_mesh`).
 """
 
 from pathlib import Path
