@@ -163,8 +163,11 @@ class PrepareExportModelStageResult:
 
 @dataclass(frozen=True)
 class PrepareImportModelStageContext:
-    """What the optional `prepare_import_model_stage` receives: the initialized model.
+    """What the optional `prepare_import_model_stage` receives: the model (stage).
 
+    It is called on the parallelized model before it is materialized (on the meta device: the keys
+    the folder fills are then allocated as the rank's shard and not initialized), and again on the
+    materialized model to load; answer the same both times (it must not depend on the values).
     `base_dir` is the config file's directory, for resolving a relative folder.
     """
 

@@ -163,7 +163,7 @@ class Trainer:
             context=ctx,
         )
         self._closers.append(checkpoints.close)  # finishes a pending asynchronous save
-        starting = StartingWeights(job, ctx, model)  # one for both: the provider is asked once
+        starting = StartingWeights(job, ctx, model)  # one for both: one answer for the load and the check
         self._checkpoints = RunCheckpoints(
             job, checkpoints, model, self._optimizer, self._scheduler, self._data, starting
         )
