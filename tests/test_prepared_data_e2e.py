@@ -3,7 +3,8 @@ d9d.trainer:PreparedDataProvider` with `dataset: {path, seq_len}` or a weighted 
 
 The quickstart corpus prepared by the CLI trains bit-identically to the quickstart's own text
 dataset of the same file (the same tokens in the same samples); a mixture of two prepared folders
-trains the same on one process and on FSDP 2, and rank 0 logs the mixture's shares. Bad `dataset:`
+trains the same on one process and on FSDP 2, counting the tokens of each source in every record,
+and rank 0 logs the mixture's shares. Bad `dataset:`
 sections of the provider (a folder never prepared or unfinished, path and mixture both, a weight of
 0, an unknown key) are cases of the bad-input corpus (tests/bad_input/cases.yaml)."""
 
@@ -38,6 +39,11 @@ def test_a_mixture_trains_the_same_on_one_process_and_fsdp_2_and_logs_its_shares
     one = train(1, overrides(tmp_path, "one", 3, *args))
     fsdp = train(2, overrides(tmp_path, "fsdp", 3, "mesh.data_parallel_shard=2", *args))
     compare_runs(fsdp, one, rel=1e-5)
+    # every record counts the tokens each source gave so far: the same on both meshes, 16 × 32 per step
+    names = [f"tokens_seen/{n}" for n in (str(tmp_path / "corpus"), "passages")]
+    for run in (one, fsdp):
+        assert [sum(r[n] for n in names) for r in run.records] == [16 * 32 * s for s in (1, 2, 3)]
+    assert [[r[n] for n in names] for r in fsdp.records] == [[r[n] for n in names] for r in one.records]
     done = run_local(overrides(tmp_path, "logged", 1, *args))
     assert done.returncode == 0, done.stderr[-2000:]
     (line,) = [line for line in done.stdout.splitlines() if "prepared data mixture" in line]

@@ -122,3 +122,26 @@ def test_bad_mixtures_are_refused_in_one_line(weights, sizes, kwargs, message):
 def test_sources_of_other_lengths_are_refused():
     with pytest.raises(DatasetError, match=r"different seq_len \(\[4, 8\]\)"):
         MixtureDataset([Tagged(10, 0), Tagged(10, 1, seq_len=8)], [1, 1])
+
+
+def test_the_provider_counts_each_sources_tokens_and_keeps_the_count_across_a_resume_on_another_mesh():
+    config = AutoDataConfig(global_batch_size=16, microbatch_size=2, seed=2)
+    straight = AutoDataProvider(config, _mixture())
+    loaded = []
+    for _ in range(9):
+        epoch, position = straight.epoch, straight.position
+        loaded.append(straight.sample_indices(epoch, position))
+        next(straight)
+    expected = np.bincount(_mixture().source_of(np.concatenate(loaded)), minlength=3) * 4  # seq_len 4
+    assert straight.source_tokens() == dict(zip(["web", "books", "code"], expected.tolist(), strict=True))
+    first = AutoDataProvider(config, _mixture())
+    for _ in range(4):
+        next(first)
+    state = first.state_dict()
+    resumed = AutoDataProvider(config, _mixture(), context=DataPlacement(dp_rank=1, dp_size=2))
+    resumed.load_state_dict(state)
+    for _ in range(5):
+        next(resumed)
+    assert resumed.source_tokens() == straight.source_tokens()
+    assert sum(straight.source_tokens().values()) == 9 * 16 * 4
+    assert AutoDataProvider(config, Tagged(64, 0)).source_tokens() is None  # not a mixture

@@ -54,6 +54,7 @@ from d9d.data.protocol import (
     DataProvider,
     DeclaresDocumentMasking,
     DeclaresSeqLen,
+    DeclaresSources,
     DeclaresVocabSize,
     SizedDataProvider,
 )
@@ -75,6 +76,7 @@ __all__ = [
     "DatasetError",
     "DeclaresDocumentMasking",
     "DeclaresSeqLen",
+    "DeclaresSources",
     "DeclaresVocabSize",
     "EpochOrder",
     "MapDataset",

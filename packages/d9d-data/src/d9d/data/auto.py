@@ -32,6 +32,7 @@ from d9d.data.device import pin_memory_enabled
 from d9d.data.errors import DataConfigError, DataStateError
 from d9d.data.order import EpochOrder, epoch_order
 from d9d.data.placement import DataPlacement
+from d9d.data.protocol import DeclaresSources
 from d9d.mesh import DistributedContext
 
 __all__ = ["AutoDataProvider", "MapDataset", "PipelineStages"]
@@ -118,6 +119,9 @@ class AutoDataProvider(Generic[BatchT]):
         self._epoch = 0
         self._position = 0
         self._batches: Iterator[BatchT] | None = None
+        # Samples each named source gave so far (a mixture): counted from the global batch's indices.
+        self._sources = list(dataset.source_names) if isinstance(dataset, DeclaresSources) else None
+        self._source_samples = np.zeros(len(self._sources or ()), dtype=np.int64)
 
     # ------------------------------------------------------------------ what this rank gets
 
@@ -198,6 +202,12 @@ class AutoDataProvider(Generic[BatchT]):
             if self._batches is None:
                 self._batches = iter(self._make_loader())
             step = [next(self._batches) for _ in range(self._microbatches)]
+        if self._sources is not None:  # the whole global batch, the same on every rank: no communication
+            batch = step_sample_indices(
+                self.order(self._epoch), self._position, 0, self._config.global_batch_size
+            )
+            sources = np.asarray(self._dataset.source_of(batch), dtype=np.int64)  # type: ignore[attr-defined]
+            self._source_samples += np.bincount(sources, minlength=len(self._sources))
         self._epoch, self._position = advance_position(
             self._epoch,
             self._position,
@@ -244,6 +254,16 @@ class AutoDataProvider(Generic[BatchT]):
     ) -> None:
         self.close()
 
+    def source_tokens(self) -> dict[str, int] | None:
+        """Tokens each source of a mixture (`DeclaresSources`) gave over the run's steps so far
+        (samples × the dataset's `seq_len`; samples when it has none); None for other datasets.
+        Kept in `state_dict`, so it counts from the run's first step across resumes."""
+        if self._sources is None:
+            return None
+        seq_len = getattr(self._dataset, "seq_len", None)
+        scale = seq_len if isinstance(seq_len, int) else 1
+        return {name: int(n) * scale for name, n in zip(self._sources, self._source_samples, strict=True)}
+
     # ------------------------------------------------------------------ resumable state
 
     def state_dict(self) -> dict[str, Any]:
@@ -257,6 +277,11 @@ class AutoDataProvider(Generic[BatchT]):
             "shuffle": self._config.shuffle,
             "global_batch_size": self._config.global_batch_size,
             "drop_last": self._config.drop_last,
+            **(
+                {"source_samples": dict(zip(self._sources, self._source_samples.tolist(), strict=True))}
+                if self._sources is not None
+                else {}
+            ),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -295,6 +320,9 @@ class AutoDataProvider(Generic[BatchT]):
             epoch, position = epoch + 1, 0
         self.close()
         self._epoch, self._position = epoch, position
+        if self._sources is not None:  # a source the saved run did not have starts at 0
+            saved = state.get("source_samples") or {}
+            self._source_samples = np.asarray([int(saved.get(n, 0)) for n in self._sources], dtype=np.int64)
 
 
 def _check_version(version: object) -> None:

@@ -8,6 +8,7 @@ __all__ = [
     "DataProvider",
     "DeclaresDocumentMasking",
     "DeclaresSeqLen",
+    "DeclaresSources",
     "DeclaresVocabSize",
     "SizedDataProvider",
 ]
@@ -70,6 +71,21 @@ class DeclaresVocabSize(Protocol):
     @property
     def vocab_size(self) -> int | None:
         """Every token id is below it; None when unknown."""
+        ...
+
+
+@runtime_checkable
+class DeclaresSources(Protocol):
+    """A dataset mixed from named sources (`MixtureDataset`): `AutoDataProvider` then counts the
+    samples each source gives, from the indices alone (`AutoDataProvider.source_tokens`)."""
+
+    @property
+    def source_names(self) -> list[str]:
+        """The sources' names, in source order."""
+        ...
+
+    def source_of(self, indices: Any) -> Any:
+        """The source (its position in `source_names`) of each index in an int array."""
         ...
 
 

@@ -21,6 +21,7 @@ import contextlib
 import json
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,7 @@ class _Pending:
     evaluation: EvalResult | None = None
     phases: StepPhases | None = None
     memory: dict[str, float] | None = None
+    source_tokens: dict[str, int] | None = None
 
 
 class StepRecords:
@@ -114,12 +116,16 @@ class StepRecords:
         step_time_s: float,
         evaluation: EvalResult | None = None,
         phases: StepPhases | None = None,
+        source_tokens: Mapping[str, int] | None = None,
     ) -> None:
         """Record step `step` (and the eval that ran after it); flushes (and logs) when it is a logging
         step, the last one, or has an eval (whose host sync has happened anyway). `phases`: the step's
-        unread time breakdown (plus the stall of the checkpoint before it)."""
+        unread time breakdown (plus the stall of the checkpoint before it). `source_tokens`: a
+        mixture's tokens per source so far (`AutoDataProvider.source_tokens`), recorded as
+        `tokens_seen/<source>`."""
+        sources = dict(source_tokens) if source_tokens is not None else None
         self._pending.append(
-            _Pending(step, output, lr, step_time_s, evaluation, phases, _memory(self._device))
+            _Pending(step, output, lr, step_time_s, evaluation, phases, _memory(self._device), sources)
         )
         if evaluation is not None:
             self._last_log += evaluation.wall_s  # tokens/s counts training time only
@@ -160,6 +166,7 @@ class StepRecords:
                     **(p.memory or {}),
                     **phases,
                     **(dict(zip(_MOE_LOAD_FIELDS, load, strict=True)) if moe else {}),
+                    **{f"tokens_seen/{name}": n for name, n in (p.source_tokens or {}).items()},
                     "skipped": not p.output.applied,
                     "launch": self._launch,
                     **(p.evaluation.record() if p.evaluation is not None else {}),

@@ -402,6 +402,7 @@ class Trainer:
             trackers=trackers,
         )
         data_iter = iter(self._data)
+        source_tokens = getattr(self._data, "source_tokens", lambda: None)  # a mixture's, per source
         period = cfg.checkpointing.period_steps
         stopped_by = None
         began = time.perf_counter()
@@ -429,7 +430,7 @@ class Trainer:
                     step_time_s = time.perf_counter() - step_start
                     evaluation = self._evaluator.after_step(self._step, total, stopping=output.stop)
                     records.add(self._step, output, lr=lr, step_time_s=step_time_s, evaluation=evaluation,
-                                phases=self._timer.take())  # fmt: skip
+                                phases=self._timer.take(), source_tokens=source_tokens())  # fmt: skip
                     periodic = bool(period) and self._step % period == 0
                     if self._step == total or periodic or (output.stop and cfg.checkpointing.save_on_signal):
                         records.flush()  # a committed checkpoint never has fewer records than steps

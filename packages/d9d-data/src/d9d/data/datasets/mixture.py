@@ -127,6 +127,11 @@ class MixtureDataset:
         return list(self._names)
 
     @property
+    def source_names(self) -> list[str]:
+        """The sources' names (`d9d.data.DeclaresSources`: the data provider counts their tokens)."""
+        return list(self._names)
+
+    @property
     def weights(self) -> list[float]:
         """The sources' weights as given."""
         return list(self._weights)
