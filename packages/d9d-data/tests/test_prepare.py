@@ -5,6 +5,7 @@ and bad sources are refused with the file and line, leaving nothing half-written
 import gzip
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -54,6 +55,10 @@ def test_a_prepared_folder_holds_every_document_followed_by_eos_and_reads_as_sam
         assert np.array_equal(sample["input_ids"].numpy(), expected[i * 16 : i * 16 + 16])
         assert np.array_equal(sample["labels"].numpy(), expected[i * 16 + 1 : i * 16 + 17])
     assert dataset.vocab_size == tok.vocab_size and dataset.eos_id == tok.eos_id
+    copy = pickle.loads(pickle.dumps(dataset))  # what a loader worker gets: it reopens the maps
+    assert np.array_equal(
+        copy[len(dataset) - 1]["input_ids"].numpy(), dataset[len(dataset) - 1]["input_ids"].numpy()
+    )
 
 
 def test_the_output_is_the_same_bytes_whatever_the_number_of_workers(tmp_path):

@@ -1,5 +1,6 @@
 """`PreparedDataset`: fixed-length causal-LM samples over a folder `prepare_dataset` wrote."""
 
+import bisect
 import os
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,8 @@ class PreparedDataset(PackedTokens):
                     "the folder is damaged: prepare it again"
                 )
         self._offsets = np.cumsum([0] + [s.tokens for s in self._index.shards], dtype=np.int64)
+        self._starts = self._offsets.tolist()  # Python ints: bisect on them is the fast scalar lookup
+        self._view = _Concatenated(self)
         self._maps: list[np.ndarray | None] = [None] * len(self._index.shards)
         self._check_enough_tokens(str(self._path))
         self._check_document_masking(str(self._path))
@@ -80,7 +83,7 @@ class PreparedDataset(PackedTokens):
     @property
     def tokens(self) -> "_Concatenated":
         """The shards as one sequence (slices read only the shards they touch)."""
-        return _Concatenated(self)
+        return self._view
 
     def shard_tokens(self, shard: int) -> np.ndarray:
         """The memory-mapped ids of one shard (opened on first use in each process)."""
@@ -93,13 +96,16 @@ class PreparedDataset(PackedTokens):
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) of the concatenated shards, as int64."""
-        first = int(np.searchsorted(self._offsets, start, side="right")) - 1
+        starts = self._starts
+        shard = bisect.bisect_right(starts, start) - 1
+        if shard + 1 < len(starts) and stop <= starts[shard + 1]:  # within one shard: the common case
+            base = starts[shard]
+            return np.asarray(self.shard_tokens(shard)[start - base : stop - base], dtype=np.int64)
         parts = []
         position = start
-        shard = first
         while position < stop and shard < len(self._maps):
-            base = int(self._offsets[shard])
-            end = min(stop, int(self._offsets[shard + 1]))
+            base = starts[shard]
+            end = min(stop, starts[shard + 1])
             parts.append(np.asarray(self.shard_tokens(shard)[position - base : end - base], dtype=np.int64))
             position = end
             shard += 1
@@ -109,7 +115,11 @@ class PreparedDataset(PackedTokens):
 
     def __getstate__(self) -> dict[str, Any]:
         # Loader workers reopen the maps instead of receiving copies of the shards.
-        return {**self.__dict__, "_maps": [None] * len(self._maps)}
+        return {**self.__dict__, "_maps": [None] * len(self._maps), "_view": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._view = _Concatenated(self)
 
     def __repr__(self) -> str:
         return (
