@@ -106,10 +106,14 @@ def main() -> None:
     print(
         f"prepare, byte tokenizer: 1 worker {tokens / one:,.0f} tokens/s, 2 workers {tokens / two:,.0f} tokens/s"
     )
-    print(f"prepare, BPE 8k: 1 worker {bpe_tokens / bpe_one:,.0f} tokens/s, 2 workers {bpe_tokens / bpe_two:,.0f} "
-          "tokens/s")  # fmt: skip
-    print(f"10,000 random samples of 1,024 tokens: prepared folder {read_prepared:.3f} s, one token file "
-          f"{read_single:.3f} s")  # fmt: skip
+    print(
+        f"prepare, BPE 8k: 1 worker {bpe_tokens / bpe_one:,.0f} tokens/s, 2 workers {bpe_tokens / bpe_two:,.0f} "
+        "tokens/s"
+    )
+    print(
+        f"10,000 random samples of 1,024 tokens: prepared folder {read_prepared:.3f} s, one token file "
+        f"{read_single:.3f} s"
+    )
     rows = [
         row(
             "prepare, byte tokenizer: tokens/s, 2 workers vs 1",
@@ -122,13 +126,13 @@ def main() -> None:
             bpe_one / bpe_two,
             "2 (one core each)",
             f"{bpe_tokens:,} tokens",
-        ),  # fmt: skip
+        ),
         row(
             "read samples: prepared folder vs one token file",
             read_prepared / read_single,
             "1",
             f"{len(prepared.index.shards)} shards",
-        ),  # fmt: skip
+        ),
     ]
     write_rows(args.out, rows)
 
