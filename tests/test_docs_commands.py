@@ -61,7 +61,7 @@ def test_every_command_of_the_docs_is_run_or_excluded_with_a_reason():
 
 @pytest.fixture(scope="module")
 def run_page(tmp_path_factory):
-    """page -> the root of its copy once its commands ran (each page runs once per module)."""
+    """page -> its runner, once the page's commands ran in its copy (each page runs once per module)."""
     done: dict[str, PageRunner] = {}
 
     def run(page: str) -> PageRunner:
