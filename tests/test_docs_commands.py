@@ -79,6 +79,7 @@ def run_page(tmp_path_factory):
     return run
 
 
+@pytest.mark.slow  # four pages launch torchrun
 @pytest.mark.parametrize("page", sorted((p for p in COMMANDS if _runnable(p)), key=lambda p: p in CONTINUES))
 def test_a_docs_page_runs_as_printed(page, run_page):
     runner = run_page(page)
