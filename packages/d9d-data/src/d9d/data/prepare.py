@@ -539,8 +539,9 @@ def _summary(
     stream = stream or sys.stderr
     kept = f", {reused} of them kept from before" if reused else ""
     rate = f" in {seconds:.1f} s ({index.tokens / max(seconds, 1e-9):,.0f} tokens/s)" if seconds > 0 else ""
+    docs, shards = index.documents, len(index.shards)
     stream.write(
-        f"prepared {index.documents:,} documents, {index.tokens:,} tokens ({index.dtype}, tokenizer "
-        f"{index.tokenizer}) in {len(index.shards)} shards{kept}{rate}\n"
+        f"prepared {docs:,} document{'s' * (docs != 1)}, {index.tokens:,} tokens ({index.dtype}, tokenizer "
+        f"{index.tokenizer}) in {shards} shard{'s' * (shards != 1)}{kept}{rate}\n"
     )
     stream.flush()
