@@ -161,7 +161,7 @@ def prepare_dataset(
     np_dtype = token_dtype(dtype, tok.vocab_size)
     out = Path(out)
     jobs = [
-        _Job(i, str(path), path.stat().st_size, f"shard-{i:05d}.bin", text_key, np_dtype.name)
+        _Job(i, str(path), _size(path), f"shard-{i:05d}.bin", text_key, np_dtype.name)
         for i, path in enumerate(files)
     ]
     settings = {"dtype": np_dtype.name, "tokenizer": tok.name, "text_key": text_key}
@@ -206,10 +206,12 @@ def prepare_dataset(
 
 def find_sources(sources: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[Path]:
     """The source files named by `sources`: files as given, folders expanded to their files with a
-    `SOURCE_SUFFIXES` name (recursively, sorted); the list in that order.
+    `SOURCE_SUFFIXES` name and to the saved Hugging Face datasets in them (recursively, sorted,
+    hidden entries skipped); the list in that order.
 
     Raises:
-        DatasetError: a path does not exist, a file has another suffix, a folder holds no source.
+        DatasetError: a path does not exist, a file has another suffix, a folder holds no source, a
+            saved DatasetDict is named instead of one of its splits.
     """
     items = [sources] if isinstance(sources, str | os.PathLike) else list(sources)
     if not items:
@@ -217,10 +219,10 @@ def find_sources(sources: str | os.PathLike[str] | Sequence[str | os.PathLike[st
     files: list[Path] = []
     for item in items:
         path = Path(item)
-        if path.is_dir():
-            found = sorted(
-                p for p in path.rglob("*") if p.is_file() and _is_source(p) and not _hidden(p, path)
-            )
+        if path.is_dir() and _is_saved_dataset(path):
+            files.append(path)
+        elif path.is_dir():
+            found = _sources_in(path)
             if not found:
                 raise DatasetError(f"the folder {path} holds no {_suffixes()} files; name another folder")
             files.extend(found)
@@ -322,6 +324,8 @@ def _documents(path: Path, text_key: str) -> Iterator[str]:
                 yield text
         elif name.endswith(".parquet"):
             yield from _parquet_documents(path, text_key)
+        elif path.is_dir():
+            yield from _saved_dataset_documents(path, text_key)
         else:
             yield from _jsonl_documents(path, text_key)
     except UnicodeDecodeError as exc:
@@ -376,6 +380,42 @@ def _open_text(path: Path) -> IO[str]:
             ) from None
         return io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(path.open("rb")), encoding="utf-8")
     return path.open("r", encoding="utf-8", errors="strict", newline="\n")
+
+
+def _saved_dataset_documents(path: Path, text_key: str) -> Iterator[str]:
+    try:
+        import datasets  # type: ignore[import-not-found]
+    except ImportError:
+        raise DatasetError(
+            f"{path} is a saved Hugging Face dataset, which needs the datasets library (d9d-data's "
+            "`hf-datasets` extra): uv sync --all-packages --inexact --extra hf-datasets"
+        ) from None
+    datasets.disable_progress_bars()
+    try:
+        table = datasets.load_from_disk(str(path))
+    except Exception as exc:  # datasets raises its own errors for a damaged folder
+        raise DatasetError(f"{path} is not a readable saved dataset ({first_line(exc)}); check the folder") from None
+    if not isinstance(table, datasets.Dataset):
+        _refuse_dataset_dict(path)
+    if text_key not in table.column_names:
+        raise DatasetError(
+            f"{path}: no {text_key!r} column (its columns: {', '.join(table.column_names[:8])}); pass --text-key "
+            "with the column that holds the text"
+        )
+    row = 0
+    for batch in table.select_columns([text_key]).iter(batch_size=4096):
+        for value in batch[text_key]:
+            if not isinstance(value, str):
+                kind = "null" if value is None else type(value).__name__
+                raise DatasetError(f"{path}: row {row}: {text_key!r} is {kind}, not a string; fix the row")
+            row += 1
+            if value:
+                yield value
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
 
 
 def _parquet_documents(path: Path, text_key: str) -> Iterator[str]:
@@ -482,8 +522,39 @@ def _is_source(path: Path) -> bool:
     return path.name.endswith(SOURCE_SUFFIXES)
 
 
-def _hidden(path: Path, root: Path) -> bool:
-    return any(part.startswith(".") for part in path.relative_to(root).parts)
+def _is_saved_dataset(path: Path) -> bool:
+    """A folder `datasets.Dataset.save_to_disk` wrote (one split)."""
+    return (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
+
+
+def _sources_in(root: Path) -> list[Path]:
+    """The source files and saved-dataset folders under `root` (not inside a saved dataset), sorted."""
+    found: list[Path] = []
+    for folder, dirs, names in os.walk(root):
+        here = Path(folder)
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        if here != root and _is_saved_dataset(here):
+            found.append(here)
+            dirs[:] = []
+            continue
+        if (here / "dataset_dict.json").is_file():
+            _refuse_dataset_dict(here)
+        found.extend(here / n for n in names if not n.startswith(".") and _is_source(here / n))
+    return sorted(found)
+
+
+def _refuse_dataset_dict(path: Path) -> None:
+    splits = sorted(p.name for p in path.iterdir() if p.is_dir() and _is_saved_dataset(p))
+    raise DatasetError(
+        f"{path} is a saved DatasetDict of splits {', '.join(splits) or '(none)'}; name the folder of the split "
+        f"to prepare, e.g. {path / (splits[0] if splits else 'train')}"
+    )
+
+
+def _size(path: Path) -> int:
+    if path.is_dir():
+        return sum(p.stat().st_size for p in sorted(path.rglob("*")) if p.is_file())
+    return path.stat().st_size
 
 
 def _suffixes() -> str:

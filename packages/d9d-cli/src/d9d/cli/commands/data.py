@@ -48,7 +48,7 @@ def prepare(
     sources: tuple[str, ...], out: str, tokenizer: str | None, text_key: str, workers: int, dtype: str | None
 ) -> None:
     """Tokenize SOURCES (files or folders of .txt, .jsonl, .jsonl.gz, .jsonl.zst and .parquet, searched
-    recursively) into --out: one token shard per source file, each document followed by the
+    recursively, and folders a Hugging Face `datasets` saved with save_to_disk) into --out: one token shard per source file, each document followed by the
     end-of-document token, and an index.json written last.
 
     The output is the same bytes for any --workers. A prepare that is interrupted continues where it
