@@ -227,19 +227,25 @@ def test_a_saved_hugging_face_dataset_is_a_source_and_a_dataset_dict_names_its_s
     datasets.disable_progress_bars()
     src = tmp_path / "src"
     texts = [f"record {i} " * (i + 2) for i in range(9)]
-    datasets.Dataset.from_dict({"content": texts, "n": list(range(9))}).save_to_disk(str(src / "hub" / "train"))
+    datasets.Dataset.from_dict({"content": texts, "n": list(range(9))}).save_to_disk(
+        str(src / "hub" / "train")
+    )
     (src / "z.txt").write_text("a text file after it", encoding="utf-8")
     index = prepare_dataset(src, tmp_path / "out", text_key="content", progress=False)
     assert [Path(s.source).name for s in index.shards] == ["train", "z.txt"]  # the folder is one source
     assert [s.documents for s in index.shards] == [9, 1]
     tok = ByteTokenizer()
-    expected = np.concatenate([np.append(tok.encode(t), tok.eos_id) for t in [*texts, "a text file after it"]])
+    expected = np.concatenate(
+        [np.append(tok.encode(t), tok.eos_id) for t in [*texts, "a text file after it"]]
+    )
     dataset = PreparedDataset(tmp_path / "out", 8)
     assert np.array_equal(dataset.read(0, dataset.num_tokens), expected)
     splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["x"]}),
                                    "test": datasets.Dataset.from_dict({"text": ["y"]})})  # fmt: skip
     splits.save_to_disk(str(tmp_path / "dict"))
-    with pytest.raises(DatasetError, match=r"dict is a saved DatasetDict of splits test, train; name the folder"):
+    with pytest.raises(
+        DatasetError, match=r"dict is a saved DatasetDict of splits test, train; name the folder"
+    ):
         prepare_dataset(tmp_path / "dict", tmp_path / "out2", progress=False)
     with pytest.raises(DatasetError, match=r"train: no 'text' column \(its columns: content, n\)"):
         prepare_dataset(src / "hub" / "train", tmp_path / "out3", progress=False)

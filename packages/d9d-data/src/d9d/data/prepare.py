@@ -394,7 +394,9 @@ def _saved_dataset_documents(path: Path, text_key: str) -> Iterator[str]:
     try:
         table = datasets.load_from_disk(str(path))
     except Exception as exc:  # datasets raises its own errors for a damaged folder
-        raise DatasetError(f"{path} is not a readable saved dataset ({first_line(exc)}); check the folder") from None
+        raise DatasetError(
+            f"{path} is not a readable saved dataset ({first_line(exc)}); check the folder"
+        ) from None
     if not isinstance(table, datasets.Dataset):
         _refuse_dataset_dict(path)
     if text_key not in table.column_names:
