@@ -15,7 +15,7 @@ from pathlib import Path
 from d9d.ckpt import list_checkpoints, uncommitted_step_dirs
 from d9d.mesh import RendezvousError, check_launch
 from d9d.trainer.errors import verdict_of
-from d9d.trainer.loading import LoadedJob, load_job_config
+from d9d.trainer.loading import LoadedJob, check_job_settings, load_job_config
 from d9d.trainer.reporting import report_job_error
 from d9d.trainer.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED, INTERRUPTED_MESSAGE
 from d9d.trainer.train_result import TrainResult
@@ -26,11 +26,16 @@ __all__ = ["finished_run", "main", "run_command", "run_job"]
 def run_job(config_path: str | Path, overrides: Sequence[str] = ()) -> TrainResult:
     """Load the config, build the job, train (resuming if the run has checkpoints), export if set.
 
+    A run that is already complete (`finished_run`) returns before anything is built.
     On a failure under a multi-process launch, the ranks first agree on who reports it (see
     `d9d.trainer.reporting`); the exception carries the verdict.
     """
     try:
-        loaded = load_job_config(config_path, overrides)  # a bad config fails here, before torch
+        # A bad config, or a launch that does not fit the mesh, fails here, before torch is imported
+        # (in the order the build would find them: the settings first, then the launch).
+        loaded = load_job_config(config_path, overrides)
+        check_job_settings(loaded)
+        check_launch(loaded.config.mesh, os.environ)
         finished = finished_run(loaded)
         if finished is not None:
             return finished
@@ -39,7 +44,7 @@ def run_job(config_path: str | Path, overrides: Sequence[str] = ()) -> TrainResu
         trainer = Trainer.from_config(loaded)
         with trainer:
             result = trainer.train()
-            if result.stopped_by is None and trainer._job.config.export.dir is not None:
+            if result.stopped_by is None and loaded.config.export.dir is not None:
                 trainer.export()  # a run stopped by a signal is unfinished: no export
         return result
     except Exception as exc:
@@ -57,13 +62,8 @@ def finished_run(loaded: LoadedJob) -> TrainResult | None:
     or `export.dir` is set (exporting needs the model with the checkpoint's weights).
 
     Every rank reads the same (shared) run directory, as a resume does, so all ranks decide alike.
-
-    Raises:
-        LaunchError: the launch's process count does not fit the mesh (checked first, as the build
-            would).
     """
     config = loaded.config
-    check_launch(config.mesh, os.environ)
     if config.export.dir is not None:
         return None
     tcfg = config.trainer
