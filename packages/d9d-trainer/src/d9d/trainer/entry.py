@@ -17,7 +17,6 @@ from d9d.mesh import RendezvousError, check_launch
 from d9d.trainer.errors import verdict_of
 from d9d.trainer.loading import LoadedJob, check_job_settings, load_job_config
 from d9d.trainer.reporting import report_job_error
-from d9d.trainer.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED, INTERRUPTED_MESSAGE
 from d9d.trainer.train_result import TrainResult
 
 __all__ = ["finished_run", "main", "run_command", "run_job"]
@@ -92,9 +91,13 @@ def run_command(config_path: str | Path, overrides: Sequence[str] = ()) -> None:
     try:
         result = run_job(config_path, overrides)
     except KeyboardInterrupt:
+        from d9d.trainer.signals import EXIT_INTERRUPTED, INTERRUPTED_MESSAGE
+
         print(INTERRUPTED_MESSAGE, file=sys.stderr, flush=True)
         sys.exit(EXIT_INTERRUPTED)
     if result.stopped_by is not None:  # saved after SIGTERM / Ctrl-C: run the same command to resume
+        from d9d.trainer.signals import EXIT_PREEMPTED
+
         sys.exit(EXIT_PREEMPTED)
 
 
