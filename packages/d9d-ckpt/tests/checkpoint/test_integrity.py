@@ -19,8 +19,8 @@ from d9d.ckpt import (
     read_checkpoint_info,
     verify_checkpoint,
 )
-from d9d.ckpt.checkpoint import integrity
 from d9d.ckpt.checkpoint import manager as manager_module
+from d9d.ckpt.checkpoint import storage
 from d9d.ckpt.checkpoint.layout import COMMIT_FILE, list_checkpoints, stale_dirs
 
 
@@ -162,13 +162,13 @@ def test_verify_checkpoint_reports_each_damaged_file(run):
 
 def test_checksums_are_computed_by_reading_back_what_was_written(tmp_path, monkeypatch):
     read: list[str] = []
-    original = integrity.checksum_file
+    original = storage.checksum_file
 
     def counting(path):  # type: ignore[no-untyped-def]
         read.append(path.name)
         return original(path)
 
-    monkeypatch.setattr(integrity, "checksum_file", counting)
+    monkeypatch.setattr(storage, "checksum_file", counting)  # what the DCP writer reads back with
     with CheckpointManager(tmp_path, "run") as manager:
         manager.save(1, nn.Linear(3, 3), extra_state={"step": 1})
     # The shards and DCP's metadata are read back once each; msgpack files are summed from memory.

@@ -6,24 +6,52 @@
         configure_logging(ctx)
         mesh = None if ctx.is_local else ctx.mesh("dense")
 
-The multi-process test harness lives in `d9d.mesh.testing` (kept out of this namespace so that
-importing d9d.mesh never pulls in test machinery).
+The names below load on first use (PEP 562): the config, its errors, the layout arithmetic, the launch
+check and logging import no torch, so a command that only reads a config or a run directory stays
+fast; `DistributedContext` and the device helpers import it. The multi-process test harness lives in
+`d9d.mesh.testing` (kept out of this namespace so that importing d9d.mesh never pulls in test
+machinery).
 """
 
-from d9d.mesh.config import DEGREE_KEYS, MeshConfig
-from d9d.mesh.context import DistributedContext, Mode
-from d9d.mesh.device import DEVICE_CHOICES, DeviceChoice, cuda_problem, device_name, resolve_device
-from d9d.mesh.errors import D9dError, LaunchError, MeshConfigError, RendezvousError
-from d9d.mesh.layout import (
-    DOMAINS,
-    DomainLayout,
-    axis_groups,
-    domain_layout,
-    format_layout,
-    rank_coordinates,
-    rank_tag,
-)
-from d9d.mesh.log import LogFormat, configure_logging, get_logger, rank_log_path
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports these on first use
+    from d9d.mesh.config import DEGREE_KEYS, MeshConfig
+    from d9d.mesh.context import DistributedContext, Mode
+    from d9d.mesh.device import DEVICE_CHOICES, DeviceChoice, cuda_problem, device_name, resolve_device
+    from d9d.mesh.errors import D9dError, LaunchError, MeshConfigError, RendezvousError
+    from d9d.mesh.launch import check_launch
+    from d9d.mesh.layout import (
+        DOMAINS,
+        DomainLayout,
+        axis_groups,
+        domain_layout,
+        format_layout,
+        rank_coordinates,
+        rank_tag,
+    )
+    from d9d.mesh.log import LogFormat, configure_logging, get_logger, rank_log_path
+
+#: Module → the public names it defines (the run-time twin of the imports above; a test keeps them equal).
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    "config": ("DEGREE_KEYS", "MeshConfig"),
+    "context": ("DistributedContext", "Mode"),
+    "device": ("DEVICE_CHOICES", "DeviceChoice", "cuda_problem", "device_name", "resolve_device"),
+    "errors": ("D9dError", "LaunchError", "MeshConfigError", "RendezvousError"),
+    "launch": ("check_launch",),
+    "layout": (
+        "DOMAINS",
+        "DomainLayout",
+        "axis_groups",
+        "domain_layout",
+        "format_layout",
+        "rank_coordinates",
+        "rank_tag",
+    ),
+    "log": ("LogFormat", "configure_logging", "get_logger", "rank_log_path"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = [
     "DEGREE_KEYS",
@@ -40,6 +68,7 @@ __all__ = [
     "Mode",
     "RendezvousError",
     "axis_groups",
+    "check_launch",
     "configure_logging",
     "cuda_problem",
     "device_name",
@@ -51,3 +80,17 @@ __all__ = [
     "rank_tag",
     "resolve_device",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first use (PEP 562) and keep the name here."""
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'd9d.mesh' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"d9d.mesh.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -19,6 +19,7 @@ from d9d.mesh._torch_compat import set_group_timeout
 from d9d.mesh.config import MeshConfig
 from d9d.mesh.device import device_name, resolve_device
 from d9d.mesh.errors import D9dError, LaunchError, RendezvousError
+from d9d.mesh.launch import check_launch, mismatch_message
 from d9d.mesh.layout import DOMAINS, domain_layout, format_layout, rank_coordinates, rank_tag
 
 __all__ = ["DistributedContext", "Mode"]
@@ -27,7 +28,6 @@ Mode = Literal["local", "distributed", "planning"]
 
 _DEFAULT_INIT_TIMEOUT = datetime.timedelta(minutes=10)
 _DEFAULT_STEP_TIMEOUT = datetime.timedelta(minutes=10)
-_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
 class DistributedContext:
@@ -104,9 +104,7 @@ class DistributedContext:
                     f"device={device!r} and device_type={device_type!r} disagree; pass device only"
                 )
             device = device_type
-        launched_world, launched_by = _launched_world_size(env)
-        if launched_world != config.world_size:
-            raise LaunchError(_mismatch_message(config, launched_world, launched_by, env))
+        launched_world, launched_by = check_launch(config, env)
         torchrun = launched_by == "torchrun"
         if config.is_local:
             chosen = resolve_device(device, local_rank=0, torchrun=torchrun, environ=env)
@@ -178,7 +176,7 @@ class DistributedContext:
         it to validate a config and inspect its layout, never to compute. Close it when done.
         """
         if world_size is not None and world_size != config.world_size:
-            raise LaunchError(_mismatch_message(config, world_size, "the plan", {}))
+            raise LaunchError(mismatch_message(config, world_size, "the plan", {}))
         if not 0 <= rank < config.world_size:
             raise LaunchError(f"rank {rank} does not exist in a mesh of {config.world_size} ranks")
         if dist.is_initialized():
@@ -458,48 +456,6 @@ def _domain_of(axis: str) -> str:
             return domain
     known = sorted({a for axes in DOMAINS.values() for a in axes})
     raise KeyError(f"unknown mesh axis {axis!r}; the axes are {known}")
-
-
-def _launched_world_size(env: Mapping[str, str]) -> tuple[int, str]:
-    """How many processes were launched, and by what (for the error message)."""
-    if dist.is_initialized():
-        return dist.get_world_size(), "the existing process group"
-    present = [v for v in _TORCHRUN_VARS if v in env]
-    if not present:
-        return 1, "plain python (no torchrun)"
-    missing = [v for v in _TORCHRUN_VARS if v not in env]
-    if missing:
-        raise LaunchError(
-            f"the launch environment sets {present} but not {missing}; start the job with torchrun "
-            f"(or unset {present} to run it as one plain process)"
-        )
-    try:
-        world = int(env["WORLD_SIZE"])
-    except ValueError:
-        raise LaunchError(
-            f"WORLD_SIZE={env['WORLD_SIZE']!r} is not an integer; start the job with torchrun"
-        ) from None
-    return world, "torchrun"
-
-
-def _mismatch_message(config: MeshConfig, launched: int, launched_by: str, env: Mapping[str, str]) -> str:
-    need = config.world_size
-    what = f"the mesh ({config.describe_degrees()}) needs {need} process{'es' if need != 1 else ''}"
-    got = f"{launched_by} started {launched}"
-    if need == 1:
-        fix = (
-            "run it as one plain process (`python train.py config.yaml`) "
-            "or raise the mesh degrees so that their product equals the process count"
-        )
-    else:
-        per_node = int(env.get("LOCAL_WORLD_SIZE", "0") or 0)
-        launch = f"`torchrun --nproc-per-node {need} ...` on one node"
-        if per_node > 1 and need % per_node == 0 and need // per_node > 1:
-            launch += f" or `torchrun --nnodes {need // per_node} --nproc-per-node {per_node} ...`"
-        else:
-            launch += f" or `--nnodes N --nproc-per-node M` with N × M = {need}"
-        fix = f"launch with {launch}, or change the mesh so that its product is {launched}"
-    return f"{what}, but {got}; {fix}"
 
 
 def _build_meshes(config: MeshConfig, device_type: str) -> dict[str, DeviceMesh]:

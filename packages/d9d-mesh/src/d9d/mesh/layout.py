@@ -4,17 +4,20 @@ Ranks are laid out row-major over the dense axes (pp outermost, tp innermost), s
 peers of a rank are its neighbours. Every domain is a reshape of the same rank order, so a rank's
 coordinates in all domains agree: the `expert` domain regroups the non-pipeline ranks of a stage
 into (ep_replicate, ep_shard) and the `batch` domain merges dp_replicate and dp_shard into `dp`.
-No torch here: these functions are what planning, logging and tests check against.
+No torch here: these functions are what planning, logging and tests check against. numpy only for
+the rank grids (`DomainLayout.grid`, `axis_groups`): a log line's rank tag needs none.
 """
 
 import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from d9d.mesh.config import MeshConfig
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = [
     "DOMAINS",
@@ -47,8 +50,10 @@ class DomainLayout:
     sizes: tuple[int, ...]
 
     @property
-    def grid(self) -> np.ndarray:
+    def grid(self) -> "np.ndarray":
         """Global ranks arranged in the domain's shape (a reshape of 0..world-1)."""
+        import numpy as np
+
         return np.arange(math.prod(self.sizes)).reshape(self.sizes)
 
     def size(self, axis: str) -> int:
@@ -92,9 +97,18 @@ def rank_coordinates(config: MeshConfig, rank: int) -> dict[str, dict[str, int]]
     coords: dict[str, dict[str, int]] = {}
     for domain in DOMAINS:
         layout = domain_layout(config, domain)
-        index = np.unravel_index(rank, layout.sizes)
+        index = _unravel(rank, layout.sizes)
         coords[domain] = {axis: int(i) for axis, i in zip(layout.axes, index, strict=True)}
     return coords
+
+
+def _unravel(index: int, sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """The row-major coordinates of flat `index` in a grid of `sizes` (numpy's `unravel_index`)."""
+    coords = []
+    for size in reversed(sizes):
+        index, coord = divmod(index, size)
+        coords.append(coord)
+    return tuple(reversed(coords))
 
 
 def rank_tag(config: MeshConfig, rank: int) -> str:
@@ -116,6 +130,8 @@ def axis_groups(config: MeshConfig, domain: str, axis: str) -> list[list[int]]:
     Each group is one process group of that axis (e.g. the ranks that all-reduce gradients together
     for `dp_replicate`), ordered by coordinate on the axis.
     """
+    import numpy as np
+
     layout = domain_layout(config, domain)
     moved = np.moveaxis(layout.grid, layout._index(axis), -1)
     return [[int(r) for r in row] for row in moved.reshape(-1, layout.size(axis))]

@@ -17,12 +17,14 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any, Literal, TextIO
+from typing import TYPE_CHECKING, Any, Literal, TextIO
 
 import structlog
 
-from d9d.mesh.context import DistributedContext
 from d9d.mesh.layout import rank_tag
+
+if TYPE_CHECKING:  # only for annotations: logging works before torch is imported
+    from d9d.mesh.context import DistributedContext
 
 __all__ = ["LogFormat", "configure_logging", "get_logger", "rank_log_path"]
 
@@ -136,7 +138,7 @@ def rank_log_path(log_dir: str | os.PathLike[str], rank: int) -> Path:
 
 
 def configure_logging(
-    context: DistributedContext | None = None,
+    context: "DistributedContext | None" = None,
     *,
     format: LogFormat = "console",
     log_dir: str | os.PathLike[str] | None = None,
@@ -219,7 +221,7 @@ def get_logger(name: str | None = None) -> structlog.stdlib.BoundLogger:
     return structlog.stdlib.get_logger(name)
 
 
-def _visible_coords(context: DistributedContext) -> dict[str, int]:
+def _visible_coords(context: "DistributedContext") -> dict[str, int]:
     """Coordinates on the axes that are larger than 1 (dense domain, plus ep_shard)."""
     coords = {
         axis: value for axis, value in context.coordinates["dense"].items() if context.axis_size(axis) > 1
@@ -229,6 +231,6 @@ def _visible_coords(context: DistributedContext) -> dict[str, int]:
     return coords
 
 
-def _widest_tag(context: DistributedContext) -> str:
+def _widest_tag(context: "DistributedContext") -> str:
     """The tag of the last rank: it has the most digits, so all ranks pad to the same column."""
     return context.log_tag if context.is_local else rank_tag(context.config, context.world_size - 1)

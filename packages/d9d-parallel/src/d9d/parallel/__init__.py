@@ -8,103 +8,263 @@ Also the per-block training mechanisms any loop can use: mixed precision (`preci
 LoRA adapters (`apply_lora`, exported in PEFT's layout).
 
 See packages/d9d-parallel/README.md for the gradient-reduction contract.
+
+The names load on first use (PEP 562): the config sections (`PrecisionConfig`, `LoraConfig`,
+`PipelineConfig`, ...), the schedule table and the errors import no torch, so a job's config is
+checked without it; everything else imports torch when first used.
 """
 
-from d9d.parallel.activation_checkpointing import (
-    ActivationCheckpointingConfig,
-    apply_activation_checkpointing,
-    checkpointed_blocks,
-)
-from d9d.parallel.activation_memory import saved_activation_bytes
-from d9d.parallel.compile import CompileConfig, compile_blocks
-from d9d.parallel.context_parallel import (
-    ContextParallel,
-    SequenceLengthError,
-    SequenceShare,
-    check_sequence_length,
-    context_parallel_attention,
-    context_parallel_of,
-    parallelize_context_parallel,
-    sequence_length_problem,
-)
-from d9d.parallel.data_parallel import (
-    GradientReduction,
-    ShardUnit,
-    parallelize_fsdp,
-    parallelize_hsdp,
-    parallelize_replicate,
-    set_gradient_accumulation,
-    set_gradient_sync,
-)
-from d9d.parallel.document_attention import DocumentAttentionBackend, DocumentMask, document_attention_backend
-from d9d.parallel.errors import ParallelizeError, UnsupportedParallelismError
-from d9d.parallel.expert import (
-    AllToAllDispatcher,
-    ExpertParallelError,
-    GroupedExperts,
-    LoadBalanceStats,
-    LocalDispatcher,
-    MoE,
-    MoEBalancing,
-    RouterOutput,
-    TokenDispatcher,
-    TopKRouter,
-    expert_load_summary,
-    expert_loads,
-    load_balance_stats,
-    moe_aux_loss,
-    moe_layers,
-    moe_regularization_loss,
-    moe_score_bias_names,
-    parallelize_expert_parallel,
-    update_expert_biases,
-)
-from d9d.parallel.grad_norm import (
-    clip_grad_norm_,
-    grad_norm,
-    is_tied_copy,
-    reduce_partial_grads,
-    register_tied_copy,
-)
-from d9d.parallel.lora import (
-    LoraA,
-    LoraB,
-    LoraConfig,
-    LoraError,
-    apply_lora,
-    lora_detached,
-    lora_parameter_names,
-    lora_parameters,
-    lora_state_dict,
-    merge_lora,
-    merged_state_dict,
-    peft_adapter_config,
-    peft_key,
-    peft_state_dict,
-)
-from d9d.parallel.precision import (
-    MixedPrecision,
-    PrecisionConfig,
-    autocast_forward,
-    enable_tf32,
-    precision_autocast,
-    resolve_precision,
-    to_autocast_dtype,
-)
-from d9d.parallel.tensor_parallel import (
-    ReplicateParallel,
-    TensorParallelPlan,
-    attention_plan,
-    cross_entropy,
-    embedding_plan,
-    lm_head_plan,
-    loss_parallel,
-    mlp_plan,
-    norm_plan,
-    parallelize_tensor_parallel,
-)
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports these on first use
+    from d9d.parallel.activation_checkpointing import (
+        apply_activation_checkpointing,
+        checkpointed_blocks,
+    )
+    from d9d.parallel.activation_memory import saved_activation_bytes
+    from d9d.parallel.compile import compile_blocks
+    from d9d.parallel.config import ActivationCheckpointingConfig, CompileConfig, LoraConfig, PrecisionConfig
+    from d9d.parallel.context_parallel import (
+        ContextParallel,
+        SequenceLengthError,
+        SequenceShare,
+        check_sequence_length,
+        context_parallel_attention,
+        context_parallel_of,
+        parallelize_context_parallel,
+        sequence_length_problem,
+    )
+    from d9d.parallel.data_parallel import (
+        GradientReduction,
+        ShardUnit,
+        parallelize_fsdp,
+        parallelize_hsdp,
+        parallelize_replicate,
+        set_gradient_accumulation,
+        set_gradient_sync,
+    )
+    from d9d.parallel.document_attention import (
+        DocumentAttentionBackend,
+        DocumentMask,
+        document_attention_backend,
+    )
+    from d9d.parallel.errors import ParallelizeError, UnsupportedParallelismError
+    from d9d.parallel.expert import (
+        AllToAllDispatcher,
+        ExpertParallelError,
+        GroupedExperts,
+        LoadBalanceStats,
+        LocalDispatcher,
+        MoE,
+        MoEBalancing,
+        RouterOutput,
+        TokenDispatcher,
+        TopKRouter,
+        expert_load_summary,
+        expert_loads,
+        load_balance_stats,
+        moe_aux_loss,
+        moe_layers,
+        moe_regularization_loss,
+        moe_score_bias_names,
+        parallelize_expert_parallel,
+        update_expert_biases,
+    )
+    from d9d.parallel.grad_norm import (
+        clip_grad_norm_,
+        grad_norm,
+        is_tied_copy,
+        reduce_partial_grads,
+        register_tied_copy,
+    )
+    from d9d.parallel.lora import (
+        LoraA,
+        LoraB,
+        LoraError,
+        apply_lora,
+        lora_detached,
+        lora_parameter_names,
+        lora_parameters,
+        lora_state_dict,
+        merge_lora,
+        merged_state_dict,
+        peft_adapter_config,
+        peft_key,
+        peft_state_dict,
+    )
+    from d9d.parallel.pipeline import (
+        PIPELINE_SCHEDULES,
+        ZERO_BUBBLE_SCHEDULES,
+        Pipeline,
+        PipelineBubble,
+        PipelineConfig,
+        PipelineError,
+        PipelineLayout,
+        PipelineLossFn,
+        PipelineScheduleInfo,
+        PipelineStageModule,
+        StageChunks,
+        StageSpec,
+        StageToRankStyle,
+        check_pipeline_microbatches,
+        fsdp_reshard_after_forward,
+        keep_stage_layers,
+        merge_stage_modules,
+        pipeline_bubble,
+        pipeline_schedule_info,
+        plan_pipeline,
+        prepare_fsdp_for_schedule,
+        split_layers,
+        stage_to_rank,
+    )
+    from d9d.parallel.precision import (
+        MixedPrecision,
+        autocast_forward,
+        enable_tf32,
+        precision_autocast,
+        resolve_precision,
+        to_autocast_dtype,
+    )
+    from d9d.parallel.tensor_parallel import (
+        ReplicateParallel,
+        TensorParallelPlan,
+        attention_plan,
+        cross_entropy,
+        embedding_plan,
+        lm_head_plan,
+        loss_parallel,
+        mlp_plan,
+        norm_plan,
+        parallelize_tensor_parallel,
+    )
+
+#: Module → the public names it defines (the run-time twin of the imports above; a test keeps them equal).
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    "activation_checkpointing": (
+        "apply_activation_checkpointing",
+        "checkpointed_blocks",
+    ),
+    "activation_memory": ("saved_activation_bytes",),
+    "compile": ("compile_blocks",),
+    "config": ("ActivationCheckpointingConfig", "CompileConfig", "LoraConfig", "PrecisionConfig"),
+    "context_parallel": (
+        "ContextParallel",
+        "SequenceLengthError",
+        "SequenceShare",
+        "check_sequence_length",
+        "context_parallel_attention",
+        "context_parallel_of",
+        "parallelize_context_parallel",
+        "sequence_length_problem",
+    ),
+    "data_parallel": (
+        "GradientReduction",
+        "ShardUnit",
+        "parallelize_fsdp",
+        "parallelize_hsdp",
+        "parallelize_replicate",
+        "set_gradient_accumulation",
+        "set_gradient_sync",
+    ),
+    "document_attention": ("DocumentAttentionBackend", "DocumentMask", "document_attention_backend"),
+    "errors": ("ParallelizeError", "UnsupportedParallelismError"),
+    "expert": (
+        "AllToAllDispatcher",
+        "ExpertParallelError",
+        "GroupedExperts",
+        "LoadBalanceStats",
+        "LocalDispatcher",
+        "MoE",
+        "MoEBalancing",
+        "RouterOutput",
+        "TokenDispatcher",
+        "TopKRouter",
+        "expert_load_summary",
+        "expert_loads",
+        "load_balance_stats",
+        "moe_aux_loss",
+        "moe_layers",
+        "moe_regularization_loss",
+        "moe_score_bias_names",
+        "parallelize_expert_parallel",
+        "update_expert_biases",
+    ),
+    "grad_norm": (
+        "clip_grad_norm_",
+        "grad_norm",
+        "is_tied_copy",
+        "reduce_partial_grads",
+        "register_tied_copy",
+    ),
+    "lora": (
+        "LoraA",
+        "LoraB",
+        "LoraError",
+        "apply_lora",
+        "lora_detached",
+        "lora_parameter_names",
+        "lora_parameters",
+        "lora_state_dict",
+        "merge_lora",
+        "merged_state_dict",
+        "peft_adapter_config",
+        "peft_key",
+        "peft_state_dict",
+    ),
+    "precision": (
+        "MixedPrecision",
+        "autocast_forward",
+        "enable_tf32",
+        "precision_autocast",
+        "resolve_precision",
+        "to_autocast_dtype",
+    ),
+    "tensor_parallel": (
+        "ReplicateParallel",
+        "TensorParallelPlan",
+        "attention_plan",
+        "cross_entropy",
+        "embedding_plan",
+        "lm_head_plan",
+        "loss_parallel",
+        "mlp_plan",
+        "norm_plan",
+        "parallelize_tensor_parallel",
+    ),
+    "pipeline": (
+        "PIPELINE_SCHEDULES",
+        "ZERO_BUBBLE_SCHEDULES",
+        "Pipeline",
+        "PipelineBubble",
+        "PipelineConfig",
+        "PipelineError",
+        "PipelineLayout",
+        "PipelineLossFn",
+        "PipelineScheduleInfo",
+        "PipelineStageModule",
+        "StageChunks",
+        "StageSpec",
+        "StageToRankStyle",
+        "check_pipeline_microbatches",
+        "fsdp_reshard_after_forward",
+        "keep_stage_layers",
+        "merge_stage_modules",
+        "pipeline_bubble",
+        "pipeline_schedule_info",
+        "plan_pipeline",
+        "prepare_fsdp_for_schedule",
+        "split_layers",
+        "stage_to_rank",
+    ),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = [
+    "PIPELINE_SCHEDULES",
+    "ZERO_BUBBLE_SCHEDULES",
     "ActivationCheckpointingConfig",
     "AllToAllDispatcher",
     "CompileConfig",
@@ -124,12 +284,23 @@ __all__ = [
     "MoE",
     "MoEBalancing",
     "ParallelizeError",
+    "Pipeline",
+    "PipelineBubble",
+    "PipelineConfig",
+    "PipelineError",
+    "PipelineLayout",
+    "PipelineLossFn",
+    "PipelineScheduleInfo",
+    "PipelineStageModule",
     "PrecisionConfig",
     "ReplicateParallel",
     "RouterOutput",
     "SequenceLengthError",
     "SequenceShare",
     "ShardUnit",
+    "StageChunks",
+    "StageSpec",
+    "StageToRankStyle",
     "TensorParallelPlan",
     "TokenDispatcher",
     "TopKRouter",
@@ -138,6 +309,7 @@ __all__ = [
     "apply_lora",
     "attention_plan",
     "autocast_forward",
+    "check_pipeline_microbatches",
     "check_sequence_length",
     "checkpointed_blocks",
     "clip_grad_norm_",
@@ -150,8 +322,10 @@ __all__ = [
     "enable_tf32",
     "expert_load_summary",
     "expert_loads",
+    "fsdp_reshard_after_forward",
     "grad_norm",
     "is_tied_copy",
+    "keep_stage_layers",
     "lm_head_plan",
     "load_balance_stats",
     "lora_detached",
@@ -160,6 +334,7 @@ __all__ = [
     "lora_state_dict",
     "loss_parallel",
     "merge_lora",
+    "merge_stage_modules",
     "merged_state_dict",
     "mlp_plan",
     "moe_aux_loss",
@@ -176,67 +351,55 @@ __all__ = [
     "peft_adapter_config",
     "peft_key",
     "peft_state_dict",
+    "pipeline_bubble",
+    "pipeline_schedule_info",
+    "plan_pipeline",
     "precision_autocast",
+    "prepare_fsdp_for_schedule",
+    "reduce_partial_grads",
+    "register_tied_copy",
     "resolve_precision",
     "saved_activation_bytes",
     "sequence_length_problem",
     "set_gradient_accumulation",
     "set_gradient_sync",
+    "split_layers",
+    "stage_to_rank",
     "to_autocast_dtype",
     "update_expert_biases",
 ]
 
-# Pipeline parallelism (d9d.parallel.pipeline): layer-to-stage plans, schedules by name, the step.
-from d9d.parallel.pipeline import (
-    PIPELINE_SCHEDULES,
-    ZERO_BUBBLE_SCHEDULES,
-    Pipeline,
-    PipelineBubble,
-    PipelineConfig,
-    PipelineError,
-    PipelineLayout,
-    PipelineLossFn,
-    PipelineScheduleInfo,
-    PipelineStageModule,
-    StageChunks,
-    StageSpec,
-    StageToRankStyle,
-    check_pipeline_microbatches,
-    fsdp_reshard_after_forward,
-    keep_stage_layers,
-    merge_stage_modules,
-    pipeline_bubble,
-    pipeline_schedule_info,
-    plan_pipeline,
-    prepare_fsdp_for_schedule,
-    split_layers,
-    stage_to_rank,
-)
 
-__all__ += [
-    "PIPELINE_SCHEDULES",
-    "ZERO_BUBBLE_SCHEDULES",
-    "Pipeline",
-    "PipelineBubble",
-    "PipelineConfig",
-    "PipelineError",
-    "PipelineLayout",
-    "PipelineLossFn",
-    "PipelineScheduleInfo",
-    "PipelineStageModule",
-    "StageChunks",
-    "StageSpec",
-    "StageToRankStyle",
-    "check_pipeline_microbatches",
-    "fsdp_reshard_after_forward",
-    "keep_stage_layers",
-    "merge_stage_modules",
-    "pipeline_bubble",
-    "pipeline_schedule_info",
-    "plan_pipeline",
-    "prepare_fsdp_for_schedule",
-    "reduce_partial_grads",
-    "register_tied_copy",
-    "split_layers",
-    "stage_to_rank",
-]
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first use (PEP 562) and keep the name here."""
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'd9d.parallel' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"d9d.parallel.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+class _PublicFace(types.ModuleType):
+    """Keeps a public name that is also a submodule's name bound to the public object.
+
+    `grad_norm` is a function of the submodule `grad_norm`; whoever imports that submodule first
+    (this package's `__getattr__` or any `from d9d.parallel.grad_norm import ...`), the import system
+    then binds the submodule itself as `d9d.parallel.grad_norm`, which would hide the function.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if (
+            isinstance(value, types.ModuleType)
+            and name in _MODULE_OF
+            and value.__name__ == f"{__name__}.{name}"
+        ):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _PublicFace

@@ -6,33 +6,16 @@ parallelism; apply it before `torch.compile` and before `parallelize_*` (as torc
 """
 
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal
+from typing import Any
 
-import msgspec
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from d9d.parallel._wrap import wrap_forward
+from d9d.parallel.config import ActivationCheckpointingConfig
 from d9d.parallel.errors import ParallelizeError
 
 __all__ = ["ActivationCheckpointingConfig", "apply_activation_checkpointing", "checkpointed_blocks"]
-
-
-class ActivationCheckpointingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """`trainer.activation_checkpointing`: which transformer blocks recompute their activations.
-
-    Attributes:
-        mode: `none` keeps every activation; `full` checkpoints every block; `selective` every
-            `every`-th block (blocks 0, every, 2·every, ...).
-        every: the period of `selective`.
-    """
-
-    mode: Literal["none", "full", "selective"] = "none"
-    every: int = 2
-
-    def __post_init__(self) -> None:
-        if self.every < 1:
-            raise ValueError(f"trainer.activation_checkpointing.every must be >= 1, got {self.every}")
 
 
 def checkpointed_blocks(num_blocks: int, config: ActivationCheckpointingConfig) -> list[int]:

@@ -8,31 +8,13 @@ compiled graph) and after activation checkpointing.
 
 from collections.abc import Iterable
 
-import msgspec
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from d9d.parallel.config import CompileConfig
 from d9d.parallel.errors import UnsupportedParallelismError
 
 __all__ = ["CompileConfig", "compile_blocks"]
-
-
-class CompileConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """`trainer.compile`: compile each transformer block with `torch.compile` (inductor).
-
-    Attributes:
-        enabled: compile, or run eagerly.
-        fullgraph: fail on a graph break instead of falling back to eager for that part.
-        dynamic: None (default): each block compiles for the first shapes it sees, and a second
-            shape (another sequence length: an eval set's, a short last batch) recompiles it once
-            with the sizes that changed dynamic, which every later shape reuses. False: one graph
-            per shape, and past torch's recompile limit (8) a block silently runs eagerly. True:
-            dynamic from the first graph (one graph, but a one-length run loses the static one).
-    """
-
-    enabled: bool = False
-    fullgraph: bool = False
-    dynamic: bool | None = None
 
 
 def compile_blocks(modules: Iterable[nn.Module], config: CompileConfig | None = None) -> list[nn.Module]:

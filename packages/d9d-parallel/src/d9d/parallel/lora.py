@@ -27,7 +27,6 @@ import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-import msgspec
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -35,6 +34,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from d9d.parallel._wrap import wrap_forward
+from d9d.parallel.config import LORA_KEY as _KEY
+from d9d.parallel.config import LoraConfig
 from d9d.parallel.errors import ParallelizeError
 
 __all__ = [
@@ -54,7 +55,6 @@ __all__ = [
     "peft_state_dict",
 ]
 
-_KEY = "peft.lora"
 #: Set on every Linear whose forward `apply_lora` wrapped: its LoRA scale (alpha / rank).
 _SCALE_ATTR = "_d9d_lora_scale"
 #: Set on a root model whose `initialize_module` hook `apply_lora` wrapped.
@@ -63,45 +63,6 @@ _HOOK_ATTR = "_d9d_lora_init_hook"
 
 class LoraError(ParallelizeError):
     """LoRA cannot be applied as asked (no module matches, wrong order with FSDP, unknown layout)."""
-
-
-class LoraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """`peft.lora`: low-rank adapters on the `nn.Linear` modules whose path matches a pattern.
-
-    Attributes:
-        rank: inner dim r of the adapters (A is [r, in], B is [out, r]).
-        alpha: the update is scaled by alpha / rank.
-        dropout: dropout probability on the adapter's input (the base path sees x unchanged).
-        target_modules: regular expressions, each matched against the whole module path
-            (`re.fullmatch`), e.g. `.*\\.(q_proj|v_proj)$`; a module is adapted when any matches.
-    """
-
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: list[str] = msgspec.field(default_factory=lambda: [r".*\.(q_proj|v_proj)"])
-
-    def __post_init__(self) -> None:
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"{_KEY}.rank must be an integer >= 1, got {self.rank!r}")
-        if not self.alpha > 0:
-            raise ValueError(f"{_KEY}.alpha must be > 0, got {self.alpha!r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"{_KEY}.dropout must be in [0, 1), got {self.dropout!r}")
-        if not self.target_modules:
-            raise ValueError(f"{_KEY}.target_modules must list at least one module-path regex")
-        for index, pattern in enumerate(self.target_modules):
-            try:
-                re.compile(pattern)
-            except re.error as error:
-                raise ValueError(
-                    f"{_KEY}.target_modules[{index}] is not a valid regex ({pattern!r}: {error})"
-                ) from None
-
-    @property
-    def scale(self) -> float:
-        """alpha / rank, the factor of the adapter's output."""
-        return self.alpha / self.rank
 
 
 class _LoraWeight(nn.Module):

@@ -15,13 +15,13 @@ parameters already are `param_dtype`, so autocast changes nothing there.
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-import msgspec
 import torch
 from torch import nn
 
 from d9d.parallel._wrap import wrap_forward
+from d9d.parallel.config import PrecisionConfig
 
 __all__ = [
     "MixedPrecision",
@@ -34,21 +34,6 @@ __all__ = [
 ]
 
 _DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-class PrecisionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """`trainer.precision`: the dtypes of compute and gradient reduction, and TF32.
-
-    Attributes:
-        param_dtype: dtype of parameters in forward/backward; `auto` is bfloat16 on CUDA and float32
-            on CPU. Master weights and optimizer state always stay float32.
-        reduce_dtype: dtype of data-parallel gradient reduction.
-        tf32: TF32 tensor cores for the matmuls and convolutions that still run in float32 on CUDA.
-    """
-
-    param_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
-    tf32: bool = True
 
 
 @dataclass(frozen=True)

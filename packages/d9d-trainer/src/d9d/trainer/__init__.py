@@ -66,7 +66,8 @@ if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports t
         Task,
     )
     from d9d.trainer.reporting import report_job_error
-    from d9d.trainer.trainer import Trainer, TrainResult
+    from d9d.trainer.train_result import TrainResult
+    from d9d.trainer.trainer import Trainer
 
 #: Module → the public names it defines (the run-time twin of the imports above; a test keeps them equal).
 _EXPORTS: dict[str, tuple[str, ...]] = {
@@ -119,7 +120,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "Task",
     ),
     "reporting": ("report_job_error",),
-    "trainer": ("TrainResult", "Trainer"),
+    "train_result": ("TrainResult",),
+    "trainer": ("Trainer",),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 

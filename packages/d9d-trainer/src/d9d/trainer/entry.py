@@ -1,36 +1,85 @@
 """`run_job`, `run_command` and `main`: the one code path behind `python train.py config.yaml` and
-`d9d train`."""
+`d9d train`.
+
+The config is loaded and checked, and a finished run recognized, before torch or the trainer is
+imported: a bad config or a launch that does not fit the mesh fails at once, and a run whose latest
+checkpoint reached `total_steps` says so from that checkpoint's commit record (`finished_run`),
+without building the model or loading the checkpoint.
+"""
 
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from d9d.mesh import RendezvousError
-from d9d.trainer.failures import agree_on_error, error_store, mark_own_error, verdict_of
+from d9d.ckpt import list_checkpoints, uncommitted_step_dirs
+from d9d.mesh import RendezvousError, check_launch
+from d9d.trainer.errors import verdict_of
+from d9d.trainer.loading import LoadedJob, check_job_settings, load_job_config
 from d9d.trainer.reporting import report_job_error
-from d9d.trainer.signals import EXIT_INTERRUPTED, EXIT_PREEMPTED, INTERRUPTED_MESSAGE
-from d9d.trainer.trainer import Trainer, TrainResult
+from d9d.trainer.train_result import TrainResult
 
-__all__ = ["main", "run_command", "run_job"]
+__all__ = ["finished_run", "main", "run_command", "run_job"]
 
 
 def run_job(config_path: str | Path, overrides: Sequence[str] = ()) -> TrainResult:
     """Load the config, build the job, train (resuming if the run has checkpoints), export if set.
 
+    A run that is already complete (`finished_run`) returns before anything is built.
     On a failure under a multi-process launch, the ranks first agree on who reports it (see
     `d9d.trainer.reporting`); the exception carries the verdict.
     """
     try:
-        trainer = Trainer.from_config(config_path, overrides)
+        # A bad config, or a launch that does not fit the mesh, fails here, before torch is imported
+        # (in the order the build would find them: the settings first, then the launch).
+        loaded = load_job_config(config_path, overrides)
+        check_job_settings(loaded)
+        check_launch(loaded.config.mesh, os.environ)
+        finished = finished_run(loaded)
+        if finished is not None:
+            return finished
+        from d9d.trainer.trainer import Trainer  # torch, the providers and the whole training stack
+
+        trainer = Trainer.from_config(loaded)
         with trainer:
             result = trainer.train()
-            if result.stopped_by is None and trainer._job.config.export.dir is not None:
+            if result.stopped_by is None and loaded.config.export.dir is not None:
                 trainer.export()  # a run stopped by a signal is unfinished: no export
         return result
     except Exception as exc:
         _agree(exc)
         raise
+
+
+def finished_run(loaded: LoadedJob) -> TrainResult | None:
+    """The result of a run that is already complete, decided from its checkpoints' commit records alone.
+
+    A run is complete when its latest committed checkpoint reached `trainer.schedule.total_steps`.
+    Then this logs "run is already complete" (as `Trainer.train()` does after a resume) and returns a
+    result with no steps; nothing is built, imported or loaded. None when the run must be built: it is
+    not complete, its directory holds a `save-<step>` that is not committed (the resume reports it),
+    or `export.dir` is set (exporting needs the model with the checkpoint's weights).
+
+    Every rank reads the same (shared) run directory, as a resume does, so all ranks decide alike.
+    """
+    config = loaded.config
+    if config.export.dir is not None:
+        return None
+    tcfg = config.trainer
+    run_dir = loaded.resolve_path(tcfg.checkpointing.save_dir) / tcfg.run.name
+    found = list_checkpoints(run_dir)
+    total = tcfg.schedule.total_steps
+    if not found or found[-1].step < total or uncommitted_step_dirs(run_dir):
+        return None
+    from d9d.mesh import configure_logging, get_logger  # structlog: only to say it
+
+    latest = found[-1]
+    log_dir = loaded.resolve_path(tcfg.logging.log_dir) if tcfg.logging.log_dir is not None else None
+    configure_logging(format=tcfg.logging.format, level=tcfg.logging.level, log_dir=log_dir)
+    get_logger("d9d.trainer").info(
+        "run is already complete", step=latest.step, total_steps=total, checkpoint=str(latest.path)
+    )
+    return TrainResult(start_step=latest.step, final_step=latest.step, losses=[])
 
 
 def run_command(config_path: str | Path, overrides: Sequence[str] = ()) -> None:
@@ -42,9 +91,13 @@ def run_command(config_path: str | Path, overrides: Sequence[str] = ()) -> None:
     try:
         result = run_job(config_path, overrides)
     except KeyboardInterrupt:
+        from d9d.trainer.signals import EXIT_INTERRUPTED, INTERRUPTED_MESSAGE
+
         print(INTERRUPTED_MESSAGE, file=sys.stderr, flush=True)
         sys.exit(EXIT_INTERRUPTED)
     if result.stopped_by is not None:  # saved after SIGTERM / Ctrl-C: run the same command to resume
+        from d9d.trainer.signals import EXIT_PREEMPTED
+
         sys.exit(EXIT_PREEMPTED)
 
 
@@ -52,6 +105,8 @@ def _agree(exc: Exception) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world_size <= 1 or "RANK" not in os.environ or verdict_of(exc) is not None:
         return  # one process, or the ranks agreed already (a failed step: see FailureBoard)
+    from d9d.trainer.failures import agree_on_error, error_store, mark_own_error  # torch.distributed
+
     store = error_store()
     if store is not None:
         agree_on_error(exc, store, int(os.environ["RANK"]), world_size)

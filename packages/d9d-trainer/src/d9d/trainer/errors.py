@@ -1,14 +1,20 @@
 """Exception types of the trainer: each message says what stopped the job, where, and what to do."""
 
+from dataclasses import dataclass
+from typing import Literal
+
 from d9d.mesh import D9dError
 
 __all__ = [
+    "ErrorVerdict",
     "OutOfMemoryError",
     "PeerFailedError",
     "RunLockedError",
     "TrainingError",
+    "attach_verdict",
     "is_out_of_memory",
     "step_out_of_memory",
+    "verdict_of",
 ]
 
 _OOM_TEXT = ("out of memory", "not enough memory", "can't allocate memory", "defaultcpuallocator")
@@ -63,3 +69,27 @@ def first_line(exc: BaseException) -> str:
     """The first line of the message (allocator errors are long)."""
     text = str(exc).strip() or type(exc).__name__
     return text.splitlines()[0][:200]
+
+
+@dataclass(frozen=True)
+class ErrorVerdict:
+    """Who reports a failed rank's error: `shared` (every rank raised the same text: rank 0 says it),
+    `mine` (this rank's own error: it says it, with its rank) or `peer` (another rank's error came
+    first: this rank stays quiet). The ranks agree on it in `d9d.trainer.failures`; it lives here,
+    without torch, for the reporting of errors raised before torch is imported (a bad config)."""
+
+    kind: Literal["shared", "mine", "peer"]
+    origin: int | None = None
+
+
+_VERDICT_ATTR = "_d9d_verdict"
+
+
+def verdict_of(exc: BaseException) -> ErrorVerdict | None:
+    """The verdict attached to `exc` by `agree_on_error` or the FailureBoard, if any."""
+    return getattr(exc, _VERDICT_ATTR, None)
+
+
+def attach_verdict(exc: BaseException, verdict: ErrorVerdict) -> None:
+    """Attach the ranks' verdict to `exc`, for `verdict_of` (and so the report) to find."""
+    setattr(exc, _VERDICT_ATTR, verdict)

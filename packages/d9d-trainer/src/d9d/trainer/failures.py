@@ -15,13 +15,12 @@ import os
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch.distributed as dist
 
 from d9d.mesh import D9dError, DistributedContext, get_logger
-from d9d.trainer.errors import PeerFailedError, TrainingError
+from d9d.trainer.errors import ErrorVerdict, PeerFailedError, TrainingError, attach_verdict, verdict_of
 
 __all__ = [
     "ErrorVerdict",
@@ -39,7 +38,6 @@ _FAILURE_KEY = "failure"
 _LINGER_S = 5.0
 #: How long a failed rank waits for the others to post their errors before it decides alone.
 AGREE_WINDOW_S = 5.0
-_VERDICT_ATTR = "_d9d_verdict"
 _log = get_logger("d9d.trainer")
 
 
@@ -146,28 +144,13 @@ def _is_collective_error(exc: Exception) -> bool:
 # ---------------------------------------------------------------------- one report per error
 
 
-@dataclass(frozen=True)
-class ErrorVerdict:
-    """Who reports a failed rank's error: `shared` (every rank raised the same text: rank 0 says it),
-    `mine` (this rank's own error: it says it, with its rank) or `peer` (another rank's error came
-    first: this rank stays quiet)."""
-
-    kind: Literal["shared", "mine", "peer"]
-    origin: int | None = None
-
-
-def verdict_of(exc: BaseException) -> ErrorVerdict | None:
-    """The verdict attached to `exc` by `agree_on_error` or the FailureBoard, if any."""
-    return getattr(exc, _VERDICT_ATTR, None)
-
-
 def mark_own_error(exc: Exception, rank: int) -> None:
     """Record that `exc` is this rank's own error, for it to report (no store to agree through)."""
     _mark(exc, "mine", rank)
 
 
 def _mark(exc: Exception, kind: Literal["shared", "mine", "peer"], origin: int | None = None) -> Any:
-    setattr(exc, _VERDICT_ATTR, ErrorVerdict(kind, origin))
+    attach_verdict(exc, ErrorVerdict(kind, origin))
     return exc
 
 
@@ -236,5 +219,5 @@ def agree_on_error(
         verdict = ErrorVerdict("mine" if origin == rank else "peer", origin)
         if origin != rank:
             _log.warning("stopping: another rank failed first", failed_rank=origin, error=text)
-    setattr(exc, _VERDICT_ATTR, verdict)
+    attach_verdict(exc, verdict)
     return verdict

@@ -1,13 +1,12 @@
 """Resolve a loaded job config into provider instances, each built from its own config section.
 
-Also the checks that need more than the config text, still before any process group, file or model
-exists: batch sizes against the mesh, and the directories the job will write.
+Also the checks that need the providers, still before any process group, file or model exists: a
+declared batching against the mesh. Those that need none (`d9d.trainer.loading.check_job_settings`)
+run first.
 """
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -18,6 +17,7 @@ from d9d.trainer.config import JobConfig
 from d9d.trainer.loading import (
     ConfigError,
     LoadedJob,
+    check_job_settings,
     check_values,
     convert_section,
     resolve_config_paths,
@@ -42,8 +42,6 @@ from d9d.trainer.providers import (
 )
 
 __all__ = ["ResolvedJob", "resolve_job"]
-
-_BUILTIN_DATA = "d9d.trainer:AutoDataProviderFactory"
 
 #: The optional abilities (protocols of `d9d.trainer.providers`) a provider of each role may declare.
 _ABILITIES: dict[str, tuple[type, ...]] = {
@@ -86,9 +84,7 @@ def resolve_job(loaded: LoadedJob) -> ResolvedJob:
     """
     config = loaded.config
     where = str(loaded.path) if loaded.path is not None else "config"
-    _check_directories(loaded, where)
-    _check_combinations(config, where)
-    _check_eval(config, where)
+    check_job_settings(loaded)
     providers = config.providers
     sections: dict[str, Any] = {
         "model": (
@@ -109,11 +105,6 @@ def resolve_job(loaded: LoadedJob) -> ResolvedJob:
     }
     if providers.dataset is not None:
         sections["dataset"] = (providers.dataset, config.dataset, "dataset", ("build_dataset",))
-    elif providers.data == _BUILTIN_DATA:
-        raise ConfigError(
-            f"{where}: providers.dataset is missing; the built-in AutoDataProvider needs a dataset provider "
-            "(e.g. providers.dataset: train.py:MyDataset), or set providers.data to your own data provider"
-        )
     if providers.eval_dataset is not None:
         sections["eval_dataset"] = (
             providers.eval_dataset,
@@ -230,46 +221,6 @@ def one_line_text(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-def _check_combinations(config: JobConfig, where: str) -> None:
-    """Settings that each are valid but do not work together (yet), or that would do nothing."""
-    profiling, total = config.trainer.profiling, config.trainer.schedule.total_steps
-    if profiling.active_steps and profiling.start_step > total:
-        raise ConfigError(
-            f"{where}: trainer.profiling.start_step={profiling.start_step} is after the last step "
-            f"(trainer.schedule.total_steps={total}), so nothing would be profiled; set start_step to at "
-            f"most {total} or trainer.profiling.active_steps: 0"
-        )
-    if config.trainer.compile.enabled and config.mesh.tensor_parallel > 1:
-        raise ConfigError(
-            f"{where}: trainer.compile.enabled with mesh.tensor_parallel={config.mesh.tensor_parallel} is not "
-            "supported yet (torch 2.15: a compiled block whose input is an un-waited AsyncCollectiveTensor, "
-            "as a vocab-parallel embedding's output is, hands DTensor a plain gradient in backward); set "
-            "trainer.compile.enabled: false or mesh.tensor_parallel: 1"
-        )
-
-
-def _check_eval(config: JobConfig, where: str) -> None:
-    """The `eval:` section and `providers.eval_dataset` come together, and not with pipeline stages (yet)."""
-    providers = config.providers
-    if config.eval is not None and providers.eval_dataset is None:
-        raise ConfigError(
-            f"{where}: eval: needs providers.eval_dataset, the validation set's dataset provider "
-            "(e.g. providers.eval_dataset: train.py:MyDataset, configured by an eval_dataset: section); "
-            "add it or remove the eval: section"
-        )
-    if config.eval is None and providers.eval_dataset is not None:
-        raise ConfigError(
-            f"{where}: providers.eval_dataset is set but there is no eval: section, so it would never be "
-            "used; add eval: {period_steps: N} (0: only after the last step) or remove providers.eval_dataset"
-        )
-    if config.eval is not None and config.mesh.pipeline_parallel > 1:
-        raise ConfigError(
-            f"{where}: eval: with mesh.pipeline_parallel={config.mesh.pipeline_parallel} is not supported yet "
-            "(the pipeline schedules run training steps only); remove the eval: section or set "
-            "mesh.pipeline_parallel: 1"
-        )
-
-
 def _check_batch(config: JobConfig, factory: DataProviderFactory) -> None:
     """A declared batching (`DeclaresBatching`) against the mesh: pure, so checked up front."""
     if not isinstance(factory, DeclaresBatching):
@@ -278,37 +229,3 @@ def _check_batch(config: JobConfig, factory: DataProviderFactory) -> None:
         factory.batching(config.mesh)
     except DataError as exc:  # the message names data.* and the mesh degrees already
         raise ConfigError(str(exc)) from None
-
-
-def _check_directories(loaded: LoadedJob, where: str) -> None:
-    """Each directory the job writes must be a directory or creatable: no file may stand in its way."""
-    config = loaded.config
-    trainer = config.trainer
-    tracking, profiling = trainer.tracking, trainer.profiling
-    targets = {
-        "trainer.checkpointing.save_dir": str(Path(trainer.checkpointing.save_dir) / trainer.run.name),
-        "trainer.logging.log_dir": trainer.logging.log_dir,
-        "export.dir": config.export.dir,
-        "trainer.profiling.dir": profiling.dir if profiling.active_steps else None,
-        "trainer.tracking.tensorboard_dir": tracking.tensorboard_dir
-        if "tensorboard" in tracking.backends
-        else None,
-        "trainer.tracking.wandb_dir": tracking.wandb_dir if "wandb" in tracking.backends else None,
-    }
-    for key, target in targets.items():
-        if target is None:
-            continue
-        blocker = _file_in_the_way(loaded.resolve_path(target))
-        if blocker is not None:
-            raise ConfigError(
-                f"{where}: {key}: {blocker} is a file, not a directory; "
-                f"point {key} elsewhere or move the file away"
-            )
-
-
-def _file_in_the_way(path: Path) -> Path | None:
-    """The nearest existing ancestor of `path` (or `path` itself) when it is not a directory."""
-    for candidate in (path, *path.parents):
-        if os.path.lexists(candidate):
-            return None if candidate.is_dir() else candidate
-    return None

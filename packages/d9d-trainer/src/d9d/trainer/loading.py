@@ -32,6 +32,7 @@ __all__ = [
     "ConfigPath",
     "LoadedJob",
     "apply_overrides",
+    "check_job_settings",
     "check_values",
     "convert_section",
     "load_job_config",
@@ -350,6 +351,107 @@ def _check_rules(config: JobConfig, where: str) -> None:
         PipelineConfig(pipelining.schedule, pipelining.stages_per_rank)
     except PipelineError as exc:
         raise ConfigError(f"{where}: pipelining.stages_per_rank: {exc}") from None
+
+
+#: The built-in data provider, which needs a dataset provider.
+_BUILTIN_DATA = "d9d.trainer:AutoDataProviderFactory"
+
+
+def check_job_settings(loaded: LoadedJob) -> None:
+    """The checks of a loaded job that need no provider: the directories it writes (no file in their
+    way), settings that each are valid but do not work together (yet), and the dataset provider the
+    built-in data provider needs.
+
+    `resolve_job` runs them before it imports a provider; `run_job` before it checks the launch
+    against the mesh, so they fail in the same order, without importing torch.
+
+    Raises:
+        ConfigError: naming the keys and the fix.
+    """
+    config = loaded.config
+    where = str(loaded.path) if loaded.path is not None else "config"
+    _check_directories(loaded, where)
+    _check_combinations(config, where)
+    _check_eval(config, where)
+    if config.providers.dataset is None and config.providers.data == _BUILTIN_DATA:
+        raise ConfigError(
+            f"{where}: providers.dataset is missing; the built-in AutoDataProvider needs a dataset provider "
+            "(e.g. providers.dataset: train.py:MyDataset), or set providers.data to your own data provider"
+        )
+
+
+def _check_combinations(config: JobConfig, where: str) -> None:
+    """Settings that each are valid but do not work together (yet), or that would do nothing."""
+    profiling, total = config.trainer.profiling, config.trainer.schedule.total_steps
+    if profiling.active_steps and profiling.start_step > total:
+        raise ConfigError(
+            f"{where}: trainer.profiling.start_step={profiling.start_step} is after the last step "
+            f"(trainer.schedule.total_steps={total}), so nothing would be profiled; set start_step to at "
+            f"most {total} or trainer.profiling.active_steps: 0"
+        )
+    if config.trainer.compile.enabled and config.mesh.tensor_parallel > 1:
+        raise ConfigError(
+            f"{where}: trainer.compile.enabled with mesh.tensor_parallel={config.mesh.tensor_parallel} is not "
+            "supported yet (torch 2.15: a compiled block whose input is an un-waited AsyncCollectiveTensor, "
+            "as a vocab-parallel embedding's output is, hands DTensor a plain gradient in backward); set "
+            "trainer.compile.enabled: false or mesh.tensor_parallel: 1"
+        )
+
+
+def _check_eval(config: JobConfig, where: str) -> None:
+    """The `eval:` section and `providers.eval_dataset` come together, and not with pipeline stages (yet)."""
+    providers = config.providers
+    if config.eval is not None and providers.eval_dataset is None:
+        raise ConfigError(
+            f"{where}: eval: needs providers.eval_dataset, the validation set's dataset provider "
+            "(e.g. providers.eval_dataset: train.py:MyDataset, configured by an eval_dataset: section); "
+            "add it or remove the eval: section"
+        )
+    if config.eval is None and providers.eval_dataset is not None:
+        raise ConfigError(
+            f"{where}: providers.eval_dataset is set but there is no eval: section, so it would never be "
+            "used; add eval: {period_steps: N} (0: only after the last step) or remove providers.eval_dataset"
+        )
+    if config.eval is not None and config.mesh.pipeline_parallel > 1:
+        raise ConfigError(
+            f"{where}: eval: with mesh.pipeline_parallel={config.mesh.pipeline_parallel} is not supported yet "
+            "(the pipeline schedules run training steps only); remove the eval: section or set "
+            "mesh.pipeline_parallel: 1"
+        )
+
+
+def _check_directories(loaded: LoadedJob, where: str) -> None:
+    """Each directory the job writes must be a directory or creatable: no file may stand in its way."""
+    config = loaded.config
+    trainer = config.trainer
+    tracking, profiling = trainer.tracking, trainer.profiling
+    targets = {
+        "trainer.checkpointing.save_dir": str(Path(trainer.checkpointing.save_dir) / trainer.run.name),
+        "trainer.logging.log_dir": trainer.logging.log_dir,
+        "export.dir": config.export.dir,
+        "trainer.profiling.dir": profiling.dir if profiling.active_steps else None,
+        "trainer.tracking.tensorboard_dir": tracking.tensorboard_dir
+        if "tensorboard" in tracking.backends
+        else None,
+        "trainer.tracking.wandb_dir": tracking.wandb_dir if "wandb" in tracking.backends else None,
+    }
+    for key, target in targets.items():
+        if target is None:
+            continue
+        blocker = _file_in_the_way(loaded.resolve_path(target))
+        if blocker is not None:
+            raise ConfigError(
+                f"{where}: {key}: {blocker} is a file, not a directory; "
+                f"point {key} elsewhere or move the file away"
+            )
+
+
+def _file_in_the_way(path: Path) -> Path | None:
+    """The nearest existing ancestor of `path` (or `path` itself) when it is not a directory."""
+    for candidate in (path, *path.parents):
+        if os.path.lexists(candidate):
+            return None if candidate.is_dir() else candidate
+    return None
 
 
 def resolve_object(spec: str, base_dir: Path, *, key: str) -> Any:

@@ -16,7 +16,7 @@ import sys
 import time
 
 from d9d.mesh import D9dError
-from d9d.trainer.failures import verdict_of
+from d9d.trainer.errors import verdict_of
 
 __all__ = ["PEER_ERROR_GRACE_S", "is_shared_by_every_rank", "one_line", "report_error", "report_job_error"]
 

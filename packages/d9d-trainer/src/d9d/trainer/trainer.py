@@ -13,7 +13,6 @@ import datetime
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +49,7 @@ from d9d.trainer.starting_weights import StartingWeights
 from d9d.trainer.step import MicrobatchStep, PipelineStep, StepSettings, TrainStep, token_group
 from d9d.trainer.timing import StepTimer, read_phases
 from d9d.trainer.tracking import Trackers, check_trackers, open_trackers
+from d9d.trainer.train_result import TrainResult
 from d9d.trainer.watchdog import REPORT_GRACE_S, StepWatchdog
 
 __all__ = ["TrainResult", "Trainer"]
@@ -58,17 +58,6 @@ __all__ = ["TrainResult", "Trainer"]
 _COLLECTIVE_BACKSTOP_S = 2 * REPORT_GRACE_S + 5.0
 
 _log = get_logger("d9d.trainer")
-
-
-@dataclass(frozen=True)
-class TrainResult:
-    """What `Trainer.train()` did."""
-
-    start_step: int
-    final_step: int
-    losses: list[float]
-    stopped_by: str | None = None
-    """The signal that stopped the run early (e.g. "SIGTERM"), after saving; None when it finished."""
 
 
 class Trainer:

@@ -8,31 +8,69 @@ loaded = manager.load(manager.latest(), model, optimizer)
 
 Every commit records a checksum per file; `CheckpointManager(..., verify_on_load=True)` and
 `verify_checkpoint(info)` compare them (`integrity.py`). `classify_run_entry` tells the names of a
-run directory apart (`layout.py`).
+run directory apart, `list_checkpoints` lists a run's committed checkpoints (`layout.py`).
+
+The names load on first use (PEP 562): listing a run and verifying its files read only the commit
+records and the files' bytes, without importing torch; `CheckpointManager` and the RNG state import it.
 """
 
-from d9d.ckpt.checkpoint.errors import (
-    CheckpointDamagedError,
-    CheckpointDiskFullError,
-    CheckpointError,
-    SaveDirNotSharedError,
-)
-from d9d.ckpt.checkpoint.integrity import (
-    CheckpointVerification,
-    FileProblem,
-    FileProblemKind,
-    check_checkpoint_files,
-    verify_checkpoint,
-)
-from d9d.ckpt.checkpoint.layout import (
-    CheckpointInfo,
-    CheckpointMeta,
-    RunEntryKind,
-    classify_run_entry,
-    read_checkpoint_info,
-)
-from d9d.ckpt.checkpoint.manager import CheckpointManager, LoadedCheckpoint
-from d9d.ckpt.checkpoint.rng import capture_rng_state, restore_rng_state
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports these on first use
+    from d9d.ckpt.checkpoint.errors import (
+        CheckpointDamagedError,
+        CheckpointDiskFullError,
+        CheckpointError,
+        SaveDirNotSharedError,
+    )
+    from d9d.ckpt.checkpoint.integrity import (
+        CheckpointVerification,
+        FileProblem,
+        FileProblemKind,
+        check_checkpoint_files,
+        verify_checkpoint,
+    )
+    from d9d.ckpt.checkpoint.layout import (
+        CheckpointInfo,
+        CheckpointMeta,
+        RunEntryKind,
+        classify_run_entry,
+        list_checkpoints,
+        read_checkpoint_info,
+        uncommitted_step_dirs,
+    )
+    from d9d.ckpt.checkpoint.manager import CheckpointManager, LoadedCheckpoint
+    from d9d.ckpt.checkpoint.rng import capture_rng_state, restore_rng_state
+
+#: Module → the public names it defines (the run-time twin of the imports above; a test keeps them equal).
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    "errors": (
+        "CheckpointDamagedError",
+        "CheckpointDiskFullError",
+        "CheckpointError",
+        "SaveDirNotSharedError",
+    ),
+    "integrity": (
+        "CheckpointVerification",
+        "FileProblem",
+        "FileProblemKind",
+        "check_checkpoint_files",
+        "verify_checkpoint",
+    ),
+    "layout": (
+        "CheckpointInfo",
+        "CheckpointMeta",
+        "RunEntryKind",
+        "classify_run_entry",
+        "list_checkpoints",
+        "read_checkpoint_info",
+        "uncommitted_step_dirs",
+    ),
+    "manager": ("CheckpointManager", "LoadedCheckpoint"),
+    "rng": ("capture_rng_state", "restore_rng_state"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = [
     "CheckpointDamagedError",
@@ -50,7 +88,23 @@ __all__ = [
     "capture_rng_state",
     "check_checkpoint_files",
     "classify_run_entry",
+    "list_checkpoints",
     "read_checkpoint_info",
     "restore_rng_state",
+    "uncommitted_step_dirs",
     "verify_checkpoint",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first use (PEP 562) and keep the name here."""
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'd9d.ckpt.checkpoint' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"d9d.ckpt.checkpoint.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

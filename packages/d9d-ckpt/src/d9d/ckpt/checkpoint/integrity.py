@@ -19,9 +19,12 @@ that leaves the size alone; `verify_checkpoint` does that for one checkpoint on 
 On a shared file system the checks must not multiply with the rank count: one rank runs
 `inspect_checkpoint` (stats every file, reads the extra state and the DCP metadata once) and
 broadcasts the `CheckpointReport`; every rank then checks its own live state against the metadata
-in memory, and `KnownMetadataReader` hands the same metadata to the load instead of every rank
-opening `.metadata` again. So the file-system metadata operations of a load stay O(files), not
-O(ranks x files).
+in memory, and `KnownMetadataReader` (`storage.py`) hands the same metadata to the load instead of
+every rank opening `.metadata` again. So the file-system metadata operations of a load stay
+O(files), not O(ranks x files).
+
+Nothing here imports torch until a load needs it (the DCP metadata, a live state's tensors), so
+listing a run and `verify_checkpoint` read only the commit record and the files' bytes.
 """
 
 import re
@@ -30,33 +33,23 @@ import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
-
-import torch
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    Metadata,
-    StorageMeta,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
-from torch.distributed.checkpoint.storage import WriteResult
-from torch.futures import Future
+from typing import TYPE_CHECKING, Any, Literal
 
 from d9d.ckpt.checkpoint.errors import CheckpointError
 from d9d.ckpt.checkpoint.extra import decode_state
 from d9d.ckpt.checkpoint.layout import EXTRA_FILE, CheckpointInfo, recovery_hint
 
+if TYPE_CHECKING:  # torch is imported where a load needs it: listing and verifying run without it
+    from torch.distributed.checkpoint.metadata import Metadata
+
 __all__ = [
     "ALGORITHM",
+    "METADATA_FILE",
     "BackgroundVerification",
     "CheckpointReport",
     "CheckpointVerification",
-    "ChecksummingWriter",
     "FileProblem",
     "FileProblemKind",
-    "KnownMetadataReader",
     "WrittenFile",
     "check_checkpoint_files",
     "check_checksums",
@@ -78,7 +71,8 @@ WrittenFile = tuple[int, str]
 FileProblemKind = Literal["missing", "unreadable", "truncated", "changed"]
 
 _CHUNK = 8 << 20
-_METADATA_FILE = ".metadata"  # written by DCP's coordinator in `finish`
+#: The torch.distributed.checkpoint metadata file, written by DCP's coordinator in `finish`.
+METADATA_FILE = ".metadata"
 _MAX_LISTED_PROBLEMS = 20
 
 # ------------------------------------------------------------------ checksums
@@ -120,35 +114,6 @@ def check_checksums(path: Path, checksums: Mapping[str, str], names: set[str] | 
         if actual != expected:
             problems.append(f"{label}/{name} is damaged (checksum mismatch)")
     return problems
-
-
-class ChecksummingWriter(FileSystemWriter):
-    """DCP's file-system writer that checksums each file this rank wrote, right after writing it.
-
-    `written` maps each file (relative to the checkpoint directory) to its size and checksum; on
-    the coordinator it includes `.metadata` once `finish` wrote it.
-    """
-
-    def __init__(self, path: str | Path) -> None:
-        super().__init__(path)
-        self.written: dict[str, WrittenFile] = {}
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Write this rank's shards (DCP's writer), then checksum every file they landed in."""
-        future = super().write_data(plan, planner)
-        results: list[WriteResult] = future.wait()  # DCP's file writer returns a completed future
-        for name in sorted({r.storage_data.relative_path for r in results}):
-            self._record(name)
-        return future
-
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Write `.metadata` (DCP's writer, on the coordinator), then checksum it."""
-        super().finish(metadata, results)
-        self._record(_METADATA_FILE)
-
-    def _record(self, name: str) -> None:
-        file = Path(self.path) / name
-        self.written[name] = (file.stat().st_size, checksum_file(file))
 
 
 # ------------------------------------------------------------------ file sizes
@@ -237,7 +202,7 @@ class CheckpointReport:
 
     problems: list[str]
     extra_state: dict[str, Any] = field(default_factory=dict)
-    metadata: Metadata | None = None
+    metadata: "Metadata | None" = None
     metadata_error: str | None = None
     verified: bool | None = None
 
@@ -268,28 +233,6 @@ def inspect_checkpoint(
         return CheckpointReport([], extra, metadata, error, verified=verified)
     except Exception as exc:
         return CheckpointReport([f"the checkpoint cannot be inspected ({type(exc).__name__}: {exc})"])
-
-
-class KnownMetadataReader(FileSystemReader):
-    """A `FileSystemReader` of one checkpoint that returns metadata read before (and broadcast).
-
-    `dcp.load` otherwise opens `.metadata` on every rank; with this reader only the shard files a
-    rank needs are opened.
-    """
-
-    def __init__(self, path: str | Path, metadata: Metadata) -> None:
-        super().__init__(str(path))
-        self._known = metadata
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """The known metadata (a per-rank metadata file, `rank=`, is still read from disk)."""
-        if kwargs.get("rank") is not None:
-            return super().read_metadata(*args, **kwargs)
-        metadata = self._known
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id  # as FileSystemReader.read_metadata does
-        return metadata
 
 
 def problem_report(
@@ -355,21 +298,26 @@ class BackgroundVerification:
         return list(self._problems)
 
 
-def read_dcp_metadata(path: Path) -> tuple[Metadata | None, str | None]:
+def read_dcp_metadata(path: Path) -> tuple["Metadata | None", str | None]:
     """The torch.distributed.checkpoint metadata of a checkpoint, or the reason it cannot be read."""
+    from torch.distributed.checkpoint import FileSystemReader
+
     try:
         return FileSystemReader(str(path)).read_metadata(), None
     except Exception as exc:  # a corrupt pickle raises anything
         return None, f"the torch.distributed.checkpoint metadata cannot be read ({type(exc).__name__}: {exc})"
 
 
-def check_keys(live: dict[str, Any], metadata: Metadata) -> list[str]:
+def check_keys(live: dict[str, Any], metadata: "Metadata") -> list[str]:
     """Problems of one rank's flattened live state against the checkpoint: missing keys, shapes, dtypes.
 
     `live` is flattened the way torch.distributed.checkpoint flattens (`model.<fqn>`,
     `optimizer.state.<fqn>.<name>`, ...). Keys the checkpoint holds but no rank asks for are found by
     the caller, across ranks.
     """
+    import torch
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
     stored = metadata.state_dict_metadata
     problems: list[str] = []
     for key, value in live.items():

@@ -54,8 +54,6 @@ from d9d.ckpt.checkpoint.extra import decode_state, encode_state
 from d9d.ckpt.checkpoint.integrity import (
     BackgroundVerification,
     CheckpointReport,
-    ChecksummingWriter,
-    KnownMetadataReader,
     WrittenFile,
     check_keys,
     checksum_bytes,
@@ -79,6 +77,7 @@ from d9d.ckpt.checkpoint.layout import (
 )
 from d9d.ckpt.checkpoint.retention import Retention
 from d9d.ckpt.checkpoint.staging import HostStaging
+from d9d.ckpt.checkpoint.storage import ChecksummingWriter, KnownMetadataReader
 from d9d.ckpt.checkpoint.visibility import collect_files
 from d9d.mesh import DistributedContext, get_logger
 

@@ -4,34 +4,61 @@ layout = plan_pipeline(num_layers, pp_size, PipelineConfig("zbv"), n_microbatche
 specs = layout.stages_of_rank(ctx.coordinate("pp"))        # build one module per spec
 pipe = Pipeline(layout, modules, pp_group=ctx.mesh("dense")["pp"], n_microbatches=8, loss_fn=fn)
 loss = pipe.step(inputs, targets)                           # summed loss on the last stage
+
+The names load on first use (PEP 562): `PipelineConfig`, `PIPELINE_SCHEDULES` and `PipelineError`
+import no torch, so a job's pipelining section is checked without it.
 """
 
-from d9d.parallel.pipeline.bubble import ZERO_BUBBLE_SCHEDULES, PipelineBubble, pipeline_bubble
-from d9d.parallel.pipeline.chunks import StageChunks, merge_stage_modules
-from d9d.parallel.pipeline.config import (
-    PIPELINE_SCHEDULES,
-    PipelineConfig,
-    PipelineScheduleInfo,
-    StageToRankStyle,
-    check_pipeline_microbatches,
-    pipeline_schedule_info,
-)
-from d9d.parallel.pipeline.errors import PipelineError
-from d9d.parallel.pipeline.layout import (
-    PipelineLayout,
-    StageSpec,
-    plan_pipeline,
-    split_layers,
-    stage_to_rank,
-)
-from d9d.parallel.pipeline.runtime import (
-    Pipeline,
-    PipelineLossFn,
-    fsdp_reshard_after_forward,
-    prepare_fsdp_for_schedule,
-)
-from d9d.parallel.pipeline.stage import PipelineStageModule, keep_stage_layers
-from d9d.parallel.pipeline.tied import TiedParameters, declared_ties
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports these on first use
+    from d9d.parallel.pipeline.bubble import ZERO_BUBBLE_SCHEDULES, PipelineBubble, pipeline_bubble
+    from d9d.parallel.pipeline.chunks import StageChunks, merge_stage_modules
+    from d9d.parallel.pipeline.config import (
+        PIPELINE_SCHEDULES,
+        PipelineConfig,
+        PipelineScheduleInfo,
+        StageToRankStyle,
+        check_pipeline_microbatches,
+        pipeline_schedule_info,
+    )
+    from d9d.parallel.pipeline.errors import PipelineError
+    from d9d.parallel.pipeline.layout import (
+        PipelineLayout,
+        StageSpec,
+        plan_pipeline,
+        split_layers,
+        stage_to_rank,
+    )
+    from d9d.parallel.pipeline.runtime import (
+        Pipeline,
+        PipelineLossFn,
+        fsdp_reshard_after_forward,
+        prepare_fsdp_for_schedule,
+    )
+    from d9d.parallel.pipeline.stage import PipelineStageModule, keep_stage_layers
+    from d9d.parallel.pipeline.tied import TiedParameters, declared_ties
+
+#: Module → the public names it defines (the run-time twin of the imports above; a test keeps them equal).
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    "bubble": ("ZERO_BUBBLE_SCHEDULES", "PipelineBubble", "pipeline_bubble"),
+    "chunks": ("StageChunks", "merge_stage_modules"),
+    "config": (
+        "PIPELINE_SCHEDULES",
+        "PipelineConfig",
+        "PipelineScheduleInfo",
+        "StageToRankStyle",
+        "check_pipeline_microbatches",
+        "pipeline_schedule_info",
+    ),
+    "errors": ("PipelineError",),
+    "layout": ("PipelineLayout", "StageSpec", "plan_pipeline", "split_layers", "stage_to_rank"),
+    "runtime": ("Pipeline", "PipelineLossFn", "fsdp_reshard_after_forward", "prepare_fsdp_for_schedule"),
+    "stage": ("PipelineStageModule", "keep_stage_layers"),
+    "tied": ("TiedParameters", "declared_ties"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __all__ = [
     "PIPELINE_SCHEDULES",
@@ -60,3 +87,17 @@ __all__ = [
     "split_layers",
     "stage_to_rank",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first use (PEP 562) and keep the name here."""
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'd9d.parallel.pipeline' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"d9d.parallel.pipeline.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

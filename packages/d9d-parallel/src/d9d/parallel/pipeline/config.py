@@ -1,13 +1,12 @@
 """Pipeline schedules by name: which torch schedule runs, how many stages each rank needs, how they map to ranks.
 
 Everything here is pure: no process group is needed to check a configuration, so a job fails at
-start (not in its first step) when its schedule, stage count and microbatch count do not fit.
+start (not in its first step) when its schedule, stage count and microbatch count do not fit. No
+torch either (a schedule's torch class is looked up when it runs), so a config is checked without it.
 """
 
 from dataclasses import dataclass
 from typing import Literal
-
-from torch.distributed import pipelining as tpp
 
 from d9d.parallel.pipeline.errors import PipelineError
 
@@ -29,7 +28,8 @@ class PipelineScheduleInfo:
 
     Attributes:
         name: the name used in configs.
-        torch_class: the `torch.distributed.pipelining` schedule class that runs it.
+        torch_class_name: the name of the `torch.distributed.pipelining` schedule class that runs it
+            (`torch_class`).
         multi_stage: whether the torch class takes a list of stages per rank (else exactly one).
         style: how stages map to ranks: "loop" (stage s on rank s % pp) or "v" (down, then back up).
         min_stages_per_rank: fewest stages a rank may hold.
@@ -39,7 +39,7 @@ class PipelineScheduleInfo:
     """
 
     name: str
-    torch_class: type
+    torch_class_name: str
     multi_stage: bool
     style: StageToRankStyle
     min_stages_per_rank: int
@@ -47,21 +47,27 @@ class PipelineScheduleInfo:
     default_stages_per_rank: int
     zero_bubble: bool
 
+    @property
+    def torch_class(self) -> type:
+        """The `torch.distributed.pipelining` schedule class that runs it."""
+        from torch.distributed import pipelining
+
+        cls: type = getattr(pipelining, self.torch_class_name)
+        return cls
+
 
 PIPELINE_SCHEDULES: dict[str, PipelineScheduleInfo] = {
     info.name: info
     for info in (
-        PipelineScheduleInfo("gpipe", tpp.ScheduleGPipe, False, "loop", 1, 1, 1, False),
-        PipelineScheduleInfo("1f1b", tpp.Schedule1F1B, False, "loop", 1, 1, 1, False),
+        PipelineScheduleInfo("gpipe", "ScheduleGPipe", False, "loop", 1, 1, 1, False),
+        PipelineScheduleInfo("1f1b", "Schedule1F1B", False, "loop", 1, 1, 1, False),
+        PipelineScheduleInfo("interleaved_1f1b", "ScheduleInterleaved1F1B", True, "loop", 1, None, 2, False),
+        PipelineScheduleInfo("looped_bfs", "ScheduleLoopedBFS", True, "loop", 1, None, 2, False),
         PipelineScheduleInfo(
-            "interleaved_1f1b", tpp.ScheduleInterleaved1F1B, True, "loop", 1, None, 2, False
+            "interleaved_zero_bubble", "ScheduleInterleavedZeroBubble", True, "loop", 1, None, 2, True
         ),
-        PipelineScheduleInfo("looped_bfs", tpp.ScheduleLoopedBFS, True, "loop", 1, None, 2, False),
-        PipelineScheduleInfo(
-            "interleaved_zero_bubble", tpp.ScheduleInterleavedZeroBubble, True, "loop", 1, None, 2, True
-        ),
-        PipelineScheduleInfo("zbv", tpp.ScheduleZBVZeroBubble, True, "v", 2, 2, 2, True),
-        PipelineScheduleInfo("dualpipev", tpp.ScheduleDualPipeV, True, "v", 2, 2, 2, True),
+        PipelineScheduleInfo("zbv", "ScheduleZBVZeroBubble", True, "v", 2, 2, 2, True),
+        PipelineScheduleInfo("dualpipev", "ScheduleDualPipeV", True, "v", 2, 2, 2, True),
     )
 }
 

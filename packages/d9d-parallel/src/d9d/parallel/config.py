@@ -1,0 +1,106 @@
+"""The config sections of d9d-parallel's per-block mechanisms: precision, activation checkpointing,
+compile and LoRA.
+
+Plain msgspec structs, importing no torch, so a job's config is checked (unknown keys, wrong values)
+before torch is imported; the code each one configures lives in its own module (`precision.py`,
+`activation_checkpointing.py`, `compile.py`, `lora.py`), which re-exports it.
+"""
+
+import re
+from typing import Literal
+
+import msgspec
+
+__all__ = ["LORA_KEY", "ActivationCheckpointingConfig", "CompileConfig", "LoraConfig", "PrecisionConfig"]
+
+#: Where a job's config holds `LoraConfig` (its error messages name the key).
+LORA_KEY = "peft.lora"
+
+
+class PrecisionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`trainer.precision`: the dtypes of compute and gradient reduction, and TF32.
+
+    Attributes:
+        param_dtype: dtype of parameters in forward/backward; `auto` is bfloat16 on CUDA and float32
+            on CPU. Master weights and optimizer state always stay float32.
+        reduce_dtype: dtype of data-parallel gradient reduction.
+        tf32: TF32 tensor cores for the matmuls and convolutions that still run in float32 on CUDA.
+    """
+
+    param_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    tf32: bool = True
+
+
+class ActivationCheckpointingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`trainer.activation_checkpointing`: which transformer blocks recompute their activations.
+
+    Attributes:
+        mode: `none` keeps every activation; `full` checkpoints every block; `selective` every
+            `every`-th block (blocks 0, every, 2·every, ...).
+        every: the period of `selective`.
+    """
+
+    mode: Literal["none", "full", "selective"] = "none"
+    every: int = 2
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError(f"trainer.activation_checkpointing.every must be >= 1, got {self.every}")
+
+
+class CompileConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`trainer.compile`: compile each transformer block with `torch.compile` (inductor).
+
+    Attributes:
+        enabled: compile, or run eagerly.
+        fullgraph: fail on a graph break instead of falling back to eager for that part.
+        dynamic: None (default): each block compiles for the first shapes it sees, and a second
+            shape (another sequence length: an eval set's, a short last batch) recompiles it once
+            with the sizes that changed dynamic, which every later shape reuses. False: one graph
+            per shape, and past torch's recompile limit (8) a block silently runs eagerly. True:
+            dynamic from the first graph (one graph, but a one-length run loses the static one).
+    """
+
+    enabled: bool = False
+    fullgraph: bool = False
+    dynamic: bool | None = None
+
+
+class LoraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`peft.lora`: low-rank adapters on the `nn.Linear` modules whose path matches a pattern.
+
+    Attributes:
+        rank: inner dim r of the adapters (A is [r, in], B is [out, r]).
+        alpha: the update is scaled by alpha / rank.
+        dropout: dropout probability on the adapter's input (the base path sees x unchanged).
+        target_modules: regular expressions, each matched against the whole module path
+            (`re.fullmatch`), e.g. `.*\\.(q_proj|v_proj)$`; a module is adapted when any matches.
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = msgspec.field(default_factory=lambda: [r".*\.(q_proj|v_proj)"])
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"{LORA_KEY}.rank must be an integer >= 1, got {self.rank!r}")
+        if not self.alpha > 0:
+            raise ValueError(f"{LORA_KEY}.alpha must be > 0, got {self.alpha!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"{LORA_KEY}.dropout must be in [0, 1), got {self.dropout!r}")
+        if not self.target_modules:
+            raise ValueError(f"{LORA_KEY}.target_modules must list at least one module-path regex")
+        for index, pattern in enumerate(self.target_modules):
+            try:
+                re.compile(pattern)
+            except re.error as error:
+                raise ValueError(
+                    f"{LORA_KEY}.target_modules[{index}] is not a valid regex ({pattern!r}: {error})"
+                ) from None
+
+    @property
+    def scale(self) -> float:
+        """alpha / rank, the factor of the adapter's output."""
+        return self.alpha / self.rank

@@ -1,0 +1,20 @@
+"""`TrainResult`: what a run of `Trainer.train()` (or `run_job`) did.
+
+Torch-free, so that `run_job` can answer for a finished run from its checkpoint's commit record
+without importing the trainer.
+"""
+
+from dataclasses import dataclass
+
+__all__ = ["TrainResult"]
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What `Trainer.train()` did."""
+
+    start_step: int
+    final_step: int
+    losses: list[float]
+    stopped_by: str | None = None
+    """The signal that stopped the run early (e.g. "SIGTERM"), after saving; None when it finished."""
