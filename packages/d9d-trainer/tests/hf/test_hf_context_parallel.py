@@ -43,10 +43,44 @@ def test_cp2_by_fsdp2_on_four_ranks_trains_like_one_process(tmp_path):
 
 
 def test_what_context_parallelism_cannot_split_is_one_line_naming_the_key_and_the_fix(tmp_path):
-    gemma2 = save_tiny("gemma2", tmp_path / "gemma2")  # sliding windows and soft-capped logits
+    gemma2 = save_tiny("gemma2", tmp_path / "gemma2")  # sliding windows, soft-capped logits: not offered
     provider = HFCausalLMProvider(HFCausalLMConfig(folder=str(gemma2)))
     with pytest.raises(HFModelError) as refused:
         provider.check_mesh(MeshConfig(context_parallel=2))
     (line,) = str(refused.value).splitlines()
     assert line.startswith("mesh.context_parallel=2: the Hugging Face backend")
-    assert "sliding window" in line and line.endswith("set mesh.context_parallel: 1")
+    assert "model_type 'gemma2' is not verified" in line and line.endswith("set mesh.context_parallel: 1")
+    import transformers
+
+    from d9d.trainer.hf.context_parallel import context_parallel_problem
+
+    windowed = transformers.Qwen2Config(use_sliding_window=True, sliding_window=8)
+    problem = context_parallel_problem(transformers.Qwen2ForCausalLM, windowed)
+    assert problem is not None and "sliding window" in problem
+
+
+def _packed_forward_error(folder: Path) -> str:
+    """On a rank of a cp 2 mesh: the error of a forward of packed rows (document ids)."""
+    from _tiny_hf import load_hf, probe_batch
+
+    from d9d.mesh import DistributedContext
+    from d9d.trainer.hf.context_parallel import apply_context_parallel
+    from d9d.trainer.hf.model import HFCausalLM
+
+    with DistributedContext.from_env(MeshConfig(context_parallel=2), device="cpu") as ctx:
+        hf = load_hf(folder)
+        model = HFCausalLM(hf)
+        apply_context_parallel(model, hf, ctx.mesh("dense"))
+        ids, positions = probe_batch()
+        documents = (positions == 0).cumsum(-1) - 1
+        try:
+            model(ids[:, :8], position_ids=positions[:, :8], document_ids=documents[:, :8])
+        except HFModelError as exc:
+            return str(exc)
+    return "no error"
+
+
+def test_packed_documents_under_context_parallelism_are_refused_not_trained_across(tmp_path):
+    folder = save_tiny("llama", tmp_path / "llama")
+    for error in run_distributed(_packed_forward_error, 2, folder, timeout=120):
+        assert "packs documents (document_ids)" in error and "mesh.context_parallel: 1" in error, error

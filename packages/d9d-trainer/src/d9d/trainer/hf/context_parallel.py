@@ -9,10 +9,12 @@ attention of the rank's queries against the whole sequence's keys and values
 (`context_parallel_attention`: one all-gather of K and V), and its mask function builds no mask
 (causality comes from the global positions of the chunks, not from a mask over the local ones).
 
-What it cannot compute exactly is refused before anything is built (`context_parallel_problem`):
-sliding-window or soft-capped attention, attention dropout, and classes that do not route attention
-through transformers' attention interface. Packed documents with context parallelism are refused by
-the trainer's plan for every model.
+It is offered for the architectures whose every layer is plain causal attention through
+transformers' attention interface and that are tested against one process
+(`CONTEXT_PARALLEL_ARCHITECTURES`); anything else (linear-attention, convolution or chunked layers,
+sliding windows, soft-capped logits, attention sinks, bidirectional attention, attention dropout) is
+refused before anything is built (`context_parallel_problem`), and the attention refuses any
+argument it would drop. Packed documents (document ids) with context parallelism are refused.
 """
 
 from typing import Any
@@ -26,15 +28,33 @@ from transformers.masking_utils import AttentionMaskInterface
 from d9d.parallel import ContextParallel, context_parallel_attention, parallelize_context_parallel
 from d9d.trainer.hf.errors import HFModelError
 
-__all__ = ["ATTENTION", "apply_context_parallel", "context_parallel_problem"]
+__all__ = [
+    "ATTENTION",
+    "CONTEXT_PARALLEL_ARCHITECTURES",
+    "apply_context_parallel",
+    "context_parallel_problem",
+]
 
 #: The attention implementation's name in transformers' registries.
 ATTENTION = "d9d_context_parallel"
+#: model_type of the architectures context parallelism is offered for: every layer plain causal
+#: attention, each tested at cp 2 against one process (packages/d9d-trainer/tests/hf/test_hf_context_parallel.py).
+CONTEXT_PARALLEL_ARCHITECTURES = frozenset({"llama", "qwen2", "qwen3"})
+#: Arguments transformers passes an attention implementation that change nothing here.
+_HARMLESS = frozenset({"sliding_window", "softcap", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
+                       "max_length_q", "max_length_k", "is_causal", "output_attentions", "head_mask",
+                       "cache_position", "use_cache"})  # fmt: skip
 
 
 def context_parallel_problem(model_class: type, config: PretrainedConfig) -> str | None:
     """Why context parallelism cannot run `model_class` built from `config` exactly, or None."""
     text = config.get_text_config()
+    model_type = getattr(text, "model_type", None) or getattr(config, "model_type", "?")
+    if model_type not in CONTEXT_PARALLEL_ARCHITECTURES:
+        return (
+            f"model_type {model_type!r} is not verified with it (offered for "
+            f"{', '.join(sorted(CONTEXT_PARALLEL_ARCHITECTURES))}: every layer plain causal attention)"
+        )
     if not getattr(model_class, "_supports_attention_backend", False):
         return (
             f"{model_class.__name__} does not route its attention through transformers' attention "
@@ -95,10 +115,16 @@ def _attention(
     cp = getattr(module, "context_parallel", None)
     if not isinstance(cp, ContextParallel):
         raise HFModelError(f"{type(module).__name__} runs the {ATTENTION} attention without a cp group")
-    if dropout or kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
+    unknown = sorted(k for k, v in kwargs.items() if k not in _HARMLESS and v is not None)
+    asks = [name for name, on in (("dropout", bool(dropout)),
+                                  ("a sliding window", kwargs.get("sliding_window") is not None),
+                                  ("soft-capping", kwargs.get("softcap") is not None),
+                                  ("bidirectional attention", getattr(module, "is_causal", True) is False),
+                                  (f"arguments it would drop ({', '.join(unknown)})", bool(unknown))) if on]  # fmt: skip
+    if asks:
         raise HFModelError(
-            f"{type(module).__name__} asks the context-parallel attention for dropout, a sliding window or "
-            "soft-capping, which it does not implement; set mesh.context_parallel: 1"
+            f"{type(module).__name__} asks the context-parallel attention for {', '.join(asks)}, which it does "
+            "not implement; set mesh.context_parallel: 1"
         )
     out = context_parallel_attention(query, key, value, cp, scale=scaling)
     return out.transpose(1, 2).contiguous(), None

@@ -144,6 +144,12 @@ class HFCausalLM(nn.Module):
                 "packed datasets yield them); add position_ids to the batch"
             )
         cp = self.context_parallel
+        if cp is not None and cp.enabled and document_ids is not None:
+            raise HFModelError(
+                "the batch packs documents (document_ids), which context parallelism of the Hugging Face "
+                "backend cannot keep apart (its attention is causal over the whole row); use one document "
+                "per row (no packing) or mesh.context_parallel: 1"
+            )
         if cp is not None and cp.enabled and position_ids is None:  # the chunks' global positions
             local = cp.position_ids(input_ids.size(1) * cp.size, device=input_ids.device)
             position_ids = local.unsqueeze(0).expand(input_ids.size(0), -1)
