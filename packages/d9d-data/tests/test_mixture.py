@@ -106,8 +106,12 @@ def test_a_mixture_resumes_exactly_on_another_data_parallel_degree_and_microbatc
 @pytest.mark.parametrize(
     ("weights", "sizes", "kwargs", "message"),
     [
-        ([1.0, 0.0], [10, 10], {}, "weight of mixture source 1 must be a number > 0"),
-        ([1.0, -2], [10, 10], {}, "weight of mixture source 1 must be a number > 0"),
+        ([1.0, 0.0], [10, 10], {}, "weight of mixture source 1 must be a finite number > 0"),
+        ([1.0, -2], [10, 10], {}, "weight of mixture source 1 must be a finite number > 0"),
+        ([1.0, float("nan")], [10, 10], {}, "weight of mixture source 1 must be a finite number > 0"),
+        ([1.0, float("inf")], [10, 10], {}, "weight of mixture source 1 must be a finite number > 0"),
+        ([1.0, 1.0], [10, 10], {"names": ["a"]}, "a mixture of 2 sources got 1 names"),
+        ([1.0, 1.0], [10, 10], {"names": ["a", "a"]}, "a is given twice"),
         ([1.0, 1e-5], [10, 10], {}, "less than one sample in a block of 1024"),
         ([1.0, 1.0], [10, 0], {}, "mixture source 1 holds no samples"),
         ([1.0], [10, 10], {}, "a mixture of 2 sources got 1 weights"),
@@ -145,3 +149,14 @@ def test_the_provider_counts_each_sources_tokens_and_keeps_the_count_across_a_re
     assert resumed.source_tokens() == straight.source_tokens()
     assert sum(straight.source_tokens().values()) == 9 * 16 * 4
     assert AutoDataProvider(config, Tagged(64, 0)).source_tokens() is None  # not a mixture
+
+
+def test_sources_tokenized_differently_are_refused():
+    small, large = Tagged(10, 0), Tagged(10, 1)
+    small.vocab_size, large.vocab_size = 257, 8000
+    with pytest.raises(DatasetError, match=r"different vocabularies \(vocab_size: 0: 257, 1: 8000\)"):
+        MixtureDataset([small, large], [1, 1])
+    masked, plain = Tagged(10, 0), Tagged(10, 1)
+    masked.document_masking, plain.document_masking = True, False
+    with pytest.raises(DatasetError, match="with and without document masking"):
+        MixtureDataset([masked, plain], [1, 1])

@@ -13,6 +13,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -76,10 +77,32 @@ def test_a_finished_prepare_run_again_returns_at_once_and_another_corpus_there_i
     src, _ = _corpus(tmp_path)
     first = prepare_dataset(src, tmp_path / "out", progress=False)
     stamp = (tmp_path / "out" / "shard-00000.bin").stat().st_mtime_ns
+    stamps = [(tmp_path / "out" / s.file).stat().st_mtime_ns for s in first.shards]
     assert prepare_dataset(src, tmp_path / "out", progress=False) == first
     assert (tmp_path / "out" / "shard-00000.bin").stat().st_mtime_ns == stamp
     with pytest.raises(DatasetError, match="already holds a prepared dataset of other sources"):
         prepare_dataset(src / "web", tmp_path / "out", progress=False)
+    with pytest.raises(DatasetError, match=r"of other settings \(text_key\)"):
+        prepare_dataset(src, tmp_path / "out", text_key="body", progress=False)
+    book = src / "a_book.txt"  # one character changed in place: the same size, a new modification time
+    text = book.read_text(encoding="utf-8")
+    book.write_text("I" + text[1:], encoding="utf-8")
+    os.utime(book, ns=(time.time_ns(), time.time_ns() + 10**9))
+    with pytest.raises(DatasetError, match=r"of sources that changed since \(e\.g\. .*a_book\.txt\)"):
+        prepare_dataset(src, tmp_path / "out", progress=False)
+    # an interrupted prepare redoes the changed source's shard and keeps the others
+    (tmp_path / "out" / "index.json").unlink()
+    (tmp_path / "out" / ".prepare").mkdir()
+    for shard in first.shards:
+        record = {"dtype": first.dtype, "tokenizer": first.tokenizer, "text_key": "text", "vocab_size": first.vocab_size,
+                  "eos_id": first.eos_id, "tokenizer_sha256": "", **msgspec.to_builtins(shard)}  # fmt: skip
+        (tmp_path / "out" / ".prepare" / f"{shard.file}.json").write_text(
+            json.dumps(record), encoding="utf-8"
+        )
+    again = prepare_dataset(src, tmp_path / "out", progress=False)
+    assert (tmp_path / "out" / "shard-00000.bin").read_bytes().startswith(b"I")
+    assert (tmp_path / "out" / "shard-00001.bin").stat().st_mtime_ns == stamps[1]  # kept
+    assert again.shards[1:] == first.shards[1:]
 
 
 _KILLED_PREPARE = """
@@ -249,3 +272,42 @@ def test_a_saved_hugging_face_dataset_is_a_source_and_a_dataset_dict_names_its_s
         prepare_dataset(tmp_path / "dict", tmp_path / "out2", progress=False)
     with pytest.raises(DatasetError, match=r"train: no 'text' column \(its columns: content, n\)"):
         prepare_dataset(src / "hub" / "train", tmp_path / "out3", progress=False)
+
+
+def test_a_bad_source_with_two_workers_stops_the_prepare_keeping_what_finished(tmp_path):
+    import multiprocessing
+
+    src, _ = _corpus(tmp_path)
+    bad = _jsonl(src / "web" / "b2.jsonl", '{"text": "fine"}', '{"body": "no text key"}')
+    out = tmp_path / "out"
+    with pytest.raises(DatasetError, match=r"b2\.jsonl:2: no 'text' key"):
+        prepare_dataset(src, out, workers=2, progress=False)
+    assert not multiprocessing.active_children()  # no worker left running
+    assert not (out / "index.json").exists() and not list(out.glob(".shard-*"))
+    recorded = {p.name.removesuffix(".json") for p in (out / ".prepare").glob("*.json")}
+    stamps = {name: (out / name).stat().st_mtime_ns for name in recorded}
+    bad.write_text('{"text": "fine"}\n{"text": "fixed"}\n', encoding="utf-8")
+    resumed = prepare_dataset(src, out, workers=2, progress=False)
+    assert all((out / name).stat().st_mtime_ns == stamp for name, stamp in stamps.items())  # kept
+    assert resumed == prepare_dataset(src, tmp_path / "fresh", progress=False)
+
+
+def test_a_folder_of_more_shards_than_open_files_reads_every_window(tmp_path, monkeypatch):
+    import d9d.data.datasets.prepared as prepared
+
+    monkeypatch.setattr(prepared, "OPEN_SHARDS", 2)
+    src = tmp_path / "src"
+    src.mkdir()
+    texts = [f"document number {i}. " * (3 + i) for i in range(7)]
+    for i, text in enumerate(texts):
+        (src / f"{i:02d}.txt").write_text(text, encoding="utf-8")
+    prepare_dataset(src, tmp_path / "out", workers=2, progress=False)
+    dataset = PreparedDataset(tmp_path / "out", 8)
+    tok = ByteTokenizer()
+    expected = np.concatenate([np.append(tok.encode(t), tok.eos_id) for t in texts])
+    order = np.random.default_rng(0).permutation(len(dataset))  # jumps between the 7 shards
+    for i in order:
+        assert np.array_equal(dataset[int(i)]["input_ids"].numpy(), expected[i * 8 : i * 8 + 8])
+        assert len(dataset._open) <= 2
+    dataset.close()
+    assert not dataset._open

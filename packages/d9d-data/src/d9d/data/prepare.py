@@ -15,6 +15,7 @@ arguments keeps the shards it finished (same source size, tokenizer and text key
 
 import concurrent.futures
 import gzip
+import hashlib
 import io
 import json
 import multiprocessing
@@ -22,6 +23,7 @@ import os
 import shutil
 import sys
 import time
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +60,7 @@ class PreparedShard(msgspec.Struct, frozen=True, kw_only=True):
         file: the shard's file name in the folder.
         source: the source file it was tokenized from, as it was named to the prepare.
         source_bytes: the source file's size when it was read.
+        source_mtime_ns: its modification time then (a source changed in place is prepared again).
         documents: documents in it (each ends with the end-of-document token).
         tokens: token ids in it.
     """
@@ -67,6 +70,7 @@ class PreparedShard(msgspec.Struct, frozen=True, kw_only=True):
     source_bytes: int
     documents: int
     tokens: int
+    source_mtime_ns: int = 0
 
 
 class PreparedIndex(msgspec.Struct, frozen=True, kw_only=True):
@@ -79,6 +83,7 @@ class PreparedIndex(msgspec.Struct, frozen=True, kw_only=True):
     eos_id: int
     text_key: str
     shards: list[PreparedShard]
+    tokenizer_sha256: str = ""
 
     @property
     def documents(self) -> int:
@@ -161,10 +166,12 @@ def prepare_dataset(
     np_dtype = token_dtype(dtype, tok.vocab_size)
     out = Path(out)
     jobs = [
-        _Job(i, str(path), _size(path), f"shard-{i:05d}.bin", text_key, np_dtype.name)
+        _Job(i, str(path), _size(path), _mtime_ns(path), f"shard-{i:05d}.bin", text_key, np_dtype.name)
         for i, path in enumerate(files)
     ]
-    settings = {"dtype": np_dtype.name, "tokenizer": tok.name, "text_key": text_key}
+    fingerprint = _tokenizer_sha256(tokenizer)
+    settings: dict[str, Any] = {"dtype": np_dtype.name, "tokenizer": tok.name, "text_key": text_key,
+                                "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "tokenizer_sha256": fingerprint}  # fmt: skip
     finished = _existing_index(out, jobs, settings)
     if finished is not None:
         _summary(stream, progress, finished, 0.0, reused=len(finished.shards))
@@ -197,6 +204,7 @@ def prepare_dataset(
         eos_id=tok.eos_id,
         text_key=text_key,
         shards=[done[job.index] for job in jobs],
+        tokenizer_sha256=fingerprint,
     )
     _atomic_write(out / INDEX_FILE, msgspec.json.format(msgspec.json.encode(index)))
     shutil.rmtree(state, ignore_errors=True)
@@ -232,7 +240,14 @@ def find_sources(sources: str | os.PathLike[str] | Sequence[str | os.PathLike[st
             files.append(path)
         else:
             raise DatasetError(f"no source file or folder at {path}; check the path")
-    return files
+    seen: set[Path] = set()
+    unique = []
+    for file in files:  # a file named twice (e.g. a folder and a file in it) is prepared once
+        key = file.resolve()
+        if key not in seen:
+            seen.add(key)
+            unique.append(file)
+    return unique
 
 
 # ---------------------------------------------------------------------------------------- shards
@@ -243,6 +258,7 @@ class _Job:
     index: int
     source: str
     source_bytes: int
+    source_mtime_ns: int
     file: str
     text_key: str
     dtype: str
@@ -256,19 +272,36 @@ def _run(
         for job in jobs:
             yield job, _tokenize_shard(job, tok, out)
         return
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # each worker tokenizes on one thread
-    context = multiprocessing.get_context("fork")
-    with concurrent.futures.ProcessPoolExecutor(
+    methods = multiprocessing.get_all_start_methods()
+    context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    pool = concurrent.futures.ProcessPoolExecutor(
         max_workers=min(workers, len(jobs)), mp_context=context, initializer=_init_worker, initargs=(spec,)
-    ) as pool:
-        futures = {pool.submit(_worker_shard, job, str(out)): job for job in jobs}
-        try:
-            for future in concurrent.futures.as_completed(futures):
-                yield futures[future], future.result()
-        except BaseException:
-            for future in futures:
-                future.cancel()
-            raise
+    )
+    futures = {pool.submit(_worker_shard, job, str(out)): job for job in jobs}
+    try:
+        for future in concurrent.futures.as_completed(futures):
+            try:
+                shard = future.result()
+            except BaseException:
+                # Hand over every other shard that finished (so a rerun keeps it), then stop at once.
+                for other, job in futures.items():
+                    if (
+                        other is not future
+                        and other.done()
+                        and not other.cancelled()
+                        and other.exception() is None
+                    ):
+                        yield job, other.result()
+                raise
+            yield futures[future], shard
+    finally:
+        processes = list(getattr(pool, "_processes", {}).values())  # running shards: their temporaries
+        pool.shutdown(wait=False, cancel_futures=True)  # are removed by the next prepare
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+        for process in processes:
+            process.join(5)
 
 
 _WORKER_TOKENIZER: Tokenizer | None = None
@@ -276,6 +309,7 @@ _WORKER_TOKENIZER: Tokenizer | None = None
 
 def _init_worker(spec: Any) -> None:
     global _WORKER_TOKENIZER
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # each worker tokenizes on one thread
     _WORKER_TOKENIZER = resolve_tokenizer(spec)
 
 
@@ -304,13 +338,20 @@ def _tokenize_shard(job: _Job, tok: Tokenizer, out: Path) -> PreparedShard:
                 eos.tofile(handle)
                 documents += 1
                 tokens += ids.size + 1
+            handle.flush()
+            os.fsync(handle.fileno())  # on disk before it is renamed into place
         if documents == 0:
             raise DatasetError(f"{job.source} holds no documents; remove it from the sources or add text")
         tmp.replace(final)
     finally:
         tmp.unlink(missing_ok=True)
     return PreparedShard(
-        file=job.file, source=job.source, source_bytes=job.source_bytes, documents=documents, tokens=tokens
+        file=job.file,
+        source=job.source,
+        source_bytes=job.source_bytes,
+        documents=documents,
+        tokens=tokens,
+        source_mtime_ns=job.source_mtime_ns,
     )
 
 
@@ -332,8 +373,16 @@ def _documents(path: Path, text_key: str) -> Iterator[str]:
         raise DatasetError(
             f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}); convert it to UTF-8"
         ) from None
-    except (OSError, EOFError, gzip.BadGzipFile) as exc:
+    except DatasetError:
+        raise
+    except (OSError, EOFError, gzip.BadGzipFile, zlib.error) as exc:
         raise DatasetError(f"{path} cannot be read ({type(exc).__name__}: {exc}); check the file") from None
+    except Exception as exc:  # zstandard's, pyarrow's and datasets' own errors for a damaged file
+        if type(exc).__module__.split(".")[0] in ("zstandard", "pyarrow", "datasets"):
+            raise DatasetError(
+                f"{path} cannot be read ({type(exc).__name__}: {first_line(exc)}); check the file"
+            ) from None
+        raise
 
 
 def _jsonl_documents(path: Path, text_key: str) -> Iterator[str]:
@@ -461,13 +510,22 @@ def _existing_index(out: Path, jobs: list[_Job], settings: dict[str, str]) -> Pr
     if not (out / INDEX_FILE).is_file():
         return None
     index = read_index(out)
-    have = [(s.source, s.source_bytes) for s in index.shards]
-    want = [(j.source, j.source_bytes) for j in jobs]
-    mine = {"dtype": index.dtype, "tokenizer": index.tokenizer, "text_key": index.text_key}
+    have = [(s.source, s.source_bytes, s.source_mtime_ns) for s in index.shards]
+    want = [(j.source, j.source_bytes, j.source_mtime_ns) for j in jobs]
+    mine = {"dtype": index.dtype, "tokenizer": index.tokenizer, "text_key": index.text_key,
+            "vocab_size": index.vocab_size, "eos_id": index.eos_id, "tokenizer_sha256": index.tokenizer_sha256}  # fmt: skip
     if have != want or mine != settings:
+        changed = sorted(k for k in settings if mine.get(k) != settings[k])
+        if changed:
+            what = f"other settings ({', '.join(changed)})"
+        elif [h[0] for h in have] != [w[0] for w in want]:
+            what = f"other sources ({len(have)} of them)"
+        else:
+            edited = next(w[0] for h, w in zip(have, want, strict=True) if h != w)
+            what = f"sources that changed since (e.g. {edited})"
         raise DatasetError(
-            f"{out} already holds a prepared dataset of other sources or settings ({len(have)} sources, "
-            f"{mine}); prepare into another --out folder, or delete that one"
+            f"{out} already holds a prepared dataset of {what}; prepare into another --out folder, or "
+            "delete that one"
         )
     for shard in index.shards:
         _check_shard_size(out, shard, index.dtype)
@@ -485,14 +543,14 @@ def _finished_shards(
             continue
         try:
             record = json.loads(record_path.read_bytes())
-            shard = PreparedShard(
-                **{k: record[k] for k in ("file", "source", "source_bytes", "documents", "tokens")}
-            )
+            keys = ("file", "source", "source_bytes", "documents", "tokens", "source_mtime_ns")
+            shard = PreparedShard(**{k: record[k] for k in keys})
         except (ValueError, KeyError, TypeError):
             continue  # a record from another version: redo the shard
         same = all(record.get(k) == v for k, v in settings.items())
         whole = (out / job.file).stat().st_size == shard.tokens * np.dtype(job.dtype).itemsize
-        if same and whole and (shard.source, shard.source_bytes) == (job.source, job.source_bytes):
+        identity = (shard.source, shard.source_bytes, shard.source_mtime_ns)
+        if same and whole and identity == (job.source, job.source_bytes, job.source_mtime_ns):
             done[job.index] = shard
     return done
 
@@ -516,8 +574,26 @@ def _remove_temporaries(out: Path) -> None:
 
 def _atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data)
+    with tmp.open("wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
     tmp.replace(path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make the renames into `folder` durable (a crash may otherwise keep the new index, not the shards)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _is_source(path: Path) -> bool:
@@ -551,6 +627,27 @@ def _refuse_dataset_dict(path: Path) -> None:
         f"{path} is a saved DatasetDict of splits {', '.join(splits) or '(none)'}; name the folder of the split "
         f"to prepare, e.g. {path / (splits[0] if splits else 'train')}"
     )
+
+
+def _mtime_ns(path: Path) -> int:
+    if path.is_dir():
+        return max((p.stat().st_mtime_ns for p in path.rglob("*") if p.is_file()), default=0)
+    return path.stat().st_mtime_ns
+
+
+def _tokenizer_sha256(spec: Any) -> str:
+    """A digest of a tokenizer folder's files (a retrained tokenizer at the same path differs); the
+    built-in byte tokenizer and tokenizer objects are named by `Tokenizer.name` alone."""
+    if not isinstance(spec, str | os.PathLike):
+        return ""
+    path = Path(spec)
+    folder = path if path.is_dir() else path.parent
+    digest = hashlib.sha256()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        file = folder / name
+        if file.is_file():
+            digest.update(name.encode() + b"\0" + file.read_bytes())
+    return digest.hexdigest()
 
 
 def _size(path: Path) -> int:

@@ -96,6 +96,13 @@ class PreparedDataProvider:
             for s in config.mixture
         ]
         names = [s.name or s.path for s in config.mixture]
+        made = {(p.index.tokenizer, p.index.tokenizer_sha256) for p in parts}
+        if len(made) > 1:
+            shown = ", ".join(f"{n}: {p.index.tokenizer}" for n, p in zip(names, parts, strict=True))
+            raise DataConfigError(
+                f"dataset.mixture's folders were prepared with different tokenizers ({shown}); prepare every "
+                "source with the model's tokenizer"
+            )
         mixture = MixtureDataset(
             parts,
             [s.weight for s in config.mixture],

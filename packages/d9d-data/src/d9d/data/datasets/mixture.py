@@ -73,11 +73,19 @@ class MixtureDataset:
             raise DatasetError(
                 f"a mixture of {len(sources)} sources got {len(weights)} weights; give one each"
             )
-        names = [str(i) for i in range(len(sources))] if names is None else list(names)
+        names = [str(i) for i in range(len(sources))] if names is None else [str(n) for n in names]
+        if len(names) != len(sources):
+            raise DatasetError(f"a mixture of {len(sources)} sources got {len(names)} names; give one each")
+        if len(set(names)) != len(names):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise DatasetError(
+                f"mixture source names must differ; {', '.join(twice)} is given twice: name them"
+            )
         for name, weight in zip(names, weights, strict=True):
-            if isinstance(weight, bool) or not isinstance(weight, int | float) or not weight > 0:
+            bad = isinstance(weight, bool) or not isinstance(weight, int | float)
+            if bad or not (weight > 0 and math.isfinite(weight)):
                 raise DatasetError(
-                    f"the weight of mixture source {name} must be a number > 0, got {weight!r}"
+                    f"the weight of mixture source {name} must be a finite number > 0, got {weight!r}"
                 )
         if exhausted not in ("repeat", "stop"):
             raise DatasetError(f"exhausted must be 'repeat' or 'stop', got {exhausted!r}")
@@ -90,6 +98,19 @@ class MixtureDataset:
             raise DatasetError(
                 f"the mixture's sources have different seq_len ({sorted(seq_lens)}); give them one"
             )
+        for attribute, what in (
+            ("vocab_size", "tokenized with different vocabularies"),
+            ("eos_id", "tokenized with different end-of-document tokens"),
+            ("document_masking", "built with and without document masking"),
+        ):
+            values = {n: getattr(src, attribute, None) for n, src in zip(names, sources, strict=True)}
+            known = {v for v in values.values() if v is not None}
+            if len(known) > 1:
+                shown = ", ".join(f"{n}: {v}" for n, v in values.items())
+                raise DatasetError(
+                    f"the mixture's sources were {what} ({attribute}: {shown}); prepare them with one "
+                    "tokenizer and one setting"
+                )
         self._sources = list(sources)
         self._names = names
         self._weights = [float(w) for w in weights]
@@ -153,7 +174,7 @@ class MixtureDataset:
 
     @property
     def vocab_size(self) -> int | None:
-        """The largest of the sources' vocabularies (None when one is unknown)."""
+        """The sources' vocabulary (one: differing ones are refused; None when one is unknown)."""
         sizes = [getattr(s, "vocab_size", None) for s in self._sources]
         return None if any(v is None for v in sizes) else max(sizes)
 

@@ -1,6 +1,8 @@
 """`PreparedDataset`: fixed-length causal-LM samples over a folder `prepare_dataset` wrote."""
 
 import bisect
+import collections
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -11,7 +13,10 @@ from d9d.data.datasets.packed import PackedTokens
 from d9d.data.errors import DatasetError
 from d9d.data.prepare import PreparedIndex, read_index
 
-__all__ = ["PreparedDataset"]
+__all__ = ["OPEN_SHARDS", "PreparedDataset"]
+
+#: Shard files a `PreparedDataset` keeps open per process (least recently read closed first).
+OPEN_SHARDS = 64
 
 
 class PreparedDataset(PackedTokens):
@@ -19,9 +24,10 @@ class PreparedDataset(PackedTokens):
 
     The shards are concatenated in index order (each document already ends with the end-of-document
     token) and cut like `TokenFileDataset` cuts one file: sample i holds tokens [i·L, i·L + L] as
-    inputs and labels shifted by one, a window that may span two shards. Every shard is memory-mapped
-    on first use in each process, so memory does not grow with the number of documents; the dataset
-    holds only the shards' cumulative token offsets.
+    inputs and labels shifted by one, a window that may span two shards. A window is read with one
+    `pread` per shard it touches, from at most `OPEN_SHARDS` files kept open per process (a corpus of
+    thousands of source files would otherwise run out of file descriptors), so memory does not grow
+    with the number of documents; the dataset holds only the shards' cumulative token offsets.
 
     Args:
         path: the prepared folder (`d9d data prepare --out`).
@@ -51,7 +57,8 @@ class PreparedDataset(PackedTokens):
         self._offsets = np.cumsum([0] + [s.tokens for s in self._index.shards], dtype=np.int64)
         self._starts = self._offsets.tolist()  # Python ints: bisect on them is the fast scalar lookup
         self._view = _Concatenated(self)
-        self._maps: list[np.ndarray | None] = [None] * len(self._index.shards)
+        self._dtype = np.dtype(self._index.dtype).newbyteorder("<")
+        self._open: collections.OrderedDict[int, int] = collections.OrderedDict()  # shard -> fd, LRU
         self._check_enough_tokens(str(self._path))
         self._check_document_masking(str(self._path))
 
@@ -86,13 +93,35 @@ class PreparedDataset(PackedTokens):
         return self._view
 
     def shard_tokens(self, shard: int) -> np.ndarray:
-        """The memory-mapped ids of one shard (opened on first use in each process)."""
-        array = self._maps[shard]
-        if array is None:
-            info = self._index.shards[shard]
-            array = np.memmap(self._path / info.file, dtype=self._index.dtype, mode="r", shape=(info.tokens,))
-            self._maps[shard] = array
-        return array
+        """The ids of one shard, memory-mapped (a new map each call; the dataset itself reads with pread)."""
+        info = self._index.shards[shard]
+        return np.memmap(self._path / info.file, dtype=self._dtype, mode="r", shape=(info.tokens,))
+
+    def _pread(self, shard: int, lo: int, hi: int) -> np.ndarray:
+        """Tokens [lo, hi) of one shard, as int64."""
+        fd = self._open.get(shard)
+        if fd is None:
+            if len(self._open) >= OPEN_SHARDS:
+                os.close(self._open.popitem(last=False)[1])
+            fd = self._open[shard] = os.open(self._path / self._index.shards[shard].file, os.O_RDONLY)
+        else:
+            self._open.move_to_end(shard)
+        size = self._dtype.itemsize
+        data = os.pread(fd, (hi - lo) * size, lo * size)
+        if len(data) != (hi - lo) * size:
+            raise DatasetError(
+                f"{self._path / self._index.shards[shard].file} is shorter than its index says"
+            )
+        return np.frombuffer(data, dtype=self._dtype).astype(np.int64)
+
+    def close(self) -> None:
+        """Close the shard files this process has open (reading again reopens them)."""
+        while self._open:
+            os.close(self._open.popitem()[1])
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) of the concatenated shards, as int64."""
@@ -100,13 +129,13 @@ class PreparedDataset(PackedTokens):
         shard = bisect.bisect_right(starts, start) - 1
         if shard + 1 < len(starts) and stop <= starts[shard + 1]:  # within one shard: the common case
             base = starts[shard]
-            return np.asarray(self.shard_tokens(shard)[start - base : stop - base], dtype=np.int64)
+            return self._pread(shard, start - base, stop - base)
         parts = []
         position = start
-        while position < stop and shard < len(self._maps):
+        while position < stop and shard + 1 < len(starts):
             base = starts[shard]
             end = min(stop, starts[shard + 1])
-            parts.append(np.asarray(self.shard_tokens(shard)[position - base : end - base], dtype=np.int64))
+            parts.append(self._pread(shard, position - base, end - base))
             position = end
             shard += 1
         if not parts:
@@ -114,8 +143,8 @@ class PreparedDataset(PackedTokens):
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def __getstate__(self) -> dict[str, Any]:
-        # Loader workers reopen the maps instead of receiving copies of the shards.
-        return {**self.__dict__, "_maps": [None] * len(self._maps), "_view": None}
+        # Loader workers open their own files.
+        return {**self.__dict__, "_open": collections.OrderedDict(), "_view": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -123,7 +152,7 @@ class PreparedDataset(PackedTokens):
 
     def __repr__(self) -> str:
         return (
-            f"PreparedDataset({str(self._path)!r}, seq_len={self.seq_len}, shards={len(self._maps)}, "
+            f"PreparedDataset({str(self._path)!r}, seq_len={self.seq_len}, shards={len(self._index.shards)}, "
             f"samples={len(self)})"
         )
 
