@@ -311,3 +311,26 @@ def test_a_folder_of_more_shards_than_open_files_reads_every_window(tmp_path, mo
         assert len(dataset._open) <= 2
     dataset.close()
     assert not dataset._open
+
+
+def test_a_hugging_face_tokenizer_folder_encodes_in_batches_exactly_as_one_document_at_a_time(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from d9d.data import load_tokenizer
+
+    src, docs = _corpus(tmp_path)
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.train_from_iterator(
+        docs, tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"])
+    )
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}), encoding="utf-8")
+    index = prepare_dataset(src, tmp_path / "out", tokenizer=folder, workers=2, progress=False)
+    loaded = load_tokenizer(folder)
+    expected = np.concatenate([np.append(loaded.encode(d), loaded.eos_id) for d in docs])  # one by one
+    dataset = PreparedDataset(tmp_path / "out", 8)
+    assert np.array_equal(dataset.read(0, dataset.num_tokens), expected)
+    assert index.vocab_size == tok.get_vocab_size() and index.eos_id == tok.token_to_id("</s>")
+    assert index.tokenizer_sha256

@@ -327,17 +327,20 @@ def _tokenize_shard(job: _Job, tok: Tokenizer, out: Path) -> PreparedShard:
     documents = tokens = 0
     limit = np.iinfo(dtype).max
     try:
+        batch_encode = getattr(tok, "encode_batch", None)  # a Hugging Face tokenizer's, many documents a call
         with tmp.open("wb") as handle:
-            for text in _documents(Path(job.source), job.text_key):
-                ids = np.asarray(tok.encode(text), dtype=np.int64)
-                if ids.size and (int(ids.max()) > limit or int(ids.min()) < 0):
-                    raise DatasetError(
-                        f"{job.source}: a token id does not fit {job.dtype}; pass dtype='uint32'"
-                    )
-                ids.astype(dtype).tofile(handle)
-                eos.tofile(handle)
-                documents += 1
-                tokens += ids.size + 1
+            for texts in _batches(_documents(Path(job.source), job.text_key)):
+                encoded = batch_encode(texts) if batch_encode is not None else [tok.encode(t) for t in texts]
+                for ids in encoded:
+                    ids = np.asarray(ids, dtype=np.int64)
+                    if ids.size and (int(ids.max()) > limit or int(ids.min()) < 0):
+                        raise DatasetError(
+                            f"{job.source}: a token id does not fit {job.dtype}; pass dtype='uint32'"
+                        )
+                    ids.astype(dtype).tofile(handle)
+                    eos.tofile(handle)
+                    documents += 1
+                    tokens += ids.size + 1
             handle.flush()
             os.fsync(handle.fileno())  # on disk before it is renamed into place
         if documents == 0:
@@ -353,6 +356,20 @@ def _tokenize_shard(job: _Job, tok: Tokenizer, out: Path) -> PreparedShard:
         tokens=tokens,
         source_mtime_ns=job.source_mtime_ns,
     )
+
+
+def _batches(documents: Iterator[str], *, count: int = 256, chars: int = 1 << 22) -> Iterator[list[str]]:
+    """`documents` in lists of up to `count` documents or about `chars` characters, in order."""
+    batch: list[str] = []
+    size = 0
+    for text in documents:
+        batch.append(text)
+        size += len(text)
+        if len(batch) >= count or size >= chars:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
 
 
 def _documents(path: Path, text_key: str) -> Iterator[str]:

@@ -171,6 +171,11 @@ class _HFTokenizer:
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
 
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """`encode` of each text, in one call of the Rust tokenizer (its own threads, when allowed)."""
+        encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.int64) for e in encodings]
+
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         return str(self._tokenizer.decode([int(i) for i in ids]))
 
