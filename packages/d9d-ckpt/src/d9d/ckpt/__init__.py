@@ -8,8 +8,9 @@ The names load on first use (PEP 562): `read_checkpoint_info`, `list_checkpoints
 stays fast; the mappers, safetensors IO and `CheckpointManager` import it.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from d9d.mesh.lazy import lazy_exports
 
 if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports these on first use
     from d9d.ckpt.checkpoint import (
@@ -135,7 +136,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "rename_pattern",
     ),
 }
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+_MODULE_OF, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())  # PEP 562
 
 __all__: list[str] = [
     "Cast",
@@ -192,17 +193,3 @@ __all__: list[str] = [
     "uncommitted_step_dirs",
     "verify_checkpoint",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    """Import a public name's subpackage on first use (PEP 562) and keep the name here."""
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module 'd9d.ckpt' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"d9d.ckpt.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})

@@ -13,8 +13,9 @@ fast; `DistributedContext` and the device helpers import it. The multi-process t
 machinery).
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from d9d.mesh.lazy import lazy_exports
 
 if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports these on first use
     from d9d.mesh.config import DEGREE_KEYS, MeshConfig
@@ -51,7 +52,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     ),
     "log": ("LogFormat", "configure_logging", "get_logger", "rank_log_path"),
 }
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+_MODULE_OF, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())  # PEP 562
 
 __all__ = [
     "DEGREE_KEYS",
@@ -80,17 +81,3 @@ __all__ = [
     "rank_tag",
     "resolve_device",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    """Import a public name's module on first use (PEP 562) and keep the name here."""
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module 'd9d.mesh' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"d9d.mesh.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})

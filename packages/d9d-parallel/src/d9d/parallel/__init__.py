@@ -14,10 +14,11 @@ The names load on first use (PEP 562): the config sections (`PrecisionConfig`, `
 checked without it; everything else imports torch when first used.
 """
 
-import importlib
 import sys
 import types
 from typing import TYPE_CHECKING, Any
+
+from d9d.mesh.lazy import lazy_exports
 
 if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports these on first use
     from d9d.parallel.activation_checkpointing import (
@@ -260,7 +261,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "stage_to_rank",
     ),
 }
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+_MODULE_OF, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())  # PEP 562
 
 __all__ = [
     "PIPELINE_SCHEDULES",
@@ -368,20 +369,6 @@ __all__ = [
     "to_autocast_dtype",
     "update_expert_biases",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    """Import a public name's module on first use (PEP 562) and keep the name here."""
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module 'd9d.parallel' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"d9d.parallel.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
 
 
 class _PublicFace(types.ModuleType):

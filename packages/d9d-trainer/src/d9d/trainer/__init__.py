@@ -13,8 +13,9 @@ needs no torch (`read_metrics`) does not import torch: `d9d metrics` stays fast.
 backend, an optional extra, is its own subpackage: `d9d.trainer.hf:HFCausalLMProvider`.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from d9d.mesh.lazy import lazy_exports
 
 if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports these on first use
     from d9d.trainer.builtins import (
@@ -123,7 +124,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "train_result": ("TrainResult",),
     "trainer": ("Trainer",),
 }
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+_MODULE_OF, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())  # PEP 562
 
 __all__ = [
     "AutoDataProviderFactory",
@@ -186,17 +187,3 @@ __all__ = [
     "run_command",
     "run_job",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    """Import a public name's module on first use (PEP 562) and keep the name here."""
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module 'd9d.trainer' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"d9d.trainer.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})

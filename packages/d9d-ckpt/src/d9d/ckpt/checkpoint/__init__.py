@@ -14,8 +14,9 @@ The names load on first use (PEP 562): listing a run and verifying its files rea
 records and the files' bytes, without importing torch; `CheckpointManager` and the RNG state import it.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from d9d.mesh.lazy import lazy_exports
 
 if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports these on first use
     from d9d.ckpt.checkpoint.errors import (
@@ -70,7 +71,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "manager": ("CheckpointManager", "LoadedCheckpoint"),
     "rng": ("capture_rng_state", "restore_rng_state"),
 }
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+_MODULE_OF, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())  # PEP 562
 
 __all__ = [
     "CheckpointDamagedError",
@@ -94,17 +95,3 @@ __all__ = [
     "uncommitted_step_dirs",
     "verify_checkpoint",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    """Import a public name's module on first use (PEP 562) and keep the name here."""
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module 'd9d.ckpt.checkpoint' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"d9d.ckpt.checkpoint.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})

@@ -9,8 +9,9 @@ The names load on first use (PEP 562): `PipelineConfig`, `PIPELINE_SCHEDULES` an
 import no torch, so a job's pipelining section is checked without it.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from d9d.mesh.lazy import lazy_exports
 
 if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports these on first use
     from d9d.parallel.pipeline.bubble import ZERO_BUBBLE_SCHEDULES, PipelineBubble, pipeline_bubble
@@ -58,7 +59,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "stage": ("PipelineStageModule", "keep_stage_layers"),
     "tied": ("TiedParameters", "declared_ties"),
 }
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+_MODULE_OF, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())  # PEP 562
 
 __all__ = [
     "PIPELINE_SCHEDULES",
@@ -87,17 +88,3 @@ __all__ = [
     "split_layers",
     "stage_to_rank",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    """Import a public name's module on first use (PEP 562) and keep the name here."""
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module 'd9d.parallel.pipeline' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"d9d.parallel.pipeline.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
