@@ -21,6 +21,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
 import time
 import zlib
@@ -295,13 +296,18 @@ def _run(
                 raise
             yield futures[future], shard
     finally:
-        processes = list(getattr(pool, "_processes", {}).values())  # running shards: their temporaries
-        pool.shutdown(wait=False, cancel_futures=True)  # are removed by the next prepare
+        # Stop the workers still tokenizing (their temporaries are removed by the next prepare), then
+        # let the pool's manager thread, which also waits on them, finish before returning.
+        processes = list((getattr(pool, "_processes", None) or {}).values())
         for process in processes:
             if process.is_alive():
                 process.terminate()
         for process in processes:
             process.join(5)
+            if process.is_alive():  # a worker that does not take SIGTERM is not left behind
+                process.kill()
+                process.join()
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 _WORKER_TOKENIZER: Tokenizer | None = None
@@ -309,6 +315,9 @@ _WORKER_TOKENIZER: Tokenizer | None = None
 
 def _init_worker(spec: Any) -> None:
     global _WORKER_TOKENIZER
+    # A forked worker inherits the parent's handlers; a trainer's graceful-stop SIGTERM handler would
+    # keep it alive when the prepare stops it.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # each worker tokenizes on one thread
     _WORKER_TOKENIZER = resolve_tokenizer(spec)
 
