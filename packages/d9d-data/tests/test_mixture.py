@@ -2,6 +2,8 @@
 as configured, and the mixture under `AutoDataProvider` resumes exactly on another data-parallel
 degree and microbatch size."""
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -11,8 +13,9 @@ from d9d.data import (
     AutoDataProvider,
     DataPlacement,
     DatasetError,
+    DataStateError,
     MixtureDataset,
-    advance_position,
+    epoch_order,
 )
 
 
@@ -31,9 +34,14 @@ class Tagged:
         return {"input_ids": torch.tensor([self.source, i, 0, 0]), "labels": torch.zeros(4, dtype=torch.long)}
 
 
-def _mixture(**kwargs):
-    sources = [Tagged(3000, 0), Tagged(20_000, 1), Tagged(500, 2)]
-    return MixtureDataset(sources, [5.0, 3.0, 2.0], names=["web", "books", "code"], **kwargs)
+SIZES = {"web": 3000, "books": 20_000, "code": 500, "wiki": 800}
+
+
+def _mixture(weights=None, sizes=None, **kwargs):
+    weights = weights or {"web": 5.0, "books": 3.0, "code": 2.0}
+    sizes = {**SIZES, **(sizes or {})}
+    sources = [Tagged(sizes[name], list(SIZES).index(name)) for name in weights]
+    return MixtureDataset(sources, list(weights.values()), names=list(weights), **kwargs)
 
 
 def _steps(provider, n: int) -> list[list[tuple[int, int]]]:
@@ -47,44 +55,62 @@ def _steps(provider, n: int) -> list[list[tuple[int, int]]]:
 
 def test_the_sampled_token_share_of_each_source_is_its_weight_within_one_percent_over_1000_steps():
     mixture = _mixture()
-    config = AutoDataConfig(global_batch_size=16, microbatch_size=2, seed=3)
-    provider = AutoDataProvider(config, mixture)
-    # the indices the provider loads for each of 1000 steps of the quickstart's batch (16 samples of
-    # one length: the token share is the sample share); the first two steps checked against loading
-    epoch, position, loaded = 0, 0, []
-    for _ in range(1000):
-        loaded.append(provider.sample_indices(epoch, position))
-        epoch, position = advance_position(epoch, position, num_samples=len(mixture), global_batch_size=16,
-                                           drop_last=True)  # fmt: skip
+    provider = AutoDataProvider(AutoDataConfig(global_batch_size=16, microbatch_size=2, seed=3), mixture)
+    assert not provider.shuffle  # the mixture orders itself: one stream, each step the next 16 indices
+    first = [provider.sample_indices(provider.epoch, provider.position)]
     assert [[s for s, _ in step] for step in _steps(provider, 2)] == [
-        mixture.source_of(ix).tolist() for ix in loaded[:2]
+        mixture.source_of(ix).tolist() for ix in (first[0], first[0] + 16)
     ]
-    shares = np.bincount(mixture.source_of(np.concatenate(loaded)), minlength=3) / (16 * 1000)
+    steps = mixture.source_of(np.arange(16 * 1000)).reshape(1000, 16)
+    shares = np.bincount(steps.ravel(), minlength=3) / (16 * 1000)
     assert np.all(np.abs(shares - [0.5, 0.3, 0.2]) < 0.01), shares
     assert mixture.shares == pytest.approx([0.5, 0.3, 0.2], abs=1 / 1024)
+    # interleaved evenly: every step holds each source within one sample of its share
+    per_step = np.stack([np.bincount(step, minlength=3) for step in steps])
+    assert np.all(np.abs(per_step - 16 * np.asarray(mixture.shares)) < 1 + 1e-9)
 
 
-def test_repeat_sees_the_largest_source_whole_and_repeats_the_others_in_new_orders():
+def _by_source(mixture, indices) -> dict[int, list[int]]:
+    sources, local = mixture.locate_many(np.asarray(indices))
+    return {s: local[sources == s].tolist() for s in range(len(mixture.sources))}
+
+
+def _seen(steps, tag: int) -> list[int]:
+    """The indices source `tag` gave, in order, over `steps` of (tag, index) samples."""
+    return [i for step in steps for s, i in step if s == tag]
+
+
+def test_each_source_is_read_in_passes_each_in_a_new_order():
     mixture = _mixture()
-    sources, local = mixture.locate_many(np.arange(len(mixture)))
-    samples = list(zip(sources.tolist(), local.tolist(), strict=True))
-    assert all(mixture.locate(i) == samples[i] for i in range(0, len(mixture), 997))  # one = many
-    books = [i for s, i in samples if s == 1]
-    assert sorted(set(books)) == list(range(20_000))  # the source that needs most blocks is seen whole
-    code = [i for s, i in samples if s == 2]
-    first, second = code[:500], code[500:1000]
-    assert sorted(first) == sorted(second) == list(range(500)) and first != second  # each pass reshuffled
-    assert np.array_equal(mixture.source_of(np.arange(len(mixture))), [s for s, _ in samples])
+    assert len(mixture) == 3000 + 20_000 + 500  # a provider epoch: as many samples as the sources hold
+    indices = np.arange(3 * len(mixture))  # stream indices run on past len
+    sources, local = mixture.locate_many(indices)
+    assert all(mixture.locate(i) == (sources[i], local[i]) for i in range(0, len(indices), 997))  # one = many
+    assert np.array_equal(mixture.source_of(indices), sources)
+    seen = _by_source(mixture, indices)
+    for source, n in enumerate((3000, 20_000, 500)):
+        passes = [seen[source][i : i + n] for i in range(0, len(seen[source]) - n + 1, n)]
+        assert passes and all(sorted(p) == list(range(n)) for p in passes), source  # whole passes
+        assert all(a != b for a, b in itertools.pairwise(passes)), source  # each pass reshuffled
 
 
-def test_stop_ends_the_mixture_before_any_source_repeats():
+def test_stop_ends_the_stream_at_the_first_index_where_a_source_would_repeat():
     mixture = _mixture(exhausted="stop")
-    samples = list(zip(*(a.tolist() for a in mixture.locate_many(np.arange(len(mixture)))), strict=True))
-    for source in range(3):
-        seen = [i for s, i in samples if s == source]
-        assert len(seen) == len(set(seen)), source  # no sample twice
-    # the smallest source at its weight sets the length: 500 code samples at ~20% of each block
-    assert len(mixture) == (500 // mixture._counts[2]) * 1024
+    end = mixture.stream_end
+    seen = _by_source(mixture, np.arange(end))
+    assert all(len(v) == len(set(v)) for v in seen.values())  # no sample twice
+    assert len(seen[2]) == 500  # code, the smallest at its weight, is used up exactly at the end
+    with pytest.raises(IndexError, match="past the end of the mixture"):
+        mixture[end]
+    config = AutoDataConfig(global_batch_size=16, microbatch_size=8)
+    provider = AutoDataProvider(config, mixture)
+    assert provider.steps_left == end // 16
+    taken = [next(provider) for _ in range(end // 16)]
+    assert len(taken) == end // 16 and provider.steps_left == 0
+    with pytest.raises(StopIteration):
+        next(provider)
+    with pytest.raises(DatasetError, match="before a step of 16 samples"):
+        AutoDataProvider(config, MixtureDataset([Tagged(4, 0), Tagged(5000, 1)], [1, 1], exhausted="stop"))
 
 
 def test_a_mixture_resumes_exactly_on_another_data_parallel_degree_and_microbatch_size():
@@ -115,7 +141,6 @@ def test_a_mixture_resumes_exactly_on_another_data_parallel_degree_and_microbatc
         ([1.0, 1e-5], [10, 10], {}, "less than one sample in a block of 1024"),
         ([1.0, 1.0], [10, 0], {}, "mixture source 1 holds no samples"),
         ([1.0], [10, 10], {}, "a mixture of 2 sources got 1 weights"),
-        ([1.0, 1.0], [10, 5000], {"exhausted": "stop"}, "source 0 has fewer samples than its share"),
     ],
 )
 def test_bad_mixtures_are_refused_in_one_line(weights, sizes, kwargs, message):
@@ -160,3 +185,70 @@ def test_sources_tokenized_differently_are_refused():
     masked.document_masking, plain.document_masking = True, False
     with pytest.raises(DatasetError, match="with and without document masking"):
         MixtureDataset([masked, plain], [1, 1])
+
+
+def test_changed_weights_on_resume_continue_every_source_where_it_was_at_its_new_share():
+    config = AutoDataConfig(global_batch_size=16, microbatch_size=2, seed=1)
+    first = AutoDataProvider(config, _mixture())
+    done = _steps(first, 7)  # 112 samples: the resume falls inside a block
+    state = first.state_dict()
+    changed = {"web": 1.0, "books": 1.0, "code": 2.0}
+    other = AutoDataConfig(global_batch_size=16, microbatch_size=4, seed=1)  # and on 2 ranks
+    ranks = [
+        AutoDataProvider(other, _mixture(changed), context=DataPlacement(dp_rank=r, dp_size=2))
+        for r in (0, 1)
+    ]
+    for rank in ranks:
+        rank.load_state_dict(state)
+    assert ranks[0].resume_changes == [
+        "web: 0.5000 -> 0.2500",
+        "books: 0.2998 -> 0.2500",
+        "code: 0.2002 -> 0.5000",
+    ]
+    rest = [a + b for a, b in zip(*(_steps(rank, 30) for rank in ranks), strict=True)]
+    for tag, name in enumerate(("web", "books", "code")):  # each source goes on in its pass order
+        together = _seen(done, tag) + _seen(rest, tag)
+        assert together == epoch_order(SIZES[name], seed=0, epoch=0)[: len(together)].tolist(), name
+    per_step = np.stack([np.bincount([s for s, _ in step], minlength=3) for step in rest])
+    assert np.all(np.abs(per_step - [4, 4, 8]) < 1 + 1e-9)  # the new shares from the first step on
+    # a checkpoint of the changed run resumes it exactly (the new segment and its phase are kept)
+    second = AutoDataProvider(config, _mixture(changed))
+    second.load_state_dict(state)
+    part = _steps(second, 11)
+    third = AutoDataProvider(config, _mixture(changed))
+    third.load_state_dict(second.state_dict())
+    assert third.resume_changes == []
+    assert part + _steps(third, 19) == rest
+
+
+def test_a_source_added_on_resume_starts_at_its_first_sample_and_one_removed_is_dropped():
+    config = AutoDataConfig(global_batch_size=16, microbatch_size=4)
+    first = AutoDataProvider(config, _mixture())
+    done = _steps(first, 5)
+    resumed = AutoDataProvider(config, _mixture({"web": 1.0, "wiki": 1.0}))
+    resumed.load_state_dict(first.state_dict())
+    assert resumed.resume_changes == [
+        "books: 0.2998 -> 0.0000",  # web keeps its share: not listed
+        "code: 0.2002 -> 0.0000",
+        "wiki: 0.0000 -> 0.5000",
+    ]
+    rest = _steps(resumed, 5)
+    web = _seen(done, 0) + _seen(rest, 0)
+    assert web == epoch_order(3000, seed=0, epoch=0)[: len(web)].tolist()
+    assert _seen(rest, 3) == epoch_order(800, seed=0, epoch=0)[:40].tolist()
+    assert not _seen(rest, 1) and not _seen(rest, 2)
+    assert resumed.source_tokens()["web"] == 4 * len(web)  # the counts go on by name
+
+
+def test_a_source_of_another_length_or_another_kind_of_dataset_is_refused_on_resume():
+    config = AutoDataConfig(global_batch_size=16, microbatch_size=4)
+    first = AutoDataProvider(config, _mixture())
+    _steps(first, 2)
+    resized = AutoDataProvider(config, _mixture(sizes={"web": 2999}))
+    with pytest.raises(DataStateError, match=r"mixture source web \(saved 3000, now 2999\) samples"):
+        resized.load_state_dict(first.state_dict())
+    plain = AutoDataProvider(config, Tagged(64, 0))
+    with pytest.raises(DataStateError, match="is a mixture's stream, but this dataset is not a mixture"):
+        plain.load_state_dict(first.state_dict())
+    with pytest.raises(DataStateError, match="is not a mixture's stream, but this dataset is a mixture"):
+        first.load_state_dict(plain.state_dict())

@@ -55,7 +55,9 @@ from d9d.data.protocol import (
     DeclaresDocumentMasking,
     DeclaresSeqLen,
     DeclaresSources,
+    DeclaresStepsLeft,
     DeclaresVocabSize,
+    OrdersItself,
     SizedDataProvider,
 )
 
@@ -77,10 +79,12 @@ __all__ = [
     "DeclaresDocumentMasking",
     "DeclaresSeqLen",
     "DeclaresSources",
+    "DeclaresStepsLeft",
     "DeclaresVocabSize",
     "EpochOrder",
     "MapDataset",
     "MixtureDataset",
+    "OrdersItself",
     "PackedTokens",
     "PipelineStages",
     "PreparedDataset",

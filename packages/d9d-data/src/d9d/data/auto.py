@@ -8,6 +8,11 @@ the contiguous slice `[r·gbs/dp, (r+1)·gbs/dp)` of them and cuts it into micro
 when the next step cannot start: with `drop_last` when fewer than a global batch of positions are
 left (they are skipped; with shuffling, different samples each epoch), without `drop_last` when every
 position was consumed (the last step is filled up from the start of the same epoch's order).
+
+A dataset that orders itself (`OrdersItself`, a `MixtureDataset`) is read as one stream instead:
+each step takes the next `global_batch_size` stream indices (epoch e, position p is stream index
+e·len + p; no shuffling, no samples skipped or refilled at an epoch's end), the dataset's
+`stream_state` goes into the data state, and the stream may end (`steps_left`).
 """
 
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -29,10 +34,10 @@ from d9d.data.batching import (
 )
 from d9d.data.config import AutoDataConfig
 from d9d.data.device import pin_memory_enabled
-from d9d.data.errors import DataConfigError, DataStateError
+from d9d.data.errors import DataConfigError, DatasetError, DataStateError
 from d9d.data.order import EpochOrder, epoch_order
 from d9d.data.placement import DataPlacement
-from d9d.data.protocol import DeclaresSources
+from d9d.data.protocol import DeclaresSources, OrdersItself
 from d9d.mesh import DistributedContext
 
 __all__ = ["AutoDataProvider", "MapDataset", "PipelineStages"]
@@ -118,10 +123,18 @@ class AutoDataProvider(Generic[BatchT]):
         self._pin_memory = pin_memory_enabled(config.pin_memory, self._device)
         self._epoch = 0
         self._position = 0
+        self._stream = dataset if isinstance(dataset, OrdersItself) else None
+        self._index = 0  # the next step's first stream index (a dataset that orders itself)
+        #: What `load_state_dict` found changed in a self-ordering dataset (e.g. mixture weights), a
+        #: line each, for the caller to log.
+        self.resume_changes: list[str] = []
+        if self._stream is not None:
+            self._check_stream_holds_a_step()
         self._batches: Iterator[BatchT] | None = None
         # Samples each named source gave so far (a mixture): counted from the global batch's indices.
         self._sources = list(dataset.source_names) if isinstance(dataset, DeclaresSources) else None
         self._source_samples = np.zeros(len(self._sources or ()), dtype=np.int64)
+        self._retired: dict[str, int] = {}  # sources of the saved run no longer mixed: their counts
 
     # ------------------------------------------------------------------ what this rank gets
 
@@ -171,24 +184,46 @@ class AutoDataProvider(Generic[BatchT]):
     @property
     def epoch(self) -> int:
         """Epoch of the next step."""
-        return self._epoch
+        return self._index // self._num_samples if self._stream is not None else self._epoch
 
     @property
     def position(self) -> int:
         """Position, in that epoch's sample order, where the next step starts."""
-        return self._position
+        return self._index % self._num_samples if self._stream is not None else self._position
+
+    @property
+    def shuffle(self) -> bool:
+        """Whether the order is shuffled: `config.shuffle`, except for a dataset that orders itself."""
+        return self._config.shuffle and self._stream is None
+
+    @property
+    def steps_left(self) -> int | None:
+        """Steps the data still holds from the next one on: None (endless) unless a dataset that
+        orders itself ends (a mixture with `exhausted: stop`)."""
+        end = self._stream.stream_end if self._stream is not None else None
+        if end is None:
+            return None
+        return max(0, (end - self._index) // self._config.global_batch_size)
 
     def order(self, epoch: int) -> EpochOrder:
         """The global sample order of epoch `epoch` (the same on every rank and every mesh)."""
-        return epoch_order(
-            self._num_samples, seed=self._config.seed, epoch=epoch, shuffle=self._config.shuffle
-        )
+        return epoch_order(self._num_samples, seed=self._config.seed, epoch=epoch, shuffle=self.shuffle)
 
     def sample_indices(self, epoch: int, position: int) -> np.ndarray:
         """Dataset indices this rank loads for the step that starts at (epoch, position)."""
-        order = self.order(epoch)
         lo, hi = rank_slice(self._config.global_batch_size, self._placement.dp_size, self._placement.dp_rank)
-        return step_sample_indices(order, position, lo, hi)
+        if self._stream is not None:
+            return epoch * self._num_samples + position + np.arange(lo, hi, dtype=np.int64)
+        return step_sample_indices(self.order(epoch), position, lo, hi)
+
+    def _check_stream_holds_a_step(self) -> None:
+        left = self.steps_left
+        if left == 0:
+            raise DatasetError(
+                f"the dataset ends (a mixture with exhausted: stop, at stream index {self._stream.stream_end}) "  # type: ignore[union-attr]
+                f"before a step of {self._config.global_batch_size} samples from stream index {self._index}; "
+                "use exhausted: repeat, add data or lower data.global_batch_size"
+            )
 
     # ------------------------------------------------------------------ iteration
 
@@ -198,16 +233,23 @@ class AutoDataProvider(Generic[BatchT]):
     def __next__(self) -> list[BatchT]:
         """This rank's microbatches of the next step (an empty list on ranks that load no data)."""
         step: list[BatchT] = []
+        if self.steps_left == 0:
+            raise StopIteration
         if self._loads_data:
             if self._batches is None:
                 self._batches = iter(self._make_loader())
             step = [next(self._batches) for _ in range(self._microbatches)]
+        gbs = self._config.global_batch_size
         if self._sources is not None:  # the whole global batch, the same on every rank: no communication
-            batch = step_sample_indices(
-                self.order(self._epoch), self._position, 0, self._config.global_batch_size
-            )
+            if self._stream is not None:
+                batch = self._index + np.arange(gbs, dtype=np.int64)
+            else:
+                batch = step_sample_indices(self.order(self._epoch), self._position, 0, gbs)
             sources = np.asarray(self._dataset.source_of(batch), dtype=np.int64)  # type: ignore[attr-defined]
             self._source_samples += np.bincount(sources, minlength=len(self._sources))
+        if self._stream is not None:
+            self._index += gbs
+            return step
         self._epoch, self._position = advance_position(
             self._epoch,
             self._position,
@@ -219,7 +261,7 @@ class AutoDataProvider(Generic[BatchT]):
 
     def _make_loader(self) -> DataLoader[Any]:
         config = self._config
-        sampler = _MicrobatchIndices(self, self._epoch, self._position)
+        sampler = _MicrobatchIndices(self, self.epoch, self.position)
         workers = config.num_workers
         return DataLoader(
             self._dataset,  # type: ignore[arg-type]
@@ -233,7 +275,7 @@ class AutoDataProvider(Generic[BatchT]):
             # global one would move the training randomness (dropout) by where the iterator started
             # (a resumed run starts it after restoring the RNG state, the first run before step 1).
             # Seeded by where it starts, so workers' seeds follow the data position, not the restarts.
-            generator=torch.Generator().manual_seed(_loader_seed(config.seed, self._epoch, self._position)),
+            generator=torch.Generator().manual_seed(_loader_seed(config.seed, self.epoch, self.position)),
         )
 
     def close(self) -> None:
@@ -257,29 +299,36 @@ class AutoDataProvider(Generic[BatchT]):
     def source_tokens(self) -> dict[str, int] | None:
         """Tokens each source of a mixture (`DeclaresSources`) gave over the run's steps so far
         (samples × the dataset's `seq_len`; samples when it has none); None for other datasets.
-        Kept in `state_dict`, so it counts from the run's first step across resumes."""
+        Kept in `state_dict`, so it counts from the run's first step across resumes (a source mixed no
+        longer keeps its count)."""
         if self._sources is None:
             return None
         seq_len = getattr(self._dataset, "seq_len", None)
         scale = seq_len if isinstance(seq_len, int) else 1
-        return {name: int(n) * scale for name, n in zip(self._sources, self._source_samples, strict=True)}
+        return {name: n * scale for name, n in self._source_counts().items()}
+
+    def _source_counts(self) -> dict[str, int]:
+        assert self._sources is not None
+        return {**self._retired, **dict(zip(self._sources, self._source_samples.tolist(), strict=True))}
 
     # ------------------------------------------------------------------ resumable state
 
     def state_dict(self) -> dict[str, Any]:
         """Where the next step starts, plus what defines the order (checked on load)."""
+        stream = self._stream
         return {
             "version": _STATE_VERSION,
-            "epoch": self._epoch,
-            "position": self._position,
+            "epoch": self.epoch,
+            "position": self.position,
             "num_samples": self._num_samples,
             "seed": self._config.seed,
-            "shuffle": self._config.shuffle,
+            "shuffle": self.shuffle,
             "global_batch_size": self._config.global_batch_size,
             "drop_last": self._config.drop_last,
+            **({"source_samples": self._source_counts()} if self._sources is not None else {}),
             **(
-                {"source_samples": dict(zip(self._sources, self._source_samples.tolist(), strict=True))}
-                if self._sources is not None
+                {"stream_index": self._index, "stream": stream.stream_state(self._index)}
+                if stream is not None
                 else {}
             ),
         }
@@ -289,6 +338,9 @@ class AutoDataProvider(Generic[BatchT]):
 
         The dataset length, seed and shuffle must match the saved run (they define the order).
         The global batch size may change: the next step then starts at the saved sample position.
+        A dataset that orders itself continues its stream at the saved index through its
+        `resume_stream` (a mixture may change its weights there); what it reports changed is left in
+        `resume_changes`.
 
         Raises:
             DataStateError: keys are missing, the state has another version (version 1: the old
@@ -301,6 +353,14 @@ class AutoDataProvider(Generic[BatchT]):
                 "AutoDataProvider.state_dict() returned"
             )
         _check_version(state["version"])
+        if self._stream is not None:
+            self._load_stream_state(state)
+            return
+        if "stream_index" in state:
+            raise DataStateError(
+                "the saved data state is a mixture's stream, but this dataset is not a mixture; restore the "
+                "saved run's dataset section, or start a new run"
+            )
         ours = self.state_dict()
         changed = [f"{k}: saved {state[k]!r}, now {ours[k]!r}" for k in _ORDER_KEYS if state[k] != ours[k]]
         if changed:
@@ -320,9 +380,32 @@ class AutoDataProvider(Generic[BatchT]):
             epoch, position = epoch + 1, 0
         self.close()
         self._epoch, self._position = epoch, position
-        if self._sources is not None:  # a source the saved run did not have starts at 0
-            saved = state.get("source_samples") or {}
-            self._source_samples = np.asarray([int(saved.get(n, 0)) for n in self._sources], dtype=np.int64)
+        self._load_source_counts(state)
+
+    def _load_source_counts(self, state: Mapping[str, Any]) -> None:
+        if self._sources is None:
+            return
+        saved = {str(n): int(c) for n, c in (state.get("source_samples") or {}).items()}
+        # A source the saved run did not have starts at 0; one it had that is gone keeps its count.
+        self._source_samples = np.asarray([saved.get(n, 0) for n in self._sources], dtype=np.int64)
+        self._retired = {n: c for n, c in saved.items() if n not in self._sources}
+
+    def _load_stream_state(self, state: Mapping[str, Any]) -> None:
+        assert self._stream is not None
+        if "stream_index" not in state or not isinstance(state.get("stream"), Mapping):
+            raise DataStateError(
+                "the saved data state is not a mixture's stream, but this dataset is a mixture; restore the "
+                "saved run's dataset section, or start a new run"
+            )
+        index = state["stream_index"]
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise DataStateError(
+                f"the saved stream index {index!r} is not an index; the data state is corrupt"
+            )
+        self.close()
+        self.resume_changes = self._stream.resume_stream(index, state["stream"])
+        self._index = index
+        self._load_source_counts(state)
 
 
 def _check_version(version: object) -> None:
@@ -348,6 +431,10 @@ class _MicrobatchIndices:
         config = provider.config
         self._num_samples = provider.num_samples
         self._config = config
+        self._shuffle = provider.shuffle
+        stream = provider._stream
+        self._stream_end = None if stream is None else stream.stream_end
+        self._streamed = stream is not None
         self._slice = rank_slice(
             config.global_batch_size, provider.placement.dp_size, provider.placement.dp_rank
         )
@@ -357,12 +444,20 @@ class _MicrobatchIndices:
     def __iter__(self) -> Iterator[Sequence[int]]:
         config = self._config
         epoch, position = self._epoch, self._position
-        order = epoch_order(self._num_samples, seed=config.seed, epoch=epoch, shuffle=config.shuffle)
         lo, hi = self._slice
         mbs = config.microbatch_size
+        if self._streamed:  # one stream of indices, to its end if it has one
+            index, gbs, end = epoch * self._num_samples + position, config.global_batch_size, self._stream_end
+            while end is None or index + gbs <= end:
+                indices = list(range(index + lo, index + hi))
+                for start in range(0, hi - lo, mbs):
+                    yield indices[start : start + mbs]
+                index += gbs
+            return
+        order = epoch_order(self._num_samples, seed=config.seed, epoch=epoch, shuffle=self._shuffle)
         while True:
             if order.epoch != epoch:
-                order = epoch_order(self._num_samples, seed=config.seed, epoch=epoch, shuffle=config.shuffle)
+                order = epoch_order(self._num_samples, seed=config.seed, epoch=epoch, shuffle=self._shuffle)
             indices = step_sample_indices(order, position, lo, hi).tolist()
             for start in range(0, hi - lo, mbs):
                 yield indices[start : start + mbs]

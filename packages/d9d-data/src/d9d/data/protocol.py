@@ -9,7 +9,9 @@ __all__ = [
     "DeclaresDocumentMasking",
     "DeclaresSeqLen",
     "DeclaresSources",
+    "DeclaresStepsLeft",
     "DeclaresVocabSize",
+    "OrdersItself",
     "SizedDataProvider",
 ]
 
@@ -86,6 +88,39 @@ class DeclaresSources(Protocol):
 
     def source_of(self, indices: Any) -> Any:
         """The source (its position in `source_names`) of each index in an int array."""
+        ...
+
+
+@runtime_checkable
+class OrdersItself(Protocol):
+    """A dataset that orders its own samples as one stream of indices 0, 1, 2, ... (past its length;
+    `MixtureDataset`). `AutoDataProvider` reads it in stream order without shuffling (epoch e,
+    position p is stream index e·len + p), keeps its `stream_state` in the data state, hands it back
+    through `resume_stream` (where the dataset may continue with changed settings) and ends at
+    `stream_end`."""
+
+    @property
+    def stream_end(self) -> int | None:
+        """The first stream index past the data (None: endless)."""
+        ...
+
+    def stream_state(self, index: int) -> dict[str, Any]:
+        """Plain values that resuming at stream index `index` needs."""
+        ...
+
+    def resume_stream(self, index: int, state: Mapping[str, Any]) -> list[str]:
+        """Continue at `index` from a `stream_state`; returns what changed since it, a line each."""
+        ...
+
+
+@runtime_checkable
+class DeclaresStepsLeft(Protocol):
+    """A data provider whose data can run out: the trainer ends the run (with a checkpoint) after the
+    last step it has."""
+
+    @property
+    def steps_left(self) -> int | None:
+        """Steps the data still holds from the next one on (None: endless)."""
         ...
 
 

@@ -43,7 +43,7 @@ class PreparedDataConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True
         document_masking: samples carry `position_ids` and `document_ids`, so the packed documents
             do not attend to each other (the model must support it).
         exhausted: with a mixture, "repeat" (a source that runs out starts a new pass in a new order)
-            or "stop" (one pass of the mixture ends before any source would repeat).
+            or "stop" (the run ends, saved, after the last step before any source would repeat).
         seed: seed of each mixture source's pass orders (the batches' order is `data.seed`'s).
     """
 
@@ -113,6 +113,7 @@ class PreparedDataProvider:
         if context.context.is_main_process:
             shares = {name: round(share, 4) for name, share in zip(names, mixture.shares, strict=True)}
             _log.info(
-                "prepared data mixture", samples=len(mixture), shares=shares, exhausted=config.exhausted
-            )
+                "prepared data mixture", samples=len(mixture), shares=shares, exhausted=config.exhausted,
+                **({"ends_after_samples": mixture.stream_end} if mixture.stream_end is not None else {}),
+            )  # fmt: skip
         return BuildDatasetResult(dataset=mixture)

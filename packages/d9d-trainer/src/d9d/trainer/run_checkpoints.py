@@ -84,6 +84,12 @@ class RunCheckpoints:
             _log.warning("optimizer state reset: the optimizer changed since the checkpoint", change=changed)
         extra = loaded.extra_state
         self._data.load_state_dict(extra["data"])
+        changes = getattr(self._data, "resume_changes", None)  # AutoDataProvider over a mixture
+        if changes:
+            _log.warning(
+                "the data mixture changed since the checkpoint; its new shares apply from the next step",
+                step=int(extra["step"]) + 1, shares=changes,
+            )  # fmt: skip
         self._scheduler.load_state_dict(extra["lr_scheduler"])
         # One base lr per parameter group of *this* rank's optimizer: the checkpoint's scheduler state
         # came from rank 0, whose stage may have had other groups (another pipeline layout).

@@ -18,3 +18,5 @@ class TrainResult:
     losses: list[float]
     stopped_by: str | None = None
     """The signal that stopped the run early (e.g. "SIGTERM"), after saving; None when it finished."""
+    data_ended: bool = False
+    """The data ran out (a mixture with `exhausted: stop`) before `total_steps`: the run ended, saved."""

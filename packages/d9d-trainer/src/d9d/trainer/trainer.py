@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from d9d.ckpt import CheckpointManager
+from d9d.data import DeclaresStepsLeft
 from d9d.mesh import DistributedContext, configure_logging, get_logger
 from d9d.parallel import ContextParallel, context_parallel_of, enable_tf32, merge_stage_modules
 from d9d.trainer._fault_injection import FaultInjection
@@ -368,6 +369,13 @@ class Trainer:
         if start >= total:
             _log.info("run is already complete", step=start, total_steps=total)
             return TrainResult(start_step=start, final_step=start, losses=[])
+        # Data that runs out (a mixture with exhausted: stop) ends the run after its last step.
+        left = self._data.steps_left if isinstance(self._data, DeclaresStepsLeft) else None
+        end = total if left is None else min(total, start + left)
+        if end == start:
+            _log.warning("the data is used up: no step left to train (dataset exhausted: stop)", step=start,
+                         total_steps=total)  # fmt: skip
+            return TrainResult(start_step=start, final_step=start, losses=[], data_ended=True)
         self._context.use_step_timeout()
         ctx = self._context
         metrics_path = self.run_dir / METRICS_FILE
@@ -403,7 +411,7 @@ class Trainer:
                         self._job.loaded, self.run_dir, start_step=start, writer=ctx.is_main_process
                     )
                 )
-                while self._step < total:
+                while self._step < end:
                     step_start = time.perf_counter()
                     self._timer.begin()
                     with self._watching(self._step + 1), self._profiler.step(self._step + 1):
@@ -421,12 +429,12 @@ class Trainer:
                     records.add(self._step, output, lr=lr, step_time_s=step_time_s, evaluation=evaluation,
                                 phases=self._timer.take(), source_tokens=source_tokens())  # fmt: skip
                     periodic = bool(period) and self._step % period == 0
-                    if self._step == total or periodic or (output.stop and cfg.checkpointing.save_on_signal):
+                    if self._step == end or periodic or (output.stop and cfg.checkpointing.save_on_signal):
                         records.flush()  # a committed checkpoint never has fewer records than steps
                         self._timer.begin()  # the stall goes on the next step's record (time_checkpoint_s)
                         self.save_checkpoint()
                         self._timer.mark("checkpoint")
-                    if output.stop and self._step < total:
+                    if output.stop and self._step < end:
                         stopped_by = self._stops.signal_name or "a signal on another rank"
                         break
                 self._checkpoints.manager.wait()
@@ -469,9 +477,16 @@ class Trainer:
                 f"stopped by {stopped_by} at step {self._step}; checkpoint {saved}; resume with the same command",
                 step=self._step,
             )
+        data_ended = stopped_by is None and end < total
+        if data_ended:
+            _log.warning(
+                f"the data is used up after step {end} of {total} (dataset exhausted: stop): the run ends here, "
+                "with its checkpoint", step=end, total_steps=total,
+            )  # fmt: skip
         return TrainResult(
-            start_step=start, final_step=self._step, losses=records.losses, stopped_by=stopped_by
-        )
+            start_step=start, final_step=self._step, losses=records.losses, stopped_by=stopped_by,
+            data_ended=data_ended,
+        )  # fmt: skip
 
     def _watching(self, step: int) -> contextlib.AbstractContextManager[None]:
         return self._watchdog.step(step) if self._watchdog is not None else contextlib.nullcontext()
