@@ -33,7 +33,7 @@ BENCHMARKS: list[tuple[str, list[str]]] = [
     ("hf_backend", ["--steps", "30", "--rounds", "2", "--ranks", "2"]),
     ("data_loading", ["--samples", "10000"]),
     ("data_order", ["--old-samples", "2e7"]),
-    ("data_prepare", ["--files", "4", "--docs", "2000"]),
+    ("data_prepare", ["--mb", "20", "--loader-tokens", "1e8", "--loader-steps", "50"]),
     ("cli_startup", ["--repeats", "10"]),
     ("init_time", ["--hidden", "1024", "--layers", "8"]),
     ("host_syncs", []),

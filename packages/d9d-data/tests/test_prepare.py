@@ -334,3 +334,49 @@ def test_a_hugging_face_tokenizer_folder_encodes_in_batches_exactly_as_one_docum
     assert np.array_equal(dataset.read(0, dataset.num_tokens), expected)
     assert index.vocab_size == tok.get_vocab_size() and index.eos_id == tok.token_to_id("</s>")
     assert index.tokenizer_sha256
+
+
+def test_a_disk_that_fills_stops_the_prepare_in_one_line_keeping_what_finished(tmp_path, monkeypatch):
+    """The kernel's own ENOSPC: the second shard's temporary file is /dev/full."""
+    import d9d.data.prepare as prepare
+
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full on this system")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("first source. " * 50, encoding="utf-8")
+    (src / "b.txt").write_text("second source. " * 50, encoding="utf-8")
+    out = tmp_path / "out"
+    out.mkdir()
+    monkeypatch.setattr(prepare, "_remove_temporaries", lambda out: None)  # keep the planted file
+    (out / f".shard-00001.bin.tmp-{os.getpid()}").symlink_to("/dev/full")
+    with pytest.raises(DatasetError) as caught:
+        prepare_dataset(src, out, progress=False)
+    message = str(caught.value)
+    assert "\n" not in message and "no room to write" in message and "No space left on device" in message
+    assert "run the same command again" in message
+    assert not (out / "index.json").exists()  # nothing half-visible: no index, no shard 1, no temporary
+    assert sorted(p.name for p in out.iterdir()) == [".prepare", "shard-00000.bin"]
+    monkeypatch.undo()
+    assert prepare_dataset(src, out, progress=False) == prepare_dataset(src, tmp_path / "fresh", progress=False)
+
+
+def test_a_file_size_limit_reached_by_the_cli_is_one_line_and_exit_status_2(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("small. " * 10, encoding="utf-8")
+    (src / "b.txt").write_text("large source. " * 20_000, encoding="utf-8")  # 280 KB: 560 KB of uint16
+    script = (
+        "import resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000)); "
+        "from d9d.cli import main; sys.argv = ['d9d'] + sys.argv[1:]; main()"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, "data", "prepare", str(src), "--out", str(tmp_path / "out"),
+         "--workers", "2"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    (line,) = [line for line in result.stderr.splitlines() if line.strip()]
+    assert "no room to write" in line and "shard-00001.bin" in line and "File too large" in line, line
+    assert not (tmp_path / "out" / "index.json").exists()
+    assert not list((tmp_path / "out").glob(".shard-*")) and not (tmp_path / "out" / "shard-00001.bin").exists()

@@ -14,6 +14,7 @@ arguments keeps the shards it finished (same source size, tokenizer and text key
 """
 
 import concurrent.futures
+import errno
 import gzip
 import hashlib
 import io
@@ -346,8 +347,8 @@ def _tokenize_shard(job: _Job, tok: Tokenizer, out: Path) -> PreparedShard:
                         raise DatasetError(
                             f"{job.source}: a token id does not fit {job.dtype}; pass dtype='uint32'"
                         )
-                    ids.astype(dtype).tofile(handle)
-                    eos.tofile(handle)
+                    handle.write(ids.astype(dtype).data)  # not tofile: its short write has no errno
+                    handle.write(eos.data)
                     documents += 1
                     tokens += ids.size + 1
             handle.flush()
@@ -355,6 +356,8 @@ def _tokenize_shard(job: _Job, tok: Tokenizer, out: Path) -> PreparedShard:
         if documents == 0:
             raise DatasetError(f"{job.source} holds no documents; remove it from the sources or add text")
         tmp.replace(final)
+    except OSError as exc:
+        raise _no_room(exc, final) from None
     finally:
         tmp.unlink(missing_ok=True)
     return PreparedShard(
@@ -600,12 +603,31 @@ def _remove_temporaries(out: Path) -> None:
 
 def _atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with tmp.open("wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    tmp.replace(path)
+    try:
+        with tmp.open("wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        tmp.replace(path)
+    except OSError as exc:
+        raise _no_room(exc, path) from None
+    finally:
+        tmp.unlink(missing_ok=True)
     _fsync_dir(path.parent)
+
+
+#: Write errors of a full disk, a full quota and a file size limit.
+_DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+def _no_room(exc: OSError, path: Path) -> OSError | DatasetError:
+    """A full disk (or quota, or file size limit) as one line; any other write error as it was."""
+    if exc.errno not in _DISK_FULL:
+        return exc
+    return DatasetError(
+        f"no room to write {path} ({os.strerror(exc.errno)}): free space under {path.parent} (or raise the "
+        "quota or file size limit) and run the same command again; the shards finished so far are kept"
+    )
 
 
 def _fsync_dir(folder: Path) -> None:
