@@ -358,7 +358,9 @@ def test_a_disk_that_fills_stops_the_prepare_in_one_line_keeping_what_finished(t
     assert not (out / "index.json").exists()  # nothing half-visible: no index, no shard 1, no temporary
     assert sorted(p.name for p in out.iterdir()) == [".prepare", "shard-00000.bin"]
     monkeypatch.undo()
-    assert prepare_dataset(src, out, progress=False) == prepare_dataset(src, tmp_path / "fresh", progress=False)
+    assert prepare_dataset(src, out, progress=False) == prepare_dataset(
+        src, tmp_path / "fresh", progress=False
+    )
 
 
 def test_a_file_size_limit_reached_by_the_cli_is_one_line_and_exit_status_2(tmp_path):
@@ -379,4 +381,6 @@ def test_a_file_size_limit_reached_by_the_cli_is_one_line_and_exit_status_2(tmp_
     (line,) = [line for line in result.stderr.splitlines() if line.strip()]
     assert "no room to write" in line and "shard-00001.bin" in line and "File too large" in line, line
     assert not (tmp_path / "out" / "index.json").exists()
-    assert not list((tmp_path / "out").glob(".shard-*")) and not (tmp_path / "out" / "shard-00001.bin").exists()
+    assert (
+        not list((tmp_path / "out").glob(".shard-*")) and not (tmp_path / "out" / "shard-00001.bin").exists()
+    )
