@@ -27,7 +27,13 @@ if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports t
     )
     from d9d.parallel.activation_memory import saved_activation_bytes
     from d9d.parallel.compile import compile_blocks
-    from d9d.parallel.config import ActivationCheckpointingConfig, CompileConfig, LoraConfig, PrecisionConfig
+    from d9d.parallel.config import (
+        ActivationCheckpointingConfig,
+        CompileConfig,
+        Float8Config,
+        LoraConfig,
+        PrecisionConfig,
+    )
     from d9d.parallel.context_parallel import (
         ContextParallel,
         SequenceLengthError,
@@ -74,6 +80,7 @@ if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports t
         parallelize_expert_parallel,
         update_expert_biases,
     )
+    from d9d.parallel.float8 import Float8Selection, apply_float8, float8_linears, select_float8_linears
     from d9d.parallel.grad_norm import (
         clip_grad_norm_,
         grad_norm,
@@ -150,7 +157,13 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     ),
     "activation_memory": ("saved_activation_bytes",),
     "compile": ("compile_blocks",),
-    "config": ("ActivationCheckpointingConfig", "CompileConfig", "LoraConfig", "PrecisionConfig"),
+    "config": (
+        "ActivationCheckpointingConfig",
+        "CompileConfig",
+        "Float8Config",
+        "LoraConfig",
+        "PrecisionConfig",
+    ),
     "context_parallel": (
         "ContextParallel",
         "SequenceLengthError",
@@ -172,6 +185,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     ),
     "document_attention": ("DocumentAttentionBackend", "DocumentMask", "document_attention_backend"),
     "errors": ("ParallelizeError", "UnsupportedParallelismError"),
+    "float8": ("Float8Selection", "apply_float8", "float8_linears", "select_float8_linears"),
     "expert": (
         "AllToAllDispatcher",
         "ExpertParallelError",
@@ -273,6 +287,8 @@ __all__ = [
     "DocumentAttentionBackend",
     "DocumentMask",
     "ExpertParallelError",
+    "Float8Config",
+    "Float8Selection",
     "GradientReduction",
     "GroupedExperts",
     "LoadBalanceStats",
@@ -307,6 +323,7 @@ __all__ = [
     "TopKRouter",
     "UnsupportedParallelismError",
     "apply_activation_checkpointing",
+    "apply_float8",
     "apply_lora",
     "attention_plan",
     "autocast_forward",
@@ -323,6 +340,7 @@ __all__ = [
     "enable_tf32",
     "expert_load_summary",
     "expert_loads",
+    "float8_linears",
     "fsdp_reshard_after_forward",
     "grad_norm",
     "is_tied_copy",
@@ -361,6 +379,7 @@ __all__ = [
     "register_tied_copy",
     "resolve_precision",
     "saved_activation_bytes",
+    "select_float8_linears",
     "sequence_length_problem",
     "set_gradient_accumulation",
     "set_gradient_sync",

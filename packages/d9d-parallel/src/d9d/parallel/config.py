@@ -11,25 +11,61 @@ from typing import Literal
 
 import msgspec
 
-__all__ = ["LORA_KEY", "ActivationCheckpointingConfig", "CompileConfig", "LoraConfig", "PrecisionConfig"]
+__all__ = [
+    "FLOAT8_KEY",
+    "LORA_KEY",
+    "ActivationCheckpointingConfig",
+    "CompileConfig",
+    "Float8Config",
+    "LoraConfig",
+    "PrecisionConfig",
+]
 
 #: Where a job's config holds `LoraConfig` (its error messages name the key).
 LORA_KEY = "peft.lora"
+#: Where a job's config holds `Float8Config`.
+FLOAT8_KEY = "trainer.precision.float8"
+
+
+class Float8Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`trainer.precision.float8`: the linears whose matmuls run in float8 (torchao's float8 training).
+
+    Attributes:
+        recipe: `tensorwise` (one scale per tensor; under FSDP2 the weights are all-gathered in
+            float8) or `rowwise` (a scale per row: closer to bfloat16, all-gathered in high precision).
+        modules: a regular expression matched against each `nn.Linear`'s whole module path
+            (`re.fullmatch`); the default takes every linear. Linears whose dimensions are not
+            multiples of 16 stay as they are (float8 matmuls cannot take them) and are listed.
+    """
+
+    recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    modules: str = ".*"
+
+    def __post_init__(self) -> None:
+        try:
+            re.compile(self.modules)
+        except re.error as error:
+            raise ValueError(
+                f"{FLOAT8_KEY}.modules is not a valid regex ({self.modules!r}: {error})"
+            ) from None
 
 
 class PrecisionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """`trainer.precision`: the dtypes of compute and gradient reduction, and TF32.
+    """`trainer.precision`: the dtypes of compute and gradient reduction, TF32 and float8 linears.
 
     Attributes:
         param_dtype: dtype of parameters in forward/backward; `auto` is bfloat16 on CUDA and float32
             on CPU. Master weights and optimizer state always stay float32.
         reduce_dtype: dtype of data-parallel gradient reduction.
         tf32: TF32 tensor cores for the matmuls and convolutions that still run in float32 on CUDA.
+        float8: float8 matmuls in the chosen linears (`Float8Config`; needs d9d-parallel's `float8`
+            extra, torchao); None (default): none.
     """
 
     param_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     tf32: bool = True
+    float8: Float8Config | None = None
 
 
 class ActivationCheckpointingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -10,10 +10,12 @@ from torch import nn
 
 from d9d.mesh import D9dError, DistributedContext
 from d9d.parallel import (
+    Float8Config,
     LoraConfig,
     MixedPrecision,
     PipelineLayout,
     StageSpec,
+    apply_float8,
     context_parallel_of,
     lora_parameters,
 )
@@ -68,6 +70,16 @@ def check_parallelisms_applied(model: nn.Module, mesh_degrees: dict[str, int]) -
                 f"distributed over it, so those ranks would not work together; apply it there ({how}) "
                 f"or set mesh.{key}: 1"
             )
+
+
+def _apply_float8(
+    model: nn.Module, float8: Float8Config, job: ResolvedJob, context: DistributedContext
+) -> None:
+    """Float8 linears, before the provider's parallelisms (FSDP gathers them in float8 when tensorwise);
+    the config loader refuses what float8 does not work with yet (tensor parallelism, LoRA)."""
+    mesh = job.config.mesh
+    sharded = not context.is_local and (mesh.data_parallel_shard > 1 or mesh.context_parallel > 1)
+    apply_float8(model, float8, fsdp_float8_all_gather=sharded)
 
 
 def check_lora_applied(model: nn.Module, lora: LoraConfig | None) -> None:
@@ -154,6 +166,8 @@ def shape_model(
         ).model
     if data_vocab_size is not None:
         check_vocabulary(model, data_vocab_size)
+    if tcfg.precision.float8 is not None:
+        _apply_float8(model, tcfg.precision.float8, job, context)
     try:
         job.model_provider.parallelize_model_stage(
             ParallelizeModelStageContext(

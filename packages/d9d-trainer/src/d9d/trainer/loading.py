@@ -396,6 +396,17 @@ def _check_combinations(config: JobConfig, where: str) -> None:
             "as a vocab-parallel embedding's output is, hands DTensor a plain gradient in backward); set "
             "trainer.compile.enabled: false or mesh.tensor_parallel: 1"
         )
+    if config.trainer.precision.float8 is not None and config.mesh.tensor_parallel > 1:
+        raise ConfigError(
+            f"{where}: trainer.precision.float8 with mesh.tensor_parallel={config.mesh.tensor_parallel} is not "
+            "supported yet (float8 linears need their own tensor-parallel styles); remove trainer.precision.float8 "
+            "or set mesh.tensor_parallel: 1"
+        )
+    if config.trainer.precision.float8 is not None and config.peft.lora is not None:
+        raise ConfigError(
+            f"{where}: trainer.precision.float8 with peft.lora is not supported yet (the adapters would wrap "
+            "float8 linears); remove one of the two sections"
+        )
 
 
 def _check_eval(config: JobConfig, where: str) -> None:

@@ -21,7 +21,13 @@ import torch
 from d9d.ckpt import CheckpointManager
 from d9d.data import DeclaresStepsLeft
 from d9d.mesh import DistributedContext, configure_logging, get_logger
-from d9d.parallel import ContextParallel, context_parallel_of, enable_tf32, merge_stage_modules
+from d9d.parallel import (
+    ContextParallel,
+    context_parallel_of,
+    enable_tf32,
+    merge_stage_modules,
+    select_float8_linears,
+)
 from d9d.trainer._fault_injection import FaultInjection
 from d9d.trainer.build import materialize_model, shape_model
 from d9d.trainer.errors import TrainingError, is_out_of_memory, step_out_of_memory
@@ -267,6 +273,11 @@ class Trainer:
                 tcfg.activation_checkpointing.mode if tcfg.activation_checkpointing.mode != "none" else None
             ),
             "compile": True if tcfg.compile.enabled else None,
+            "float8": (
+                select_float8_linears(model, tcfg.precision.float8).describe()
+                if tcfg.precision.float8 is not None
+                else None
+            ),
         }
         _log.info(
             "job built",
