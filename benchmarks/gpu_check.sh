@@ -134,6 +134,15 @@ check moe_compile 150 env TORCH_LOGS=graph_breaks,recompiles $PY examples/quicks
   trainer.activation_checkpointing.mode=full
 metrics moe_loss moe moe_compile
 skipped moe_compile || note "INFO moe_compile graph_breaks=$(grep -c 'Graph break' "$LOGS/moe_compile.log" 2>/dev/null) recompiles=$(grep -c 'Recompiling' "$LOGS/moe_compile.log" 2>/dev/null)"
+# float8 linears (torchao, when this Python has it: put its wheel in WHEELS): loss, _scaled_mm calls
+# and step time with float8 tensorwise and rowwise against bf16
+if $PY -c "import torchao" >/dev/null 2>&1; then
+  if [ "$DEVICE" = cpu ]; then F8=(--steps 4 --layers 1 --hidden 64); else F8=(--steps 30 --layers 4 --hidden 2048); fi
+  check float8 180 $PY benchmarks/float8.py "${F8[@]}" --device "$DEVICE"
+  grep -E "^(bf16|tensorwise|rowwise):" "$LOGS/float8.log" 2>/dev/null | sed 's/^/  /' | tee -a "$SUMMARY"
+else
+  note "RESULT float8 SKIP torchao is not installed (its wheel in WHEELS installs it)"
+fi
 tar czf "$OUT/logs.tgz" -C "$WORK" logs 2>/dev/null
 echo "==== summary ($((BUDGET_S - DEADLINE + $(date +%s)))s) ===="
 cat "$SUMMARY"

@@ -42,6 +42,7 @@ BENCHMARKS: list[tuple[str, list[str]]] = [
     ("lora_memory", []),
     ("trackers", ["--steps", "61", "--rounds", "2"]),
     ("moe", ["--repeats", "3"]),
+    ("float8", ["--steps", "10"]),
 ]
 
 

@@ -83,11 +83,12 @@ def test_gpu_check_dry_run_on_cpu_passes_every_check_it_runs(tmp_path):
     # The GPU check's DEVICE=cpu mode: the same script and checks at small shapes. Left out for time:
     # the quickstart and MoE-compile runs (train.py with overrides, run by most e2e tests), the
     # throughput (its --tiny mode is the test above), the compiled FSDP check (compile: 20 s) and the
-    # document-mask check (on CPU both sides are masked SDPA: it would compare SDPA with itself).
+    # document-mask check (on CPU both sides are masked SDPA: it would compare SDPA with itself), and
+    # float8 (benchmarks/float8.py, which tests/test_float8_e2e.py's subjects already cover).
     out = tmp_path / "out"
     env = dict(
         os.environ, OUT=str(out), DEVICE="cpu", PY=sys.executable, OMP_NUM_THREADS="1",
-        SKIP="quickstart gpu_throughput moe_compile fsdp_compiled flex_docmask",
+        SKIP="quickstart gpu_throughput moe_compile fsdp_compiled flex_docmask float8",
     )  # fmt: skip
     done = subprocess.run(
         ["bash", str(ROOT / "benchmarks" / "gpu_check.sh")],
@@ -103,6 +104,6 @@ def test_gpu_check_dry_run_on_cpu_passes_every_check_it_runs(tmp_path):
     assert {name: results.get(name) for name in ran} == {
         name: "INFO" if name == "env" else "PASS" for name in ran
     }, summary
-    skipped = ("quickstart", "gpu_throughput", "moe_compile", "fsdp_compiled", "flex_docmask")
+    skipped = ("quickstart", "gpu_throughput", "moe_compile", "fsdp_compiled", "flex_docmask", "float8")
     assert {results[name] for name in skipped} == {"SKIP"}, summary
     assert (out / "logs.tgz").is_file()

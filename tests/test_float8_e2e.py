@@ -82,3 +82,18 @@ def test_float8_with_activation_checkpointing_and_compile_keeps_one_graph_per_bl
     )  # 2 blocks of one shape: no recompiles
     # inductor rounds differently, and float8 casts make that visible (measured 1.1e-4 by step 6)
     assert max(abs(a - b) / abs(b) for a, b in zip(compiled, eager, strict=True)) < 1e-3
+
+
+def test_d9d_plan_lists_the_linears_float8_converts_and_keeps():
+    import yaml
+    from click.testing import CliRunner
+
+    from d9d.cli import cli
+
+    layers = yaml.safe_load(Path(CONFIG).read_text())["model"]["num_layers"]
+    result = CliRunner().invoke(cli, ["plan", str(CONFIG), "--world-size", "2", "--set", "mesh.data_parallel_shard=2",
+                                      "--set", "trainer.precision.float8={}"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    # q, k, v, o and gate, up, down of every layer; the byte vocabulary's head (257) stays as it is
+    line = f"float8: tensorwise: {7 * layers} linears; kept: lm_head (257 not a multiple of 16); FSDP all-gathers"
+    assert line in result.output, result.output

@@ -16,6 +16,9 @@ machinery).
 from typing import TYPE_CHECKING
 
 from d9d.mesh.lazy import lazy_exports
+from d9d.mesh.quiet import quiet_library_notices
+
+quiet_library_notices()
 
 if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports these on first use
     from d9d.mesh.config import DEGREE_KEYS, MeshConfig

@@ -12,7 +12,6 @@ Recipes: `tensorwise` scales each tensor once (dynamic, from its absolute maximu
 the gather moves one byte a parameter. `rowwise` scales each row; it gathers in high precision.
 """
 
-import logging
 import re
 from dataclasses import dataclass
 
@@ -91,9 +90,6 @@ def apply_float8(
             fails (see `select_float8_linears`).
     """
     selection = select_float8_linears(model, config)
-    quiet = logging.getLogger("torch.utils._pytree")  # torchao's import warns about its own enum there
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:
@@ -101,8 +97,6 @@ def apply_float8(
             f"{FLOAT8_KEY} needs torchao, d9d-parallel's float8 extra: uv pip install 'd9d-parallel[float8]' "
             "(in this workspace: uv sync --inexact --extra float8), or remove trainer.precision.float8"
         ) from None
-    finally:
-        quiet.setLevel(level)
     chosen = set(selection.converted)
     recipe = Float8LinearConfig.from_recipe_name(config.recipe)
     if config.recipe == "tensorwise" and fsdp_float8_all_gather:

@@ -213,11 +213,22 @@ def _precision_lines(job_plan: "JobPlan", config: "JobConfig") -> list[str]:
     auto = " (auto: bfloat16 on CUDA, float32 on CPU)" if prec.param_dtype == "auto" else ""
     ac = tcfg.activation_checkpointing
     ac_text = ac.mode + (f" (every {ac.every} blocks)" if ac.mode == "selective" else "")
-    return [
+    lines = [
         f"precision: compute {compute}{auto}, reduce {prec.reduce_dtype}, master weights and optimizer "
         f"float32; tf32 {'on' if prec.tf32 else 'off'}",
         f"activation checkpointing: {ac_text}; compile: {'on' if tcfg.compile.enabled else 'off'}",
     ]
+    selection = job_plan.memory.float8 if job_plan.memory is not None else None
+    if selection is not None:
+        mesh = job_plan.mesh
+        gathered = (
+            "; FSDP all-gathers their weights in float8"
+            if selection.recipe == "tensorwise"
+            and (mesh.data_parallel_shard > 1 or mesh.context_parallel > 1)
+            else ""
+        )
+        lines.append(f"float8: {selection.describe()}{gathered}")
+    return lines
 
 
 def _memory_lines(job_plan: "JobPlan", config: "JobConfig") -> list[str]:

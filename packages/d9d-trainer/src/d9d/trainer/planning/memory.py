@@ -22,10 +22,12 @@ from d9d.mesh import DistributedContext
 from d9d.parallel import (
     ActivationCheckpointingConfig,
     CompileConfig,
+    Float8Selection,
     MixedPrecision,
     apply_activation_checkpointing,
     parallelize_context_parallel,
     saved_activation_bytes,
+    select_float8_linears,
 )
 from d9d.trainer.build import shape_model
 from d9d.trainer.job import ResolvedJob
@@ -139,6 +141,9 @@ class MemoryPlan:
         state: parameters, gradients and optimizer state on one rank.
         activations: one microbatch's saved activations; None when they cannot be estimated.
         activations_note: why there is no activation estimate ("" when there is one).
+        float8: the linears `trainer.precision.float8` converts and keeps (None without float8); the
+            estimate counts them as without float8 (their weights, gradients and optimizer state
+            stay float32; the float8 casts live only around each matmul).
     """
 
     parameters: int
@@ -147,6 +152,7 @@ class MemoryPlan:
     state: MemoryEstimate
     activations: ActivationEstimate | None
     activations_note: str
+    float8: Float8Selection | None = None
 
     @property
     def total(self) -> int:
@@ -186,7 +192,9 @@ def plan_memory(job: ResolvedJob, plan: "JobPlan", context: DistributedContext) 
         optimizer_states=plan.optimizer_states.per_parameter,
     )
     activations, note = _activations(job, plan, context)
+    float8 = job.config.trainer.precision.float8
     return MemoryPlan(
+        float8=select_float8_linears(model, float8) if float8 is not None else None,
         parameters=sum(p.numel() for p in params),
         param_bytes=param_bytes,
         trainable_bytes=trainable_bytes,
