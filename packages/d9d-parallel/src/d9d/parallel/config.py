@@ -41,6 +41,10 @@ class Float8Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
     modules: str = ".*"
 
+    def gathers_float8(self, sharded: bool) -> bool:
+        """Whether FSDP2 all-gathers the converted weights in float8: tensorwise on a sharded model."""
+        return sharded and self.recipe == "tensorwise"
+
     def __post_init__(self) -> None:
         try:
             re.compile(self.modules)

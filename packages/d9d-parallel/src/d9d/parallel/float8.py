@@ -99,7 +99,7 @@ def apply_float8(
         ) from None
     chosen = set(selection.converted)
     recipe = Float8LinearConfig.from_recipe_name(config.recipe)
-    if config.recipe == "tensorwise" and fsdp_float8_all_gather:
+    if config.gathers_float8(fsdp_float8_all_gather):
         recipe = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
     convert_to_float8_training(model, config=recipe, module_filter_fn=lambda _module, name: name in chosen)
     return selection

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from d9d.mesh import D9dError, DistributedContext
+from d9d.mesh import D9dError, DistributedContext, MeshConfig
 from d9d.parallel import (
     Float8Config,
     LoraConfig,
@@ -77,9 +77,13 @@ def _apply_float8(
 ) -> None:
     """Float8 linears, before the provider's parallelisms (FSDP gathers them in float8 when tensorwise);
     the config loader refuses what float8 does not work with yet (tensor parallelism, LoRA)."""
-    mesh = job.config.mesh
-    sharded = not context.is_local and (mesh.data_parallel_shard > 1 or mesh.context_parallel > 1)
+    sharded = not context.is_local and shards_parameters(job.config.mesh)
     apply_float8(model, float8, fsdp_float8_all_gather=sharded)
+
+
+def shards_parameters(mesh: MeshConfig) -> bool:
+    """Whether FSDP2 shards the parameters on this mesh (dp_shard and cp ranks shard as one axis)."""
+    return mesh.data_parallel_shard > 1 or mesh.context_parallel > 1
 
 
 def check_lora_applied(model: nn.Module, lora: LoraConfig | None) -> None:

@@ -218,16 +218,10 @@ def _precision_lines(job_plan: "JobPlan", config: "JobConfig") -> list[str]:
         f"float32; tf32 {'on' if prec.tf32 else 'off'}",
         f"activation checkpointing: {ac_text}; compile: {'on' if tcfg.compile.enabled else 'off'}",
     ]
-    selection = job_plan.memory.float8 if job_plan.memory is not None else None
-    if selection is not None:
-        mesh = job_plan.mesh
-        gathered = (
-            "; FSDP all-gathers their weights in float8"
-            if selection.recipe == "tensorwise"
-            and (mesh.data_parallel_shard > 1 or mesh.context_parallel > 1)
-            else ""
-        )
-        lines.append(f"float8: {selection.describe()}{gathered}")
+    memory = job_plan.memory
+    if memory is not None and memory.float8 is not None:
+        gathered = "; FSDP all-gathers their weights in float8" if memory.float8_all_gather else ""
+        lines.append(f"float8: {memory.float8.describe()}{gathered}")
     return lines
 
 

@@ -29,7 +29,7 @@ from d9d.parallel import (
     saved_activation_bytes,
     select_float8_linears,
 )
-from d9d.trainer.build import shape_model
+from d9d.trainer.build import shape_model, shards_parameters
 from d9d.trainer.job import ResolvedJob
 from d9d.trainer.providers import (
     InitializeModelStageContext,
@@ -144,6 +144,7 @@ class MemoryPlan:
         float8: the linears `trainer.precision.float8` converts and keeps (None without float8); the
             estimate counts them as without float8 (their weights, gradients and optimizer state
             stay float32; the float8 casts live only around each matmul).
+        float8_all_gather: whether FSDP2 all-gathers those weights in float8 (as the trainer builds).
     """
 
     parameters: int
@@ -153,6 +154,7 @@ class MemoryPlan:
     activations: ActivationEstimate | None
     activations_note: str
     float8: Float8Selection | None = None
+    float8_all_gather: bool = False
 
     @property
     def total(self) -> int:
@@ -195,6 +197,7 @@ def plan_memory(job: ResolvedJob, plan: "JobPlan", context: DistributedContext) 
     float8 = job.config.trainer.precision.float8
     return MemoryPlan(
         float8=select_float8_linears(model, float8) if float8 is not None else None,
+        float8_all_gather=float8 is not None and float8.gathers_float8(shards_parameters(plan.mesh)),
         parameters=sum(p.numel() for p in params),
         param_bytes=param_bytes,
         trainable_bytes=trainable_bytes,
