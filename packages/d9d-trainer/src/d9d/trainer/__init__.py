@@ -32,7 +32,18 @@ if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports t
     from d9d.trainer.loading import ConfigError, ConfigPath, LoadedJob, load_job_config
     from d9d.trainer.materialize import materialize_and_initialize
     from d9d.trainer.metrics_file import read_metrics
-    from d9d.trainer.planning import JobPlan, MemoryPlan, PipelinePlan, SequencePlan, plan_job
+    from d9d.trainer.planning import (
+        FIT_HEADROOM,
+        FitPlan,
+        JobPlan,
+        Lever,
+        MemoryPlan,
+        PipelinePlan,
+        SequencePlan,
+        plan_config,
+        plan_fit,
+        plan_job,
+    )
     from d9d.trainer.prepared_data import MixtureSource, PreparedDataConfig, PreparedDataProvider
     from d9d.trainer.providers import (
         Batching,
@@ -86,7 +97,18 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "loading": ("ConfigError", "ConfigPath", "LoadedJob", "load_job_config"),
     "materialize": ("materialize_and_initialize",),
     "metrics_file": ("read_metrics",),
-    "planning": ("JobPlan", "MemoryPlan", "PipelinePlan", "SequencePlan", "plan_job"),
+    "planning": (
+        "FIT_HEADROOM",
+        "FitPlan",
+        "JobPlan",
+        "Lever",
+        "MemoryPlan",
+        "PipelinePlan",
+        "SequencePlan",
+        "plan_config",
+        "plan_fit",
+        "plan_job",
+    ),
     "prepared_data": ("MixtureSource", "PreparedDataConfig", "PreparedDataProvider"),
     "providers": (
         "Batching",
@@ -127,6 +149,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
 _MODULE_OF, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())  # PEP 562
 
 __all__ = [
+    "FIT_HEADROOM",
     "AutoDataProviderFactory",
     "Batching",
     "BuildDataProviderContext",
@@ -146,12 +169,14 @@ __all__ = [
     "DeclaresOptimizerStates",
     "DescribesModel",
     "EvalResult",
+    "FitPlan",
     "ImportsModelWeights",
     "InitializeModelStageContext",
     "InitializeModelStageResult",
     "JobConfig",
     "JobPlan",
     "LRSchedulerProvider",
+    "Lever",
     "LoadedJob",
     "LossContext",
     "LossResult",
@@ -180,6 +205,8 @@ __all__ = [
     "load_job_config",
     "main",
     "materialize_and_initialize",
+    "plan_config",
+    "plan_fit",
     "plan_job",
     "read_metrics",
     "report_job_error",

@@ -94,6 +94,16 @@ class LoadedJob:
         path = Path(value).expanduser()
         return Path(os.path.abspath(path if path.is_absolute() else self.base_dir / path))
 
+    def with_overrides(self, overrides: Sequence[str]) -> "LoadedJob":
+        """This job with more `key.path=value` overrides, checked as `load_job_config` checks them
+        (the same file, so relative paths and providers resolve as before).
+
+        Raises:
+            ConfigError: an override is malformed, or the changed config breaks a key or a rule.
+        """
+        where = str(self.path) if self.path is not None else "config"
+        return _parse(apply_overrides(self.raw, overrides), self.path, where, type(self.config))
+
 
 def load_job_config(
     source: str | Path | dict[str, Any], overrides: Sequence[str] = (), *, schema: type = JobConfig
@@ -140,7 +150,11 @@ def load_job_config(
             raise ConfigError(
                 f"{where}: the top level must be a mapping of sections, got {type(raw).__name__}"
             )
-    raw = apply_overrides(raw, overrides)
+    return _parse(apply_overrides(raw, overrides), path, where, schema)
+
+
+def _parse(raw: dict[str, Any], path: Path | None, where: str, schema: type) -> LoadedJob:
+    """The job of a raw config (overrides applied): converted to `schema`, its values and rules checked."""
     config = convert_section(raw, schema, where=where, prefix="")
     check_values(config, where=where, prefix="")
     if isinstance(config, JobConfig):

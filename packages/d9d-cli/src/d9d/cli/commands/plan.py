@@ -4,7 +4,9 @@ The plan is the trainer's own (`d9d.trainer.plan_job` on a planning context of t
 CUDA): this command only formats it, so it accepts and refuses what the trainer does, with its words.
 It prints the mesh layout, the batching, under context parallelism each rank's share of a sequence,
 under pipeline parallelism each pp rank's stages and the schedule's theoretical bubble, the precision
-and a per-rank memory estimate (`plan_job(..., memory=True)`), and the launch command.
+and a per-rank memory estimate (`plan_job(..., memory=True)`), whether that fits a device's memory
+and, when it does not, which `--set` changes would make it fit (`d9d.trainer.plan_fit`), and the
+launch command.
 """
 
 import itertools
@@ -16,14 +18,14 @@ from typing import TYPE_CHECKING
 import click
 
 from d9d.cli.commands._options import check_config_path, overrides_option
-from d9d.cli.commands._text import format_size
+from d9d.cli.commands._text import format_size, parse_size
 from d9d.cli.commands.init import d9d_invocation
 from d9d.cli.errors import CliError, reports_errors
 
 if TYPE_CHECKING:  # the trainer imports torch: only inside the command at run time
     from d9d.mesh import MeshConfig
     from d9d.parallel import StageSpec
-    from d9d.trainer import JobConfig, JobPlan, LoadedJob, PipelinePlan, SequencePlan
+    from d9d.trainer import FitPlan, JobConfig, JobPlan, LoadedJob, PipelinePlan, SequencePlan
     from d9d.trainer.config import PipeliningConfig
 
 __all__ = ["launch_command", "plan"]
@@ -104,6 +106,12 @@ def _mismatch(degrees: str, need: int, dp_shard: int, world: int, given: str) ->
     help="Tokens per sample, for the activation estimate and the context-parallel split (default: the "
     "dataset's seq_len: dataset.seq_len, or its provider's default).",
 )
+@click.option(
+    "--device-memory",
+    metavar="SIZE",
+    help="Memory of one device (e.g. 80GiB, 24GB, 512MiB, or bytes): says whether the job fits and, "
+    "when it does not, which --set changes would make it fit (default: the local GPU's, when there is one).",
+)
 @overrides_option
 @reports_errors
 def plan(
@@ -112,6 +120,7 @@ def plan(
     nnodes: int | None,
     nproc_per_node: int | None,
     seq_len: int | None,
+    device_memory: str | None,
     overrides: Sequence[str],
 ) -> None:
     """Check CONFIG for a launch size without GPUs and print its plan.
@@ -122,7 +131,9 @@ def plan(
     sequence, under pipeline parallelism each pp rank's stages (their layers, the embedding, the
     head) and the schedule's theoretical bubble, the precision and activation checkpointing, a
     per-rank estimate of parameter + gradient + optimizer memory and of one microbatch's activations
-    (from the model built on the meta device), and the launch command.
+    (from the model built on the meta device), whether that fits in --device-memory (or the local
+    GPU) with 10% to spare and, when it does not, the --set changes that would make it fit, each
+    re-planned, and the launch command.
     Without a size, plans for the size the mesh needs.
 
     \b
@@ -135,8 +146,10 @@ def plan(
           --set mesh.context_parallel=2 --set mesh.tensor_parallel=2
       d9d plan config.yaml --world-size 2 --set mesh.pipeline_parallel=2 \\
           --set pipelining.schedule=zbv
+      d9d plan config.yaml --device-memory 80GiB
     """
     shape = _launch_shape(world_size, nnodes, nproc_per_node)
+    device_bytes = _device_memory_option(device_memory)
     check_config_path(config)
     from d9d.trainer import load_job_config
 
@@ -149,37 +162,72 @@ def plan(
             "--world-size" if world_size is not None else f"--nnodes {nodes} × --nproc-per-node {per_node}"
         )
         raise _mismatch(mesh.describe_degrees(), need, mesh.data_parallel_shard, nodes * per_node, given)
-    job_plan = _plan(loaded, seq_len)
+    from d9d.trainer import plan_config
+
+    job_plan = plan_config(loaded, seq_len=seq_len, device="cuda")  # rank 0 of the launch, for CUDA
+    fit_lines = _fit_lines(job_plan, loaded, device_bytes)
     command = launch_command(config, overrides, nnodes=nodes, nproc_per_node=per_node, d9d=d9d_invocation())
     where = "on every node: " if nodes > 1 else ""
     lines = [
         f"config: {config}",
         *_plan_lines(job_plan, loaded.config),
+        *fit_lines,
         f"launch ({nodes} node{'s' if nodes > 1 else ''} × {per_node} process{'es' if per_node > 1 else ''}):",
         f"  {where}{command}",
     ]
     click.echo("\n".join(lines))
 
 
-def _plan(loaded: "LoadedJob", seq_len: int | None) -> "JobPlan":
-    """The trainer's plan of rank 0 of the launch, on a planning context, for CUDA, with its memory.
+def _device_memory_option(text: str | None) -> int | None:
+    """--device-memory in bytes (None when not given), checked before anything is loaded."""
+    if text is None:
+        return None
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise CliError(f"--device-memory {exc}") from None
 
-    Raises:
-        D9dError: whatever the trainer refuses the job with, in its words (the model provider's
-            check of the mesh, the pipeline layout, the sequence length, what the provider builds).
-    """
-    from d9d.mesh import DistributedContext
-    from d9d.trainer import plan_job, resolve_job
 
-    job = resolve_job(loaded)  # imports the providers and checks their config sections
-    mesh = job.config.mesh
-    context = (  # one process: local, as the job runs; any other size on a fake process group
-        DistributedContext.from_env(mesh, environ={}, device="cpu")
-        if mesh.is_local
-        else DistributedContext.for_planning(mesh)
-    )
-    with context as ctx:
-        return plan_job(job, ctx, seq_len=seq_len, device="cuda", memory=True)
+def _fit_lines(job_plan: "JobPlan", loaded: "LoadedJob", device_bytes: int | None) -> list[str]:
+    """Whether the plan fits the device (--device-memory, else the local GPU) and, when not, the levers."""
+    source = "--device-memory"
+    if device_bytes is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            return [
+                "fit: pass --device-memory SIZE (e.g. 80GiB) to check that the job fits a device and "
+                "which --set changes would make it fit"
+            ]
+        index = torch.cuda.current_device()
+        device_bytes = torch.cuda.get_device_properties(index).total_memory
+        source = f"the local GPU, {torch.cuda.get_device_name(index)}"
+    from d9d.trainer import plan_fit
+
+    return _format_fit(plan_fit(job_plan, loaded, device_bytes), source)
+
+
+def _format_fit(fit: "FitPlan", source: str) -> list[str]:
+    from d9d.trainer import FIT_HEADROOM
+
+    budget = f"{format_size(fit.budget)} ({FIT_HEADROOM:.0%} of {format_size(fit.device_bytes)}, {source})"
+    note = f"; {fit.activations_note}" if fit.activations_note else ""
+    if fit.fits:
+        return [
+            f"fits: {format_size(fit.total)} per rank of {budget}, {format_size(fit.margin)} to spare{note}"
+        ]
+    lines = [
+        f"does not fit: {format_size(fit.total)} per rank, {format_size(-fit.margin)} over {budget}{note}"
+    ]
+    if not fit.levers:
+        return [*lines, "  no lever applies: use a shorter sequence, a smaller model or a larger device"]
+    lines.append("  levers (each re-planned; the most a rank needs with it):")
+    for lever in fit.levers:
+        status = "fits" if lever.fits else "too big"
+        lines += [f"  {status:<7} {format_size(lever.total):>10}  {lever.arguments}", f"      {lever.reason}"]
+    if not any(lever.fits for lever in fit.levers):
+        lines.append("  none of these fits: use a shorter sequence, a smaller model or a larger device")
+    return lines
 
 
 def _plan_lines(job_plan: "JobPlan", config: "JobConfig") -> list[str]:

@@ -8,9 +8,12 @@ prints it.
 A `JobPlan` holds the mesh, the precision, the declared batching, the pipeline layout (this rank's
 stages and the schedule's bubble), the sequence length and where it came from with its
 context-parallel split, the vocabulary size, the optimizer state per parameter and, when asked for,
-the memory estimate per rank with one microbatch's activations.
+the memory estimate per rank with one microbatch's activations. `plan_config` plans a job config as
+`d9d plan` does (rank 0, on a context of the mesh's size), and `plan_fit` says whether a plan fits in a
+device's memory and which config changes (levers) would make it fit, each re-planned.
 """
 
+from d9d.trainer.planning.fit import FIT_HEADROOM, FitPlan, Lever, plan_fit
 from d9d.trainer.planning.job_plan import (
     JobPlan,
     PipelinePlan,
@@ -19,6 +22,7 @@ from d9d.trainer.planning.job_plan import (
     configured_seq_len,
     declared_batching,
     pipeline_layout,
+    plan_config,
     plan_job,
 )
 from d9d.trainer.planning.memory import (
@@ -31,8 +35,11 @@ from d9d.trainer.planning.memory import (
 )
 
 __all__ = [
+    "FIT_HEADROOM",
     "ActivationEstimate",
+    "FitPlan",
     "JobPlan",
+    "Lever",
     "MemoryEstimate",
     "MemoryPlan",
     "PipelinePlan",
@@ -43,6 +50,8 @@ __all__ = [
     "estimate_activations",
     "estimate_memory",
     "pipeline_layout",
+    "plan_config",
+    "plan_fit",
     "plan_job",
     "plan_memory",
 ]

@@ -28,7 +28,8 @@ from d9d.parallel import (
     resolve_precision,
 )
 from d9d.trainer.errors import TrainingError
-from d9d.trainer.job import ResolvedJob
+from d9d.trainer.job import ResolvedJob, resolve_job
+from d9d.trainer.loading import LoadedJob
 from d9d.trainer.planning.memory import MemoryPlan, plan_memory
 from d9d.trainer.providers import (
     Batching,
@@ -52,6 +53,7 @@ __all__ = [
     "configured_seq_len",
     "declared_batching",
     "pipeline_layout",
+    "plan_config",
     "plan_job",
 ]
 
@@ -181,6 +183,30 @@ def plan_job(
         optimizer_states=_optimizer_states(job),
     )
     return replace(plan, memory=plan_memory(job, plan, context)) if memory else plan
+
+
+def plan_config(
+    loaded: LoadedJob, *, seq_len: int | None = None, device: torch.device | str = "cuda"
+) -> JobPlan:
+    """The plan of rank 0 of a job config with its memory, on a context of its mesh's size (`d9d plan`).
+
+    One process plans as the job runs (local mode); any other size on a planning context (a fake
+    process group), opened and closed here, so no process group may exist around the call.
+
+    Raises:
+        D9dError: whatever the trainer refuses the job with, in its words (a provider that does not
+            import, the model provider's check of the mesh, the pipeline layout, the batch split, the
+            sequence length, what the provider builds).
+    """
+    job = resolve_job(loaded)  # imports the providers and checks their config sections
+    mesh = job.config.mesh
+    context = (
+        DistributedContext.from_env(mesh, environ={}, device="cpu")
+        if mesh.is_local
+        else DistributedContext.for_planning(mesh)
+    )
+    with context as ctx:
+        return plan_job(job, ctx, seq_len=seq_len, device=device, memory=True)
 
 
 def check_model_mesh(job: ResolvedJob) -> None:

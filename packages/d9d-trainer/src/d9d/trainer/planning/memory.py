@@ -161,6 +161,15 @@ class MemoryPlan:
         """The state plus the activations with the job's checkpointing (when estimated)."""
         return self.state.total + (self.activations.checkpointed if self.activations is not None else 0)
 
+    @property
+    def peak_total(self) -> int:
+        """`total` of the rank that needs the most: under pipeline parallelism the pp rank with the most
+        activations (every rank holds as much state), else this rank's."""
+        acts = self.activations
+        if acts is None or not acts.per_pp_rank:
+            return self.total
+        return self.state.total + max(acts.per_pp_rank)
+
 
 def plan_memory(job: ResolvedJob, plan: "JobPlan", context: DistributedContext) -> MemoryPlan:
     """Build this rank's stages on the meta device as the trainer will (refusing what it refuses),
