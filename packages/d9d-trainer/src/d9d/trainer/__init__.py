@@ -40,7 +40,6 @@ if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports t
         MemoryPlan,
         PipelinePlan,
         SequencePlan,
-        plan_config,
         plan_fit,
         plan_job,
     )
@@ -105,7 +104,6 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "MemoryPlan",
         "PipelinePlan",
         "SequencePlan",
-        "plan_config",
         "plan_fit",
         "plan_job",
     ),
@@ -205,7 +203,6 @@ __all__ = [
     "load_job_config",
     "main",
     "materialize_and_initialize",
-    "plan_config",
     "plan_fit",
     "plan_job",
     "read_metrics",

@@ -162,7 +162,7 @@ def plan(
             "--world-size" if world_size is not None else f"--nnodes {nodes} × --nproc-per-node {per_node}"
         )
         raise _mismatch(mesh.describe_degrees(), need, mesh.data_parallel_shard, nodes * per_node, given)
-    from d9d.trainer import plan_config
+    from d9d.trainer.planning import plan_config
 
     job_plan = plan_config(loaded, seq_len=seq_len, device="cuda")  # rank 0 of the launch, for CUDA
     fit_lines = _fit_lines(job_plan, loaded, device_bytes)
