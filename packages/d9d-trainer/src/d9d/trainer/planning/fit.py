@@ -222,7 +222,8 @@ class _Search:
                 names = frozenset(c.name for c in combo)
                 overrides = _merged(c.overrides for c in combo)
                 reason = " + ".join(c.name for c in combo)
-                for key, scaled in [(names, False)] * (size > 1) + [(names | {"more ranks"}, True)]:
+                tries = [(names, False)] if size > 1 else []  # one setting alone was tried already
+                for key, scaled in [*tries, (names | {"more ranks"}, True)]:
                     if any(smaller <= key for smaller, _ in fitting):
                         continue
                     lever = self._scaled(overrides, reason) if scaled else self._lever(overrides, reason)
