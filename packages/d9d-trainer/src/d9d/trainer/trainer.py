@@ -424,27 +424,33 @@ class Trainer:
                 )
                 while self._step < end:
                     step_start = time.perf_counter()
-                    self._timer.begin()
-                    with self._watching(self._step + 1), self._profiler.step(self._step + 1):
-                        microbatches = next(data_iter)
-                        self._timer.mark("data")
-                        self._faults.before_step(self._step + 1)
-                        if flops_unknown:  # the sequence length is known from the first batch on
-                            records.flops_per_token = batch_flops_per_token(self._model, microbatches)
-                            flops_unknown = False
-                        lr = self._scheduler.get_last_lr()[0]  # the learning rate this step uses
-                        output = self._train_step.run(microbatches, self._step + 1)
-                    self._step += 1
-                    step_time_s = time.perf_counter() - step_start
-                    evaluation = self._evaluator.after_step(self._step, total, stopping=output.stop)
-                    records.add(self._step, output, lr=lr, step_time_s=step_time_s, evaluation=evaluation,
-                                phases=self._timer.take(), source_tokens=source_tokens())  # fmt: skip
-                    periodic = bool(period) and self._step % period == 0
-                    if self._step == end or periodic or (output.stop and cfg.checkpointing.save_on_signal):
-                        records.flush()  # a committed checkpoint never has fewer records than steps
-                        self._timer.begin()  # the stall goes on the next step's record (time_checkpoint_s)
-                        self.save_checkpoint()
-                        self._timer.mark("checkpoint")
+                    # a profiled step's trace holds the timer's d9d.* ranges, its checkpoint's too
+                    with self._profiler.step(self._step + 1):
+                        self._timer.begin()
+                        with self._watching(self._step + 1):
+                            microbatches = next(data_iter)
+                            self._timer.mark("data")
+                            self._faults.before_step(self._step + 1)
+                            if flops_unknown:  # the sequence length is known from the first batch on
+                                records.flops_per_token = batch_flops_per_token(self._model, microbatches)
+                                flops_unknown = False
+                            lr = self._scheduler.get_last_lr()[0]  # the learning rate this step uses
+                            output = self._train_step.run(microbatches, self._step + 1)
+                        self._step += 1
+                        step_time_s = time.perf_counter() - step_start
+                        evaluation = self._evaluator.after_step(self._step, total, stopping=output.stop)
+                        records.add(self._step, output, lr=lr, step_time_s=step_time_s, evaluation=evaluation,
+                                    phases=self._timer.take(), source_tokens=source_tokens())  # fmt: skip
+                        periodic = bool(period) and self._step % period == 0
+                        if (
+                            self._step == end
+                            or periodic
+                            or (output.stop and cfg.checkpointing.save_on_signal)
+                        ):
+                            records.flush()  # a committed checkpoint never has fewer records than steps
+                            self._timer.begin("checkpoint")  # its stall goes on the next step's record
+                            self.save_checkpoint()
+                            self._timer.mark("checkpoint")
                     if output.stop and self._step < end:
                         stopped_by = self._stops.signal_name or "a signal on another rank"
                         break

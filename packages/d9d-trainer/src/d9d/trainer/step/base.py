@@ -1,5 +1,6 @@
 """What every step strategy shares: the global token weight, clipping, the non-finite rule, the update."""
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -137,6 +138,12 @@ class StepBase:
         """End the step's `phase` (see `d9d.trainer.timing`) on the settings' timer, if any; never syncs."""
         if self.settings.timer is not None:
             self.settings.timer.mark(phase)
+
+    def microbatch_range(self, index: int) -> contextlib.AbstractContextManager[None]:
+        """The profiler range of microbatch `index`'s forward and backward (`StepTimer.microbatch`)."""
+        if self.settings.timer is None:
+            return contextlib.nullcontext()
+        return self.settings.timer.microbatch(index)
 
     def add_expert_load(self) -> None:
         """Add the MoE layers' routing of the microbatch just run to the step's load (no host read)."""

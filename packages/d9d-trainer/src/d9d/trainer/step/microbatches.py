@@ -32,16 +32,18 @@ class MicrobatchStep(StepBase):
         loss_sum = torch.zeros((), dtype=torch.float64, device=settings.device)
         last = len(microbatches) - 1
         for i, batch in enumerate(microbatches):
-            set_gradient_accumulation(model, final=i == last)
-            with precision_autocast(settings.precision, settings.device):
-                result = self.task.compute_loss(LossContext(model=model, batch=batch, device=settings.device))
-            objective = result.loss_sum / scale
-            regularization = moe_regularization_loss(self.moes)  # MoE balancing terms, when configured
-            if regularization is not None:  # each microbatch's is its global batch's: their mean
-                objective = objective + regularization / len(microbatches)
-            objective.backward()
-            self.add_expert_load()
-            loss_sum += result.loss_sum.detach().to(torch.float64)
+            with self.microbatch_range(i):
+                set_gradient_accumulation(model, final=i == last)
+                with precision_autocast(settings.precision, settings.device):
+                    context = LossContext(model=model, batch=batch, device=settings.device)
+                    result = self.task.compute_loss(context)
+                objective = result.loss_sum / scale
+                regularization = moe_regularization_loss(self.moes)  # MoE balancing terms, when configured
+                if regularization is not None:  # each microbatch's is its global batch's: their mean
+                    objective = objective + regularization / len(microbatches)
+                objective.backward()
+                self.add_expert_load()
+                loss_sum += result.loss_sum.detach().to(torch.float64)
         set_gradient_accumulation(model, final=True)
         loss = self.dp_sum(loss_sum) / weight
         return self.finish(loss, weight, step)
