@@ -79,6 +79,16 @@ def test_hf_backend_tiny_mode_times_both_backends_and_measures_both_imports(tmp_
     assert all(r["ratio"] > 0 for r in rows), rows
 
 
+def test_optimizer_states_tiny_mode_counts_half_the_state_bytes_on_one_process_and_fsdp_2(tmp_path):
+    stdout, rows = _run(tmp_path, "optimizer_states.py", "--tiny", "--repeats", "3", timeout=300)
+    assert "loss after 4 steps" in stdout and "optimizer.step() alone" in stdout, stdout
+    ratios = {r["name"]: r["ratio"] for r in rows}
+    counted = [name for name in ratios if name.startswith("bf16 / fp32 optimizer state bytes")]
+    assert len(counted) == 3 and all(ratios[name] == 0.5 for name in counted), ratios  # exact counts
+    assert ratios["bf16 states: d9d plan's optimizer estimate / counted, one process"] == 1.0
+    assert all(r["ratio"] >= 0 for r in rows), rows
+
+
 def test_gpu_check_dry_run_on_cpu_passes_every_check_it_runs(tmp_path):
     # The GPU check's DEVICE=cpu mode: the same script and checks at small shapes. Left out for time:
     # the quickstart and MoE-compile runs (train.py with overrides, run by most e2e tests), the

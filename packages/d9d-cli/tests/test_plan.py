@@ -234,6 +234,19 @@ def test_plan_prints_layout_batches_memory_and_command(runner, config):
     assert _lines(out, "total")[0].split(None, 1)[1] == format_size(per_rank.total + acts.plain)
 
 
+def test_bfloat16_optimizer_states_count_2_bytes_an_element_and_the_plan_says_so(runner, config):
+    base = ["plan", str(config), "--world-size", "2", "--set", "mesh.data_parallel_shard=2"]
+    n_params = 32 * 16 + 2 * (16 * 16 + 16) + 16 * 32  # TinyLM, as above; AdamW: 2 states
+    for dtype, size in (("float32", 4), ("bfloat16", 2)):
+        result = runner.invoke(cli, [*base, "--set", f"optimizer.state_dtype={dtype}"])
+        assert result.exit_code == 0, result.output
+        (line,) = _lines(result.output, "optimizer ")
+        assert line.split()[1:3] == format_size(2 * n_params * size // 2).split(), line  # over dp_shard 2
+        assert line.endswith(f"(AdamW: exp_avg + exp_avg_sq, in {dtype})"), line
+        (precision,) = _lines(result.output, "precision:")
+        assert f"master weights float32, optimizer states {dtype};" in precision
+
+
 def test_plan_without_a_size_plans_for_the_mesh(runner, config):
     result = runner.invoke(cli, ["plan", str(config), "--set", "mesh.data_parallel_replicate=2"])
     assert result.exit_code == 0, result.output

@@ -52,6 +52,34 @@ def test_the_state_estimate_divides_by_the_sharding_degrees(sizes, degrees, stat
     assert est.total == est.params + est.grads + est.optimizer
 
 
+def test_state_bytes_replace_the_parameters_bytes_in_the_optimizer_estimate():
+    # 8000 trainable float32 bytes = 2000 elements; bfloat16 states: 4000 bytes each, over 4 ranks
+    est = estimate_memory(8000, 8000, pipeline_parallel=1, data_parallel_shard=2, context_parallel=1,
+                          tensor_parallel=2, optimizer_states=2, state_bytes=4000)  # fmt: skip
+    assert (est.params, est.grads, est.optimizer, est.optimizer_state_bytes) == (2000, 2000, 2000, 4000)
+
+
+@pytest.mark.parametrize(("name", "states"), [("adamw", 2), ("sgd", 1)])
+def test_the_memory_plan_counts_the_optimizer_state_the_trainer_builds_exactly(tmp_path, name, states):
+    from d9d.parallel import optimizer_state_bytes
+
+    found = {}
+    for dtype in ("float32", "bfloat16"):
+        optimizer = {"name": name, "lr": 1e-2, "momentum": 0.9, "state_dtype": dtype}
+        job = resolve_job(
+            load_job_config(job_config(str(tmp_path / dtype), total_steps=1, optimizer=optimizer))
+        )
+        plan = plan_job(job, DistributedContext.from_env(environ={}, device="cpu"), memory=True)
+        with Trainer(job) as trainer:
+            trainer.train()
+            built = optimizer_state_bytes(trainer.optimizer)
+        assert plan.memory is not None and plan.memory.state.optimizer == built, dtype
+        assert plan.optimizer_states.dtype == (torch.bfloat16 if dtype == "bfloat16" else None)
+        found[dtype] = built
+    numel = plan.memory.trainable_bytes // 4
+    assert found == {"float32": 4 * states * numel, "bfloat16": 2 * states * numel}
+
+
 def test_a_local_plan_holds_the_declared_batching_precision_and_optimizer_state(tmp_path):
     job = _job(tmp_path, optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.9})
     plan = plan_job(

@@ -171,6 +171,41 @@ def test_model_that_does_not_fit_is_refused_and_left_untouched(tmp_path, build, 
     _assert_same_params(full_params(other), before)
 
 
+def _cast_states(opt: torch.optim.Optimizer, dtype: torch.dtype) -> None:
+    """Every per-parameter state of `opt` in `dtype` (as an optimizer with bfloat16 states keeps them)."""
+    for state in opt.state.values():
+        for key in [k for k in state if k != "step"]:
+            state[key] = state[key].to(dtype)
+
+
+def _moments(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [s[k].clone() for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
+
+
+@pytest.mark.parametrize(
+    ("saved", "loaded"), [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)]
+)
+def test_optimizer_states_load_across_a_float_dtype_and_nothing_else_may_change_dtype(
+    tmp_path, saved, loaded
+):
+    model, opt = _trained()
+    _cast_states(opt, saved)
+    manager = CheckpointManager(tmp_path, "run")
+    info = manager.save(2, model, opt)
+    want = _moments(opt)
+    other, other_opt = _trained(seed=3)
+    _cast_states(other_opt, loaded)
+    manager.load(info, other, other_opt)  # the load casts into the live states' dtype
+    _assert_same_params(full_params(other), full_params(model))
+    for got, expected in zip(_moments(other_opt), want, strict=True):
+        # torch's load_state_dict then casts to the parameter's dtype (float32): the bfloat16 values exactly
+        assert torch.equal(got, expected.to(torch.bfloat16).float())
+    _cast_states(other_opt, torch.int32)  # not a float dtype: refused
+    with pytest.raises(CheckpointError, match=r"dtype mismatch at key optimizer\.state\.0\.weight\.exp_avg"):
+        manager.load(info, other, other_opt)
+    manager.close()
+
+
 def test_clear_errors_for_absent_or_model_only_checkpoints(tmp_path):
     manager = CheckpointManager(tmp_path, "run")
     assert manager.latest() is None and manager.checkpoints() == []

@@ -5,7 +5,8 @@
 
 Also the per-block training mechanisms any loop can use: mixed precision (`precision_autocast`,
 `precision=` of the parallelize functions), activation checkpointing, in-place `torch.compile`, and
-LoRA adapters (`apply_lora`, exported in PEFT's layout).
+LoRA adapters (`apply_lora`, exported in PEFT's layout), and AdamW/SGD with bfloat16 states
+(`StateDtypeAdamW`, `StateDtypeSGD`).
 
 See packages/d9d-parallel/README.md for the gradient-reduction contract.
 
@@ -103,6 +104,7 @@ if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports t
         peft_key,
         peft_state_dict,
     )
+    from d9d.parallel.optimizer_states import StateDtypeAdamW, StateDtypeSGD, optimizer_state_bytes
     from d9d.parallel.pipeline import (
         PIPELINE_SCHEDULES,
         ZERO_BUBBLE_SCHEDULES,
@@ -229,6 +231,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "peft_key",
         "peft_state_dict",
     ),
+    "optimizer_states": ("StateDtypeAdamW", "StateDtypeSGD", "optimizer_state_bytes"),
     "precision": (
         "MixedPrecision",
         "autocast_forward",
@@ -318,6 +321,8 @@ __all__ = [
     "StageChunks",
     "StageSpec",
     "StageToRankStyle",
+    "StateDtypeAdamW",
+    "StateDtypeSGD",
     "TensorParallelPlan",
     "TokenDispatcher",
     "TopKRouter",
@@ -361,6 +366,7 @@ __all__ = [
     "moe_regularization_loss",
     "moe_score_bias_names",
     "norm_plan",
+    "optimizer_state_bytes",
     "parallelize_context_parallel",
     "parallelize_expert_parallel",
     "parallelize_fsdp",

@@ -111,15 +111,21 @@ class BuiltinOptimizerProvider:
         self._config = config
 
     def optimizer_states(self) -> OptimizerStates:
-        """AdamW keeps two moments per parameter, SGD one momentum buffer (none without momentum)."""
+        """AdamW keeps two moments per parameter, SGD one momentum buffer (none without momentum),
+        in `optimizer.state_dtype`."""
+        dtype = torch.bfloat16 if self._config.state_dtype == "bfloat16" else None
         if self._config.name == "adamw":
-            return OptimizerStates(2, "AdamW: exp_avg + exp_avg_sq")
+            return OptimizerStates(2, "AdamW: exp_avg + exp_avg_sq", dtype)
         if self._config.momentum:
-            return OptimizerStates(1, "SGD with momentum: 1 buffer")
-        return OptimizerStates(0, "SGD without momentum: no state")
+            return OptimizerStates(1, "SGD with momentum: 1 buffer", dtype)
+        return OptimizerStates(0, "SGD without momentum: no state", dtype)
 
     def build_optimizer(self, named_parameters: Iterable[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
-        """Two parameter groups: decayed (matrices, embeddings) and not decayed (vectors)."""
+        """Two parameter groups: decayed (matrices, embeddings) and not decayed (vectors).
+
+        torch's AdamW / SGD, or with `optimizer.state_dtype: bfloat16` d9d.parallel's
+        `StateDtypeAdamW` / `StateDtypeSGD` (the same update, the states kept in bfloat16).
+        """
         decay, no_decay = [], []
         for _, param in named_parameters:
             if param.requires_grad:
@@ -132,6 +138,12 @@ class BuiltinOptimizerProvider:
         params = [p for g in groups for p in g["params"]]
         c = self._config
         kernels = optimizer_kernels(c.implementation, params)
+        if c.state_dtype == "bfloat16":
+            from d9d.parallel import StateDtypeAdamW, StateDtypeSGD  # DTensor's import: only when used
+
+            if c.name == "adamw":
+                return StateDtypeAdamW(groups, lr=c.lr, betas=c.betas, eps=c.eps, **kernels)
+            return StateDtypeSGD(groups, lr=c.lr, momentum=c.momentum, **kernels)
         if c.name == "adamw":
             return torch.optim.AdamW(groups, lr=c.lr, betas=c.betas, eps=c.eps, **kernels)
         return torch.optim.SGD(groups, lr=c.lr, momentum=c.momentum, **kernels)

@@ -261,6 +261,12 @@ class OptimizerConfig(_Section):
 
     `implementation`: `auto` (fused kernels on CUDA, foreach on CPU), `fused`, `foreach` (one
     multi-tensor kernel per group) or `for_loop` (one parameter at a time).
+
+    `state_dtype`: the dtype of the per-parameter states (AdamW's two moments, SGD's momentum).
+    `bfloat16` halves their bytes (`d9d.parallel.StateDtypeAdamW` / `StateDtypeSGD`: torch's update
+    in float32 chunks, the states rounded to nearest bfloat16 after it); the master weights stay
+    float32. A checkpoint resumes across the setting (its states are cast on load). A custom
+    `providers.optimizer` must declare bfloat16 states (`optimizer_states()`) to be given it.
     """
 
     name: Literal["adamw", "sgd"] = "adamw"
@@ -270,6 +276,7 @@ class OptimizerConfig(_Section):
     eps: float = 1e-8
     momentum: float = 0.0
     implementation: Literal["auto", "fused", "foreach", "for_loop"] = "auto"
+    state_dtype: Literal["float32", "bfloat16"] = "float32"
 
     def __post_init__(self) -> None:
         if not (self.lr > 0 and math.isfinite(self.lr)):

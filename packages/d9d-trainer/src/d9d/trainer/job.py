@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import torch
 
 from d9d.data import DataError
 from d9d.mesh import D9dError
@@ -126,6 +127,7 @@ def resolve_job(loaded: LoadedJob) -> ResolvedJob:
             built["eval_dataset"], spec=providers.eval_dataset or "", role="eval_dataset"
         )
     _check_batch(config, built["data"])
+    _check_state_dtype(config, built["optimizer"], where=where)
     return ResolvedJob(
         loaded=loaded,
         model_provider=built["model"],
@@ -219,6 +221,26 @@ class _GuardedDatasetProvider:
 def one_line_text(exc: BaseException) -> str:
     """An exception's message on one line (its type name when it has none)."""
     return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _check_state_dtype(config: JobConfig, provider: OptimizerProvider, *, where: str) -> None:
+    """`optimizer.state_dtype: bfloat16` only for an optimizer provider that declares bfloat16 states:
+    another one would silently keep float32 states (and the plan would count them wrong)."""
+    if config.optimizer.state_dtype == "float32":
+        return
+    declared = provider.optimizer_states() if isinstance(provider, DeclaresOptimizerStates) else None
+    if declared is not None and declared.dtype == torch.bfloat16:
+        return
+    said = (
+        "declares no optimizer_states()"
+        if declared is None
+        else f"declares {declared.dtype or 'float32'} states"
+    )
+    raise ConfigError(
+        f"{where}: optimizer.state_dtype: bfloat16, but providers.optimizer ({config.providers.optimizer}) "
+        f"{said}; set optimizer.state_dtype: float32, or have its optimizer_states() return "
+        "OptimizerStates(..., dtype=torch.bfloat16) and keep its states in bfloat16"
+    )
 
 
 def _check_batch(config: JobConfig, factory: DataProviderFactory) -> None:

@@ -466,12 +466,15 @@ class OptimizerStates:
     """The optimizer tensors kept per trainable parameter, as an optimizer provider declares them.
 
     Attributes:
-        per_parameter: state tensors of each parameter's shape and dtype (AdamW 2, SGD momentum 1).
+        per_parameter: state tensors of each parameter's shape (AdamW 2, SGD momentum 1).
         description: what they are, for `d9d plan` (e.g. "AdamW: exp_avg + exp_avg_sq").
+        dtype: their dtype; None: the parameter's (float32 master weights). A provider that keeps
+            them in bfloat16 declares `torch.bfloat16`, which `optimizer.state_dtype: bfloat16` needs.
     """
 
     per_parameter: int
     description: str
+    dtype: torch.dtype | None = None
 
 
 @runtime_checkable

@@ -308,12 +308,18 @@ def read_dcp_metadata(path: Path) -> tuple["Metadata | None", str | None]:
         return None, f"the torch.distributed.checkpoint metadata cannot be read ({type(exc).__name__}: {exc})"
 
 
+#: Keys whose floating-point dtype may differ from the checkpoint's: the optimizer's per-parameter
+#: states, which the load casts (float32 states saved, bfloat16 states loaded, or the other way).
+_CASTABLE_PREFIX = "optimizer.state."
+
+
 def check_keys(live: dict[str, Any], metadata: "Metadata") -> list[str]:
     """Problems of one rank's flattened live state against the checkpoint: missing keys, shapes, dtypes.
 
     `live` is flattened the way torch.distributed.checkpoint flattens (`model.<fqn>`,
     `optimizer.state.<fqn>.<name>`, ...). Keys the checkpoint holds but no rank asks for are found by
-    the caller, across ranks.
+    the caller, across ranks. A dtype must match, except one floating-point dtype for another under
+    `_CASTABLE_PREFIX` (the load casts those; a model weight of another dtype is refused).
     """
     import torch
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
@@ -335,7 +341,9 @@ def check_keys(live: dict[str, Any], metadata: "Metadata") -> list[str]:
                     f"shape mismatch at key {key}: the checkpoint holds {list(entry.size)}, "
                     f"the model expects {list(shape)}"
                 )
-            elif entry.properties.dtype != value.dtype:
+            elif entry.properties.dtype != value.dtype and not _castable(
+                key, entry.properties.dtype, value.dtype
+            ):
                 problems.append(
                     f"dtype mismatch at key {key}: the checkpoint holds {entry.properties.dtype}, "
                     f"the model expects {value.dtype}"
@@ -343,6 +351,10 @@ def check_keys(live: dict[str, Any], metadata: "Metadata") -> list[str]:
         elif not isinstance(entry, BytesStorageMetadata):
             problems.append(f"key {key}: the model expects an object, the checkpoint holds a tensor")
     return problems
+
+
+def _castable(key: str, stored: Any, live: Any) -> bool:
+    return key.startswith(_CASTABLE_PREFIX) and stored.is_floating_point and live.is_floating_point
 
 
 # ------------------------------------------------------------------ on demand

@@ -262,8 +262,8 @@ def _precision_lines(job_plan: "JobPlan", config: "JobConfig") -> list[str]:
     ac = tcfg.activation_checkpointing
     ac_text = ac.mode + (f" (every {ac.every} blocks)" if ac.mode == "selective" else "")
     lines = [
-        f"precision: compute {compute}{auto}, reduce {prec.reduce_dtype}, master weights and optimizer "
-        f"float32; tf32 {'on' if prec.tf32 else 'off'}",
+        f"precision: compute {compute}{auto}, reduce {prec.reduce_dtype}, master weights float32, "
+        f"optimizer states {_state_dtype(job_plan)}; tf32 {'on' if prec.tf32 else 'off'}",
         f"activation checkpointing: {ac_text}; compile: {'on' if tcfg.compile.enabled else 'off'}",
     ]
     memory = job_plan.memory
@@ -271,6 +271,20 @@ def _precision_lines(job_plan: "JobPlan", config: "JobConfig") -> list[str]:
         gathered = "; FSDP all-gathers their weights in float8" if memory.float8_all_gather else ""
         lines.append(f"float8: {memory.float8.describe()}{gathered}")
     return lines
+
+
+def _state_dtype(job_plan: "JobPlan") -> str:
+    """The optimizer states' dtype: the declared one, else the float32 master weights'."""
+    dtype = job_plan.optimizer_states.dtype
+    return str(dtype).removeprefix("torch.") if dtype is not None else "float32"
+
+
+def _states_text(job_plan: "JobPlan") -> str:
+    """What the optimizer keeps, e.g. "AdamW: exp_avg + exp_avg_sq, in bfloat16"."""
+    states = job_plan.optimizer_states
+    if not states.per_parameter:
+        return states.description
+    return f"{states.description}, in {_state_dtype(job_plan)}"
 
 
 def _memory_lines(job_plan: "JobPlan", config: "JobConfig") -> list[str]:
@@ -289,7 +303,7 @@ def _memory_lines(job_plan: "JobPlan", config: "JobConfig") -> list[str]:
         f"memory per rank (estimate; 1/{est.shard_factor} of the model: {split}):",
         f"  parameters  {format_size(est.params):>10}",
         f"  gradients   {format_size(est.grads):>10}",
-        f"  optimizer   {format_size(est.optimizer):>10}  ({job_plan.optimizer_states.description})",
+        f"  optimizer   {format_size(est.optimizer):>10}  ({_states_text(job_plan)})",
     ]
     if acts is not None:
         flight = ""

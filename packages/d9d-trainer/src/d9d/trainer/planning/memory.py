@@ -58,6 +58,9 @@ class MemoryEstimate:
     Attributes:
         shard_factor: how many ranks share one copy of every parameter (pp × dp_shard × cp × tp).
         optimizer_states: optimizer tensors kept per trainable parameter (AdamW 2, SGD 1 or 0).
+        optimizer_state_bytes: bytes of one such tensor for every trainable parameter, whole model
+            (the trainable parameters' bytes for states in the parameter's dtype, half of them in
+            bfloat16).
     """
 
     params: int
@@ -65,6 +68,7 @@ class MemoryEstimate:
     optimizer: int
     shard_factor: int
     optimizer_states: int
+    optimizer_state_bytes: int = 0
 
     @property
     def total(self) -> int:
@@ -81,24 +85,30 @@ def estimate_memory(
     context_parallel: int,
     tensor_parallel: int,
     optimizer_states: int,
+    state_bytes: int | None = None,
 ) -> MemoryEstimate:
     """Per-rank parameter, gradient and optimizer bytes of a model of `param_bytes` (full size).
+
+    `state_bytes`: bytes of one optimizer state tensor over every trainable parameter (e.g. the
+    trainable elements × 2 for bfloat16 states); None: `trainable_bytes`, states in the parameter's dtype.
 
     Assumes what the built-in strategies do: pipeline stages split the layers evenly over pp, FSDP
     shards every parameter over dp_shard × cp (the cp ranks shard with dp_shard, as one axis),
     tensor parallelism splits every parameter over tp; dp_replicate keeps full copies, and experts
-    count as dense parameters (expert parallelism is ignored). Gradients and optimizer states have
-    the parameter's dtype and exist only for trainable parameters.
+    count as dense parameters (expert parallelism is ignored). Gradients have the parameter's dtype;
+    they and the optimizer states exist only for trainable parameters.
     """
     shard = pipeline_parallel * data_parallel_shard * context_parallel * tensor_parallel
+    state_bytes = trainable_bytes if state_bytes is None else state_bytes
     params = -(-param_bytes // shard)
     grads = -(-trainable_bytes // shard)
     return MemoryEstimate(
         params=params,
         grads=grads,
-        optimizer=grads * optimizer_states,
+        optimizer=-(-state_bytes // shard) * optimizer_states,
         shard_factor=shard,
         optimizer_states=optimizer_states,
+        optimizer_state_bytes=state_bytes,
     )
 
 
@@ -192,6 +202,10 @@ def plan_memory(job: ResolvedJob, plan: "JobPlan", context: DistributedContext) 
     params = list(model.parameters())
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     trainable_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    states = plan.optimizer_states
+    state_bytes = None  # the parameter's dtype
+    if states.dtype is not None:
+        state_bytes = sum(p.numel() for p in params if p.requires_grad) * states.dtype.itemsize
     mesh = plan.mesh
     state = estimate_memory(
         param_bytes,
@@ -200,7 +214,8 @@ def plan_memory(job: ResolvedJob, plan: "JobPlan", context: DistributedContext) 
         data_parallel_shard=mesh.data_parallel_shard,
         context_parallel=mesh.context_parallel,
         tensor_parallel=mesh.tensor_parallel,
-        optimizer_states=plan.optimizer_states.per_parameter,
+        optimizer_states=states.per_parameter,
+        state_bytes=state_bytes,
     )
     activations, note = _activations(job, plan, context)
     float8 = job.config.trainer.precision.float8
