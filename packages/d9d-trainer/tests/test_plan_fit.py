@@ -112,6 +112,7 @@ def test_doublings_stop_where_the_global_batch_no_longer_splits(tmp_path):
     assert _keys(last.overrides) == {
         AC_FULL.partition("=")[0],
         "data.microbatch_size",
+        "optimizer.state_dtype",
         "mesh.data_parallel_shard",
     }
     assert _dp_shard(last.overrides) == 8 and last.total < scaled.total
@@ -120,7 +121,8 @@ def test_doublings_stop_where_the_global_batch_no_longer_splits(tmp_path):
 def test_combinations_are_tried_when_no_single_lever_fits_and_only_the_smallest_are_listed(tmp_path):
     loaded = _loaded(tmp_path, "data.global_batch_size=64")
     plan = plan_config(loaded)
-    singles = plan_fit(plan, loaded, 1).levers[:3]  # each lever alone, at its smallest
+    singles = [lever for lever in plan_fit(plan, loaded, 1).levers if len(_keys(lever.overrides)) == 1]
+    assert len(singles) == 4  # each lever alone (AC, microbatch 1, bf16 states, more ranks), at its smallest
     best_single = min(lever.total for lever in singles)
     fit = plan_fit(plan, loaded, int(best_single * 0.8 / FIT_HEADROOM))
     combined = [lever for lever in fit.levers if len(_keys(lever.overrides)) > 1]

@@ -9,9 +9,9 @@ The levers, each only where it applies:
 
 - setting levers (`_SETTING_LEVERS`), one function each of the job and its plan that returns the
   overrides and the reason, or None where the lever does not apply: full activation checkpointing,
-  microbatches of one sample, sharding instead of replicating over the data-parallel ranks. A new
-  lever is one more such function in that tuple (the planned ones: `trainer.memory.cpu_offload=true`,
-  `optimizer.state_dtype=bfloat16`); the search and the combinations take it up unchanged.
+  microbatches of one sample, sharding instead of replicating over the data-parallel ranks, optimizer
+  states in bfloat16. A new lever is one more such function in that tuple; the search and the
+  combinations take it up unchanged.
 - more ranks: the smallest `data_parallel_shard` × 2^k that fits (more processes, the same global
   batch, which must still split).
 
@@ -181,11 +181,25 @@ def _replicate_to_shard(job: ResolvedJob, plan: "JobPlan") -> _Change | None:
     )
 
 
+def _bf16_states(job: ResolvedJob, plan: "JobPlan") -> _Change | None:
+    if job.config.optimizer.state_dtype == "bfloat16" or plan.memory is None:
+        return None
+    if plan.memory.state.optimizer == 0:
+        return None  # no optimizer state to halve (SGD without momentum)
+    return _Change(
+        ("optimizer.state_dtype=bfloat16",),
+        "bf16 optimizer states",
+        "optimizer states in bfloat16: half the optimizer state's bytes (updates computed in float32; "
+        "the loss drifts slightly, see docs/performance.md)",
+    )
+
+
 #: The setting levers, in the order they are tried and listed (see the module's docstring to add one).
 _SETTING_LEVERS: tuple[_SettingLever, ...] = (
     _full_checkpointing,
     _microbatch_of_one,
     _replicate_to_shard,
+    _bf16_states,
 )
 
 
