@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports t
         CompileConfig,
         Float8Config,
         LoraConfig,
+        MemoryConfig,
         PrecisionConfig,
     )
     from d9d.parallel.context_parallel import (
@@ -47,6 +48,7 @@ if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports t
     from d9d.parallel.data_parallel import (
         GradientReduction,
         ShardUnit,
+        fsdp_parameters,
         parallelize_fsdp,
         parallelize_hsdp,
         parallelize_replicate,
@@ -162,6 +164,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "CompileConfig",
         "Float8Config",
         "LoraConfig",
+        "MemoryConfig",
         "PrecisionConfig",
     ),
     "context_parallel": (
@@ -177,6 +180,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "data_parallel": (
         "GradientReduction",
         "ShardUnit",
+        "fsdp_parameters",
         "parallelize_fsdp",
         "parallelize_hsdp",
         "parallelize_replicate",
@@ -297,6 +301,7 @@ __all__ = [
     "LoraB",
     "LoraConfig",
     "LoraError",
+    "MemoryConfig",
     "MixedPrecision",
     "MoE",
     "MoEBalancing",
@@ -341,6 +346,7 @@ __all__ = [
     "expert_load_summary",
     "expert_loads",
     "float8_linears",
+    "fsdp_parameters",
     "fsdp_reshard_after_forward",
     "grad_norm",
     "is_tied_copy",
