@@ -43,6 +43,7 @@ BENCHMARKS: list[tuple[str, list[str]]] = [
     ("trackers", ["--steps", "61", "--rounds", "2"]),
     ("moe", ["--repeats", "3"]),
     ("float8", ["--steps", "10"]),
+    ("cpu_offload", ["--steps", "12", "--rounds", "2"]),
 ]
 
 
