@@ -123,7 +123,7 @@ def test_gpu_check_dry_run_on_cpu_passes_every_check_it_runs(tmp_path):
     summary = (out / "summary.txt").read_text().splitlines()
     results = {line.split()[1]: line.split()[2] for line in summary if line.startswith("RESULT ")}
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    ran = {"env", "dtypes", "cp_attention", "fsdp"}
+    ran = {"env", "dtypes", "cp_attention", "fsdp", "cpu_offload"}
     assert {name: results.get(name) for name in ran} == {
         name: "INFO" if name == "env" else "PASS" for name in ran
     }, summary
