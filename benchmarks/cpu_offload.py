@@ -71,14 +71,19 @@ def _measure(sets: list[str]) -> dict[str, Any]:
         t.train()
         host = {id(p) for p in fsdp_parameters(t.model, offloaded=True)}
         split = {"device": 0, "host": 0}
+        parts = {"params": 0, "grads": 0, "optimizer": 0}
         for p in t.model.parameters():
-            state = [v for v in t.optimizer.state.get(p, {}).values() if torch.is_tensor(v)]
-            split["host" if id(p) in host else "device"] += (
-                _nbytes(p) + _nbytes(p.grad) + sum(map(_nbytes, state))
-            )
-        lines = (Path(t.run_dir) / "metrics.jsonl").read_text().splitlines()
-        times = [json.loads(line)["step_time_s"] for line in lines if line]
-        return {**split, "times": times}
+            state = sum(_nbytes(v) for v in t.optimizer.state.get(p, {}).values() if torch.is_tensor(v))
+            split["host" if id(p) in host else "device"] += _nbytes(p) + _nbytes(p.grad) + state
+            parts["params"] += _nbytes(p)
+            parts["grads"] += _nbytes(p.grad)
+            parts["optimizer"] += state
+        times: list[float] = []
+        if t.context.rank == 0:  # rank 0 writes the metrics file
+            lines = (Path(t.run_dir) / "metrics.jsonl").read_text().splitlines()
+            times = [json.loads(line)["step_time_s"] for line in lines if line]
+            assert len(times) == t.step, "the run must train every step itself (a fresh run name)"
+        return {**split, "parts": parts, "times": times}
 
 
 def _plan(sets: list[str]) -> tuple[int, int]:
@@ -113,7 +118,12 @@ def main() -> None:
         for r in range(args.rounds):  # alternated, so both see the same load
             for name in medians:
                 sets = _sets(
-                    args, tmp, [*LEVERS[name], f"trainer.run.name=r{r}_{len(results)}_{len(medians[name])}"]
+                    args,
+                    tmp,
+                    [
+                        *LEVERS[name],
+                        f"trainer.run.name=round{r}_{'offload' if 'offload' in name else 'plain'}",
+                    ],
                 )
                 got = run_distributed(_measure, 2, sets, timeout=600)[0]
                 results[name] = got
@@ -127,7 +137,10 @@ def main() -> None:
     print(f"{'lever':<22} {'device bytes':>14} {'host bytes':>14}   d9d plan: device / host")
     for name in LEVERS:
         got, (plan_device, plan_host) = results[name], planned[name]
-        print(f"{name:<22} {got['device']:>14,} {got['host']:>14,}   {plan_device:,} / {plan_host:,}")
+        parts = ", ".join(f"{k} {v:,}" for k, v in got["parts"].items())
+        print(
+            f"{name:<22} {got['device']:>14,} {got['host']:>14,}   {plan_device:,} / {plan_host:,}   ({parts})"
+        )
         rows += [
             row(f"cpu offload: {name}, device state bytes/rank / 1 process", got["device"] / one,
                 {"1 process": "1", "FSDP 2": "0.5", "FSDP 2 + cpu_offload": "0"}[name], f"{got['device']:,} B"),
