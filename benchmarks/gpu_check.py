@@ -1,6 +1,6 @@
 """d9d's checks of the CUDA paths CPU tests cannot reach (run by benchmarks/gpu_check.sh).
 
-    python benchmarks/gpu_check.py CHECK      # CHECK: env | dtypes | cp | flex | fsdp | fsdp_compiled
+    python benchmarks/gpu_check.py CHECK      # CHECK: env | dtypes | cp | flex | fsdp | fsdp_compiled | cpu_offload
 
 Each check prints one `RESULT <check> <PASS|FAIL|INFO> <details>` line. On a GPU the shapes are
 the real ones (hidden 2048, seq 4096-8192); with `DEVICE=cpu` (or no GPU) they shrink and the check
@@ -355,6 +355,109 @@ def check_fsdp(compiled: bool) -> None:
     dist.destroy_process_group()
 
 
+def _offload_run(mesh: object, offload: bool, hidden: int, seq: int) -> dict[str, object]:
+    """Four AdamW steps of a reference model fully sharded on a one-rank mesh, with or without CPU offload."""
+    from reference_model import shard_units
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from d9d.parallel import clip_grad_norm_, fsdp_parameters
+    from d9d.parallel.data_parallel import _apply
+    from d9d.trainer import materialize_and_initialize
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = reference_model(
+            hidden, 4 if CUDA else 2, 16 if CUDA else 4, 4 if CUDA else 2, 32000 if CUDA else 512, seq
+        )
+    _apply(
+        model,
+        mesh,  # type: ignore[arg-type]
+        ["dp_shard"],
+        [],
+        blocks=shard_units(model),
+        mp=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        reshard_after_forward=None,
+        gradient_reduction="sum",
+        ignored_params=set(),
+        cpu_offload=offload,
+    )
+    materialize_and_initialize(model, DEVICE, 0, init_device="cpu")
+    params = list(model.parameters())
+    on_host = all(p.to_local().device.type == "cpu" for p in params)
+    pinned = all(p.to_local().is_pinned() for p in params) if CUDA else None
+    optimizer = torch.optim.AdamW(
+        params, lr=1e-4, **({"fused": True} if CUDA and not offload else {"foreach": True})
+    )
+    generator = torch.Generator().manual_seed(1)
+    losses, times, between = [], [], []
+    for _ in range(4):
+        ids = torch.randint(0, model.config.vocab_size, (1, seq), generator=generator).to(DEVICE)
+        synchronize()
+        start = time.perf_counter()
+        loss = F.cross_entropy(model(ids).flatten(0, 1).float(), ids.flatten())
+        loss.backward()
+        grads_on_host = all(p.grad is not None and p.grad.to_local().device.type == "cpu" for p in params)
+        norm = clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        synchronize()
+        times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+        between.append(torch.cuda.memory_allocated() if CUDA else 0)  # what stays on the device between steps
+    state_on_host = all(
+        v.device.type == "cpu"
+        for p in params
+        for v in optimizer.state[p].values()
+        if torch.is_tensor(v) and v.dim()
+    )
+    return {"losses": losses, "times": times, "between": between[-1], "on_host": on_host, "pinned": pinned,
+            "grads_on_host": grads_on_host, "state_on_host": state_on_host, "norm_device": norm.device.type,
+            "offloaded": len(fsdp_parameters(model, offloaded=True)), "params": len(params)}  # fmt: skip
+
+
+def check_offload() -> None:
+    """CPU offload (`cpu_offload=True`, FSDP2's CPUOffloadPolicy) on a one-rank mesh against the same
+    run without it: d9d's materialization puts every sharded parameter in pinned host memory, gradients
+    and AdamW state stay there, the grad norm comes back on the GPU, the losses agree, and the device
+    memory between steps (torch.cuda.memory_allocated) and the step time are compared."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29511")
+    if CUDA:
+        torch.cuda.set_device(0)
+        dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)
+    else:
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    mesh = init_device_mesh(DEVICE.type, (1,), mesh_dim_names=("dp_shard",))
+    hidden, seq = (2048, 2048) if CUDA else (64, 64)
+    plain = _offload_run(mesh, False, hidden, seq)
+    offloaded = _offload_run(mesh, True, hidden, seq)
+    gap = max(abs(a - b) / abs(b) for a, b in zip(offloaded["losses"], plain["losses"], strict=True))  # type: ignore[arg-type]
+    time_ratio = sorted(offloaded["times"])[2] / sorted(plain["times"])[2]  # type: ignore[index]
+    passed = (
+        offloaded["on_host"] is True
+        and offloaded["pinned"] in (True, None)
+        and offloaded["grads_on_host"] is True
+        and offloaded["state_on_host"] is True
+        and offloaded["norm_device"] == DEVICE.type
+        and offloaded["offloaded"] == offloaded["params"]
+        and plain["offloaded"] == 0
+        and gap < 1e-2
+        and (not CUDA or offloaded["between"] < plain["between"])  # type: ignore[operator]
+    )
+    report(
+        "cpu_offload",
+        passed,
+        f"host/pinned/grads/state on host={offloaded['on_host']}/{offloaded['pinned']}/{offloaded['grads_on_host']}/"
+        f"{offloaded['state_on_host']} norm_on={offloaded['norm_device']} loss_gap={gap:.2e} "
+        f"device_bytes_between_steps(off,on)={plain['between']:,},{offloaded['between']:,} "
+        f"step_time(on/off)={time_ratio:.2f}",
+    )
+    dist.destroy_process_group()
+
+
 #: The RESULT name of a check where it differs from the argument.
 RESULT_NAMES = {"cp": "cp_attention", "flex": "flex_docmask"}
 
@@ -365,6 +468,7 @@ CHECKS: dict[str, Callable[[], None]] = {
     "flex": check_flex,
     "fsdp": lambda: check_fsdp(False),
     "fsdp_compiled": lambda: check_fsdp(True),
+    "cpu_offload": check_offload,
 }
 
 if __name__ == "__main__":

@@ -124,6 +124,9 @@ check cp_attention 60 $PY $C cp
 check flex_docmask 120 $PY $C flex
 check fsdp 90 $PY $C fsdp
 check fsdp_compiled 120 env TORCH_LOGS=graph_breaks,recompiles $PY $C fsdp_compiled
+# CPU offload on one rank: parameters, grads and AdamW state in pinned host memory, device bytes between
+# steps and step time against the same run without offload
+check cpu_offload 120 $PY $C cpu_offload
 # throughput at the shipped 8B shape (8 layers): d9d against the plain PyTorch loop, compile, full AC
 check gpu_throughput 240 $PY benchmarks/gpu_throughput.py "${THROUGHPUT[@]}" --device "$DEVICE"
 grep -E "tok/s|/ plain|MFU|Error" "$LOGS/gpu_throughput.log" 2>/dev/null | sed 's/^/  /' | tee -a "$SUMMARY"

@@ -44,6 +44,7 @@ BENCHMARKS: list[tuple[str, list[str]]] = [
     ("moe", ["--repeats", "3"]),
     ("float8", ["--steps", "10"]),
     ("optimizer_states", ["--steps", "200", "--repeats", "10"]),
+    ("cpu_offload", ["--steps", "12", "--rounds", "2"]),
 ]
 
 

@@ -51,6 +51,29 @@ def test_lora_memory_tiny_mode_counts_grads_and_state_for_adapters_only(tmp_path
     assert 0 < rows[0]["ratio"] < 1 and 0 < rows[1]["ratio"] < 1 and 0 < rows[3]["ratio"] < 1, rows
 
 
+def test_cpu_offload_small_mode_splits_the_state_bytes_by_lever(tmp_path):
+    stdout, rows = _run(
+        tmp_path, "cpu_offload.py", "--steps", "4", "--rounds", "1", "--layers", "1", "--hidden", "64", timeout=300
+    )  # fmt: skip
+    assert "step time, FSDP 2 with / without offload" in stdout
+    got = {r["name"].removeprefix("cpu offload: "): r["ratio"] for r in rows}
+    assert list(got) == [
+        "1 process, device state bytes/rank / 1 process",
+        "1 process, host state bytes/rank / 1 process",
+        "FSDP 2, device state bytes/rank / 1 process",
+        "FSDP 2, host state bytes/rank / 1 process",
+        "FSDP 2 + cpu_offload, device state bytes/rank / 1 process",
+        "FSDP 2 + cpu_offload, host state bytes/rank / 1 process",
+        "FSDP 2 step time with / without (CPU)",
+    ]
+    # offload moves exactly what FSDP 2 keeps on the device to the host, and leaves nothing there
+    assert got["FSDP 2 + cpu_offload, device state bytes/rank / 1 process"] == 0
+    assert (
+        got["FSDP 2 + cpu_offload, host state bytes/rank / 1 process"]
+        == got["FSDP 2, device state bytes/rank / 1 process"]
+    )
+
+
 def test_moe_tiny_mode_times_both_banks_and_counts_host_reads(tmp_path):
     stdout, rows = _run(tmp_path, "moe.py", "--tiny", timeout=300)
     assert "grouped/loop" in stdout
@@ -110,7 +133,7 @@ def test_gpu_check_dry_run_on_cpu_passes_every_check_it_runs(tmp_path):
     summary = (out / "summary.txt").read_text().splitlines()
     results = {line.split()[1]: line.split()[2] for line in summary if line.startswith("RESULT ")}
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    ran = {"env", "dtypes", "cp_attention", "fsdp"}
+    ran = {"env", "dtypes", "cp_attention", "fsdp", "cpu_offload"}
     assert {name: results.get(name) for name in ran} == {
         name: "INFO" if name == "env" else "PASS" for name in ran
     }, summary

@@ -93,7 +93,13 @@ class QuickstartModelProvider:
         compile_blocks(blocks, context.compile)  # trainer.compile: per block, before FSDP
         # trainer.precision: FSDP gathers parameters in the compute dtype (bf16 on GPUs by default);
         # one FSDP group per layer, for the embedding and for [norm, lm_head] (shard_units)
-        parallelize_hsdp(model, context.mesh, blocks=shard_units(model), precision=context.precision)
+        parallelize_hsdp(
+            model,
+            context.mesh,
+            blocks=shard_units(model),
+            precision=context.precision,
+            cpu_offload=context.cpu_offload,  # trainer.memory.cpu_offload: FSDP2 keeps the state on the host
+        )
 
     def prepare_export_model_stage(
         self, context: PrepareExportModelStageContext

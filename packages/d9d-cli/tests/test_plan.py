@@ -828,3 +828,33 @@ def test_the_fine_tune_example_with_cp_is_refused_naming_its_pack_key(runner, tm
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("error: mesh.context_parallel=2 with packed documents")
     assert "set dataset.pack: false" in line and "or mesh.context_parallel: 1" in line
+
+
+QUICKSTART = Path(__file__).resolve().parents[3] / "examples" / "quickstart" / "config.yaml"
+
+
+def test_plan_with_cpu_offload_counts_the_state_on_the_host_and_the_rest_on_the_device(runner):
+    sets = ["--world-size", "2", "--seq-len", "32", "--set", "mesh.data_parallel_shard=2"]
+    off = runner.invoke(cli, ["plan", str(QUICKSTART), *sets])
+    on = runner.invoke(cli, ["plan", str(QUICKSTART), *sets, "--set", "trainer.memory.cpu_offload=true"])
+    assert off.exit_code == 0 and on.exit_code == 0, (off.output, on.output)
+    for name in ("parameters ", "gradients", "optimizer", "activations"):  # the same state, elsewhere
+        assert _lines(on.output, name) == _lines(off.output, name)
+    n = int(_lines(on.output, "model:")[0].split()[1].replace(",", ""))
+    state = estimate_memory(n * 4, n * 4, pipeline_parallel=1, data_parallel_shard=2, context_parallel=1,
+                            tensor_parallel=1, optimizer_states=2)  # fmt: skip
+    acts = _lines(off.output, "activations")[0].split()[1:3]
+    assert _lines(on.output, "host")[0].split()[1:3] == format_size(state.total).split()
+    assert _lines(off.output, "total")[0].split()[1:3] != _lines(on.output, "total")[0].split()[1:3]
+    assert _lines(on.output, "total")[0].split()[1:3] == acts  # nothing but activations stays on the device
+    assert "offloaded to the host" in _lines(on.output, "total")[0]
+    assert not _lines(off.output, "host")
+
+
+def test_a_provider_that_ignores_cpu_offload_is_refused_like_the_trainer(runner, config):
+    sets = ["--set", "mesh.data_parallel_shard=2", "--set", "trainer.memory.cpu_offload=true"]
+    result = runner.invoke(cli, ["plan", str(config), "--world-size", "2", *sets])
+    assert result.exit_code != 0 and result.stdout == ""
+    (line,) = result.stderr.strip().splitlines()
+    assert "trainer.memory.cpu_offload is set but the model provider's parallelize_model_stage" in line
+    assert "pass cpu_offload=context.cpu_offload to d9d.parallel.parallelize_hsdp" in line

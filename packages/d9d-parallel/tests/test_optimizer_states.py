@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from _tiny_transformer import make_batches, make_model, tiny_plan
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from d9d.mesh import DistributedContext, MeshConfig
@@ -201,7 +201,8 @@ def test_a_state_dict_loads_across_the_state_dtype_both_ways():
 
 def _dtensor_steps(layout: str) -> dict[str, Any]:
     """FSDP 2 or TP 2: bfloat16-state AdamW on DTensors (small chunks) against one process's on the
-    full tensors with the same (full) gradients."""
+    full tensors with the same (full) gradients. The gradients are drawn, not computed: the forked
+    ranks run no autograd (a parent that ran backward before the fork would make it refuse)."""
     config = MeshConfig(data_parallel_shard=2) if layout == "fsdp" else MeshConfig(tensor_parallel=2)
     with DistributedContext.from_env(config) as ctx:
         model, reference = make_model(), make_model()
@@ -214,9 +215,11 @@ def _dtensor_steps(layout: str) -> dict[str, Any]:
         whole = StateDtypeAdamW(reference.parameters(), lr=LR, weight_decay=0.1)
         for step in range(3):
             sharded.zero_grad()
-            _backward(model, step)
+            drawn = torch.Generator().manual_seed(step)
             for p, r in zip(model.parameters(), reference.parameters(), strict=True):
-                r.grad = p.grad.full_tensor()
+                full = torch.randn(p.shape, generator=drawn)
+                p.grad = distribute_tensor(full, p.device_mesh, p.placements)
+                r.grad = full
             sharded.step()
             whole.step()
         states = {}

@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports t
         CompileConfig,
         Float8Config,
         LoraConfig,
+        MemoryConfig,
         PrecisionConfig,
     )
     from d9d.parallel.context_parallel import (
@@ -48,6 +49,7 @@ if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports t
     from d9d.parallel.data_parallel import (
         GradientReduction,
         ShardUnit,
+        fsdp_parameters,
         parallelize_fsdp,
         parallelize_hsdp,
         parallelize_replicate,
@@ -164,6 +166,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "CompileConfig",
         "Float8Config",
         "LoraConfig",
+        "MemoryConfig",
         "PrecisionConfig",
     ),
     "context_parallel": (
@@ -179,6 +182,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "data_parallel": (
         "GradientReduction",
         "ShardUnit",
+        "fsdp_parameters",
         "parallelize_fsdp",
         "parallelize_hsdp",
         "parallelize_replicate",
@@ -300,6 +304,7 @@ __all__ = [
     "LoraB",
     "LoraConfig",
     "LoraError",
+    "MemoryConfig",
     "MixedPrecision",
     "MoE",
     "MoEBalancing",
@@ -346,6 +351,7 @@ __all__ = [
     "expert_load_summary",
     "expert_loads",
     "float8_linears",
+    "fsdp_parameters",
     "fsdp_reshard_after_forward",
     "grad_norm",
     "is_tied_copy",

@@ -1,5 +1,5 @@
 """The config sections of d9d-parallel's per-block mechanisms: precision, activation checkpointing,
-compile and LoRA.
+compile, LoRA and memory (CPU offload).
 
 Plain msgspec structs, importing no torch, so a job's config is checked (unknown keys, wrong values)
 before torch is imported; the code each one configures lives in its own module (`precision.py`,
@@ -18,6 +18,7 @@ __all__ = [
     "CompileConfig",
     "Float8Config",
     "LoraConfig",
+    "MemoryConfig",
     "PrecisionConfig",
 ]
 
@@ -70,6 +71,21 @@ class PrecisionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     tf32: bool = True
     float8: Float8Config | None = None
+
+
+class MemoryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`trainer.memory`: where the training state of FSDP2 units lives.
+
+    Attributes:
+        cpu_offload: keep the parameters, gradients and optimizer state of every FSDP2 unit on the
+            host (FSDP2's `CPUOffloadPolicy`, in pinned memory on CUDA): each unit's parameters are
+            copied to the device for its forward and backward, its sharded gradients back to the
+            host, and the optimizer steps on the host. Needs sharded parameters
+            (`mesh.data_parallel_shard` or `mesh.context_parallel` > 1); pass it to
+            `parallelize_hsdp` / `parallelize_fsdp` (`cpu_offload=`).
+    """
+
+    cpu_offload: bool = False
 
 
 class ActivationCheckpointingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -8,15 +8,25 @@ dp size). The caller divides each microbatch's loss by the number of tokens (or 
 GLOBAL batch, so the summed gradient is exactly the gradient of the global-batch mean loss, however
 the batch is split over ranks and microbatches. Pass `gradient_reduction="mean"` for torch's usual
 averaging instead (then divide by the tokens of the rank's own batch).
+
+CPU offload (`cpu_offload=True`, sharded units only): FSDP2's `CPUOffloadPolicy` keeps every unit's
+sharded parameters, gradients and (so) optimizer state on the host, pinned when the mesh is on CUDA;
+`fsdp_parameters(module, offloaded=...)` says which parameters live where.
 """
 
 from collections.abc import Iterable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 from d9d.parallel._mesh_axes import axis_names, axis_size, data_axes, sub_mesh
 from d9d.parallel.errors import ParallelizeError
@@ -25,6 +35,7 @@ from d9d.parallel.precision import MixedPrecision
 __all__ = [
     "GradientReduction",
     "ShardUnit",
+    "fsdp_parameters",
     "parallelize_fsdp",
     "parallelize_hsdp",
     "parallelize_replicate",
@@ -54,6 +65,7 @@ def parallelize_hsdp(
     reshard_after_forward: bool | None = None,
     gradient_reduction: GradientReduction = "sum",
     ignored_params: Iterable[nn.Parameter] = (),
+    cpu_offload: bool = False,
 ) -> nn.Module:
     """Fully shard `module` over `shard_axis` and replicate it over the mesh's other data axes.
 
@@ -81,9 +93,17 @@ def parallelize_hsdp(
             it is not gathered again at once: pass `blocks` in forward order).
         gradient_reduction: "sum" (the d9d contract, see the module docstring) or "mean".
         ignored_params: parameters left alone (e.g. experts sharded by expert parallelism).
+        cpu_offload: keep the sharded parameters, gradients and optimizer state of every unit on
+            the host (FSDP2's `CPUOffloadPolicy`, pinned on CUDA); build the optimizer after this
+            call. Needs a shard axis larger than 1 (offloading replicas would only copy them).
+
+    Raises:
+        ParallelizeError: an unknown shard axis, several replicate axes, or `cpu_offload` with
+            nothing to shard.
     """
     mp = _policy(precision, param_dtype, reduce_dtype, "parallelize_hsdp")
     if mesh is None:
+        _check_offload(cpu_offload, [], "parallelize_hsdp")
         return module
     axes = _active(mesh, data_axes(mesh))
     if shard_axis not in axis_names(mesh):
@@ -102,6 +122,7 @@ def parallelize_hsdp(
         reshard_after_forward=reshard_after_forward,
         gradient_reduction=gradient_reduction,
         ignored_params=set(ignored_params),
+        cpu_offload=_check_offload(cpu_offload, shard, "parallelize_hsdp"),
     )
 
 
@@ -117,6 +138,7 @@ def parallelize_fsdp(
     reshard_after_forward: bool | None = None,
     gradient_reduction: GradientReduction = "sum",
     ignored_params: Iterable[nn.Parameter] = (),
+    cpu_offload: bool = False,
 ) -> nn.Module:
     """Fully shard `module` over all data axes of `mesh` (or over `axes`), flattened into one.
 
@@ -124,6 +146,7 @@ def parallelize_fsdp(
     """
     mp = _policy(precision, param_dtype, reduce_dtype, "parallelize_fsdp")
     if mesh is None:
+        _check_offload(cpu_offload, [], "parallelize_fsdp")
         return module
     shard = _active(mesh, _checked_axes(mesh, axes, "parallelize_fsdp"))
     return _apply(
@@ -136,6 +159,7 @@ def parallelize_fsdp(
         reshard_after_forward=reshard_after_forward,
         gradient_reduction=gradient_reduction,
         ignored_params=set(ignored_params),
+        cpu_offload=_check_offload(cpu_offload, shard, "parallelize_fsdp"),
     )
 
 
@@ -209,6 +233,55 @@ def set_gradient_accumulation(module: nn.Module, *, final: bool) -> None:
                 sub.set_requires_all_reduce(False, recurse=False)
 
 
+def fsdp_parameters(module: nn.Module, *, offloaded: bool | None = None) -> list[nn.Parameter]:
+    """The parameters of `module` that FSDP2 units manage (each once, in `parameters()` order).
+
+    `offloaded=True`: only those whose unit keeps them on the host (`CPUOffloadPolicy`: their
+    gradients, and the optimizer state built over them, live there too); `False`: only those it
+    keeps on the device; None: all. Works on the meta device, before materialization.
+    """
+    managed: dict[int, bool] = {}
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            group = _param_group(sub)
+            if group is not None:
+                host = isinstance(group.offload_policy, CPUOffloadPolicy)
+                for fsdp_param in group.fsdp_params:
+                    managed[id(fsdp_param.sharded_param)] = host
+    found = []
+    for param in module.parameters():
+        host = managed.get(id(param))
+        if host is not None and (offloaded is None or host == offloaded):
+            found.append(param)
+    return found
+
+
+def _param_group(unit: FSDPModule) -> Any:
+    """The FSDP2 parameter group of one unit (None: a unit without parameters of its own).
+
+    torch keeps the unit's offload policy and its `FSDPParam`s (whose `sharded_param` is the module's
+    registered parameter) only there, in the same place from torch 2.6 to 2.15.
+    """
+    state = unit._get_fsdp_state()
+    return state._fsdp_param_group
+
+
+def _check_offload(cpu_offload: bool, shard: Sequence[str], what: str) -> bool:
+    if cpu_offload and not shard:
+        raise ParallelizeError(
+            f"{what}: cpu_offload=True needs a shard axis larger than 1 (FSDP2 offloads sharded units "
+            "only); shard the parameters (dp_shard or cp > 1) or pass cpu_offload=False"
+        )
+    return cpu_offload
+
+
+def _offload_policy(mesh: DeviceMesh, cpu_offload: bool) -> OffloadPolicy:
+    """FSDP2's host offload, pinned where there is a device to copy from (CUDA); none otherwise."""
+    if not cpu_offload:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
+
+
 def _policy(
     precision: MixedPrecision | None,
     param_dtype: torch.dtype | None,
@@ -249,6 +322,7 @@ def _apply(
     reshard_after_forward: bool | None,
     gradient_reduction: GradientReduction,
     ignored_params: set[nn.Parameter],
+    cpu_offload: bool = False,
 ) -> nn.Module:
     if gradient_reduction not in ("sum", "mean"):
         raise ParallelizeError(f"gradient_reduction must be 'sum' or 'mean', got {gradient_reduction!r}")
@@ -266,6 +340,7 @@ def _apply(
         else:
             dp_mesh = sub_mesh(mesh, shard)
         kind = "hybrid" if replicate else "shard"
+        offload = _offload_policy(mesh, cpu_offload)
         for index, block in enumerate(blocks):
             last = index == len(blocks) - 1
             fully_shard(
@@ -273,6 +348,7 @@ def _apply(
                 mesh=dp_mesh,
                 reshard_after_forward=(not last) if reshard_after_forward is None else reshard_after_forward,
                 mp_policy=mp,
+                offload_policy=offload,
                 ignored_params=ignored,
             )
         fully_shard(
@@ -280,6 +356,7 @@ def _apply(
             mesh=dp_mesh,
             reshard_after_forward=reshard_after_forward,
             mp_policy=mp,
+            offload_policy=offload,
             ignored_params=ignored,
         )
     else:

@@ -6,6 +6,9 @@ combined, and pipeline stages (which hold disjoint parameters) are summed over t
 tensors count as replicated: they add their own norm once. Partial (unreduced) gradients are reduced
 first. The result equals the norm of the full gradients in one process. Every rank must call it.
 
+Gradients that FSDP2 keeps on the host (CPU offload) are summed there, and their partial sums are
+reduced on the mesh's device (NCCL cannot reduce host tensors), where the result lives too.
+
 A parameter tied across pipeline stages (tied embeddings: the first stage's table, the last stage's
 head) has one copy per holding rank, with equal gradients after the pipeline sums them; the copies
 other than the first stage's are registered with `register_tied_copy` and left out of the norm, so
@@ -88,10 +91,10 @@ def grad_norm(
     norm_type = float(norm_type)
     is_inf = math.isinf(norm_type)
     grads = [p.grad for p in parameters if p.grad is not None and not is_tied_copy(p)]
-    device = grads[0].device if grads else torch.device("cpu")
+    device = _reduce_device(grads)
     total = torch.zeros((), dtype=torch.float32, device=device)
     for key, group in _group_by_spec(grads).items():
-        part = _local_part(group, norm_type)
+        part = _local_part(group, norm_type).to(device)
         if key is not None:
             mesh, placements = key
             for dim, placement in enumerate(placements):
@@ -137,6 +140,15 @@ def clip_grad_norm_(
     for group in _group_by_spec([p.grad for p in params if p.grad is not None]).values():
         torch._foreach_mul_(group, coef.to(group[0].device))
     return total
+
+
+def _reduce_device(grads: list[torch.Tensor]) -> torch.device:
+    """Where the norm is reduced: the device of the first DTensor's mesh (its gradient may live on the
+    host under CPU offload), else the first gradient's device."""
+    for grad in grads:
+        if isinstance(grad, DTensor):
+            return torch.device(grad.device_mesh.device_type)
+    return grads[0].device if grads else torch.device("cpu")
 
 
 def _group_by_spec(grads: list[torch.Tensor]) -> dict[_GroupKey, list[torch.Tensor]]:

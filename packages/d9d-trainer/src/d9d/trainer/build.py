@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from d9d.mesh import D9dError, DistributedContext, MeshConfig
+from d9d.mesh import D9dError, DistributedContext
 from d9d.parallel import (
     Float8Config,
     LoraConfig,
@@ -17,20 +17,24 @@ from d9d.parallel import (
     StageSpec,
     apply_float8,
     context_parallel_of,
+    fsdp_parameters,
     lora_parameters,
 )
 from d9d.trainer.errors import OutOfMemoryError, TrainingError, first_line, is_out_of_memory
 from d9d.trainer.job import ResolvedJob
+from d9d.trainer.loading import shards_parameters
 from d9d.trainer.materialize import materialize_and_initialize
 from d9d.trainer.providers import InitializeModelStageContext, ParallelizeModelStageContext
 from d9d.trainer.starting_weights import imported_keys
 
 __all__ = [
     "check_lora_applied",
+    "check_offload_applied",
     "check_parallelisms_applied",
     "check_vocabulary",
     "materialize_model",
     "shape_model",
+    "shards_parameters",
 ]
 
 
@@ -81,11 +85,6 @@ def _apply_float8(
     apply_float8(model, float8, fsdp_float8_all_gather=sharded)
 
 
-def shards_parameters(mesh: MeshConfig) -> bool:
-    """Whether FSDP2 shards the parameters on this mesh (dp_shard and cp ranks shard as one axis)."""
-    return mesh.data_parallel_shard > 1 or mesh.context_parallel > 1
-
-
 def check_lora_applied(model: nn.Module, lora: LoraConfig | None) -> None:
     """A configured `peft.lora` must have left at least one adapter on the model (stage).
 
@@ -99,6 +98,30 @@ def check_lora_applied(model: nn.Module, lora: LoraConfig | None) -> None:
             "peft.lora is set but the model provider's parallelize_model_stage applied no adapters; "
             "call d9d.parallel.apply_lora(model, context.lora) there"
         )
+
+
+def check_offload_applied(model: nn.Module, cpu_offload: bool) -> None:
+    """`trainer.memory.cpu_offload` must have left every FSDP2 parameter of the model (stage) on the host.
+
+    Otherwise the provider ignored it and the job would keep its whole state on the device.
+
+    Raises:
+        TrainingError: naming the key, how many parameters stayed, and the call the provider should make.
+    """
+    if not cpu_offload:
+        return
+    managed = fsdp_parameters(model)
+    kept = fsdp_parameters(model, offloaded=False)
+    if managed and not kept:
+        return
+    names = {id(p): n for n, p in model.named_parameters()}
+    example = f" (e.g. {names.get(id(kept[0]), '?')!r})" if kept else ""
+    raise TrainingError(
+        f"trainer.memory.cpu_offload is set but the model provider's parallelize_model_stage left "
+        f"{len(kept) if managed else 'every one'} of {len(managed) or len(names)} parameters{example} in FSDP "
+        "units without CPU offload; pass cpu_offload=context.cpu_offload to d9d.parallel.parallelize_hsdp "
+        "there or set trainer.memory.cpu_offload: false"
+    )
 
 
 def materialize_model(job: ResolvedJob, context: DistributedContext, model: nn.Module) -> nn.Module:
@@ -151,7 +174,7 @@ def shape_model(
 
     Raises:
         TrainingError: the provider's parallelization left a mesh degree unapplied, gave no module
-            the cp group, applied no LoRA adapters, or renamed parameters (`torch.compile(module)`
+            the cp group, applied no LoRA adapters, ignored `trainer.memory.cpu_offload`, or renamed parameters (`torch.compile(module)`
             wraps it as `_orig_mod`), which would change every checkpoint and export key.
     """
     import torch
@@ -181,6 +204,7 @@ def shape_model(
                 activation_checkpointing=tcfg.activation_checkpointing,
                 compile=tcfg.compile,
                 lora=config.peft.lora,
+                cpu_offload=tcfg.memory.cpu_offload,
                 **where,
             )
         )
@@ -194,6 +218,7 @@ def shape_model(
         raise
     check_lora_applied(model, config.peft.lora)
     if not context.is_local:
+        check_offload_applied(model, tcfg.memory.cpu_offload)
         mesh = config.mesh
         check_parallelisms_applied(
             model,

@@ -12,7 +12,13 @@ from typing import Any, Literal
 import msgspec
 
 from d9d.mesh import MeshConfig
-from d9d.parallel import ActivationCheckpointingConfig, CompileConfig, LoraConfig, PrecisionConfig
+from d9d.parallel import (
+    ActivationCheckpointingConfig,
+    CompileConfig,
+    LoraConfig,
+    MemoryConfig,
+    PrecisionConfig,
+)
 
 __all__ = [
     "ActivationCheckpointingConfig",
@@ -26,6 +32,7 @@ __all__ = [
     "LRSchedulerConfig",
     "LoggingConfig",
     "LoraConfig",
+    "MemoryConfig",
     "OptimizerConfig",
     "PeftConfig",
     "PipeliningConfig",
@@ -229,7 +236,7 @@ class TimeoutsConfig(_Section):
 class TrainerConfig(_Section):
     """The `trainer:` section.
 
-    `device`: `auto` (CUDA when usable, else CPU), `cuda` or `cpu`. `precision`,
+    `device`: `auto` (CUDA when usable, else CPU), `cuda` or `cpu`. `precision`, `memory`,
     `activation_checkpointing` and `compile` are the d9d.parallel mechanisms' own configs; the trainer
     passes them to the model provider (see `ParallelizeModelStageContext`).
 
@@ -250,6 +257,7 @@ class TrainerConfig(_Section):
     on_nonfinite: Literal["stop", "skip"] = "stop"
     device: Literal["auto", "cuda", "cpu"] = "auto"
     precision: PrecisionConfig = PrecisionConfig()
+    memory: MemoryConfig = MemoryConfig()
     activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
     compile: CompileConfig = CompileConfig()
     profiling: ProfilingConfig = ProfilingConfig()

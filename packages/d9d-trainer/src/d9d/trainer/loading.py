@@ -23,7 +23,7 @@ from typing import Any, Literal, NewType, Union, get_args, get_origin, get_type_
 import msgspec
 import yaml
 
-from d9d.mesh import D9dError
+from d9d.mesh import D9dError, MeshConfig
 from d9d.parallel import PIPELINE_SCHEDULES, PipelineConfig, PipelineError
 from d9d.trainer.config import JobConfig
 
@@ -37,6 +37,7 @@ __all__ = [
     "convert_section",
     "load_job_config",
     "resolve_object",
+    "shards_parameters",
 ]
 
 _AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
@@ -386,11 +387,37 @@ def check_job_settings(loaded: LoadedJob) -> None:
     where = str(loaded.path) if loaded.path is not None else "config"
     _check_directories(loaded, where)
     _check_combinations(config, where)
+    _check_offload(config, where)
     _check_eval(config, where)
     if config.providers.dataset is None and config.providers.data == _BUILTIN_DATA:
         raise ConfigError(
             f"{where}: providers.dataset is missing; the built-in AutoDataProvider needs a dataset provider "
             "(e.g. providers.dataset: train.py:MyDataset), or set providers.data to your own data provider"
+        )
+
+
+def shards_parameters(mesh: MeshConfig) -> bool:
+    """Whether FSDP2 shards the parameters on this mesh (dp_shard and cp ranks shard as one axis)."""
+    return mesh.data_parallel_shard > 1 or mesh.context_parallel > 1
+
+
+def _check_offload(config: JobConfig, where: str) -> None:
+    """`trainer.memory.cpu_offload` needs FSDP2 units that shard; expert banks do not offload (yet)."""
+    if not config.trainer.memory.cpu_offload:
+        return
+    mesh = config.mesh
+    if not shards_parameters(mesh):
+        raise ConfigError(
+            f"{where}: trainer.memory.cpu_offload needs sharded parameters, but the mesh "
+            f"({mesh.describe_degrees()}) has no FSDP shard (FSDP2 offloads only sharded units; one process "
+            "or replicas alone keep full copies); set mesh.data_parallel_shard to 2 or more, or "
+            "trainer.memory.cpu_offload: false"
+        )
+    if mesh.expert_parallel > 1:
+        raise ConfigError(
+            f"{where}: trainer.memory.cpu_offload with mesh.expert_parallel={mesh.expert_parallel} is not "
+            "supported yet (the expert banks are FSDP2 units of their own, which stay on the device); set "
+            "mesh.expert_parallel: 1 or trainer.memory.cpu_offload: false"
         )
 
 

@@ -9,6 +9,9 @@ cluster of the same device type), and no rank holds more than one module's full 
 time. CPU and CUDA random streams differ: `init_device="cpu"` initializes on the CPU anywhere, for
 runs that must start bit-identical across device types.
 
+Parameters of FSDP2 units that offload to the host (`trainer.memory.cpu_offload`) are allocated there
+(FSDP2 requires it, and pins them on CUDA); buffers and the other parameters on `device`.
+
 Tensors a load fills right after (`loaded`: an import folder's keys) are only allocated, the rank's
 shard of them, and zeroed: initializing them would cost a full copy of their module (the embedding and
 the LM head are many decoder layers large) for values the load overwrites. What no load fills (the
@@ -25,6 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from d9d.mesh import D9dError
+from d9d.parallel import fsdp_parameters
 
 __all__ = ["ModelInitError", "materialize_and_initialize", "shared_parameters"]
 
@@ -62,7 +66,10 @@ def materialize_and_initialize(
             "state-dict keys (model.state_dict()) that the load fills"
         )
     ties = shared_parameters(model)
-    model.to_empty(device=device)
+    if fsdp_parameters(model, offloaded=True):
+        _to_empty_offloaded(model, torch.device(device))
+    else:
+        model.to_empty(device=device)
     for (module, name), (owner, owner_name) in ties.items():  # to_empty gives each user its own copy
         module._parameters[name] = owner._parameters[owner_name]
     hook = getattr(model, "initialize_module", None)
@@ -96,6 +103,22 @@ def materialize_and_initialize(
             full = dict(twin.named_parameters(recurse=False)) | dict(twin.named_buffers(recurse=False))
             for name, target in own.items():
                 _copy_into(target, full[name])
+
+
+def _to_empty_offloaded(model: nn.Module, device: torch.device) -> None:
+    """`to_empty` with the parameters of offloading FSDP2 units on the host and everything else on
+    `device` (buffers, parameters no FSDP2 unit manages, e.g. experts left to expert parallelism)."""
+    model.to_empty(device="cpu")  # each FSDP2 unit re-registers (and on CUDA pins) its sharded parameters
+    if device.type == "cpu":
+        return
+    managed = {id(p) for p in fsdp_parameters(model)}
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device)
+        for name, param in module._parameters.items():
+            if param is not None and id(param) not in managed:
+                module._parameters[name] = nn.Parameter(param.to(device), requires_grad=param.requires_grad)
 
 
 def shared_parameters(model: nn.Module) -> dict[tuple[nn.Module, str], tuple[nn.Module, str]]:

@@ -107,7 +107,7 @@ class ParallelizeModelStageContext:
     tensor parallel → expert parallel → `apply_lora(model, lora)` (when set) →
     `apply_activation_checkpointing(blocks,
     activation_checkpointing)` → `compile_blocks(blocks, compile)` → `parallelize_hsdp(model, mesh,
-    blocks=blocks, precision=precision)`.
+    blocks=blocks, precision=precision, cpu_offload=cpu_offload)`.
 
     Attributes:
         precision: the job's `trainer.precision`: pass it to `parallelize_*` (`precision=`) so FSDP2
@@ -119,6 +119,9 @@ class ParallelizeModelStageContext:
         lora: `peft.lora`, or None: when set, call `d9d.parallel.apply_lora(model, lora)` after
             tensor/expert/context parallelism and before activation checkpointing, compile and
             `parallelize_hsdp` (the trainer refuses a LoRA job whose model got no adapters).
+        cpu_offload: `trainer.memory.cpu_offload`: pass it to `parallelize_hsdp` / `parallelize_fsdp`
+            (`cpu_offload=`) so every FSDP2 unit keeps its state on the host (the trainer refuses a
+            job whose units do not).
     """
 
     context: DistributedContext
@@ -133,6 +136,7 @@ class ParallelizeModelStageContext:
     )
     compile: CompileConfig = field(default_factory=CompileConfig)
     lora: LoraConfig | None = None
+    cpu_offload: bool = False
 
     @property
     def mesh(self) -> DeviceMesh | None:

@@ -25,6 +25,7 @@ from d9d.parallel import (
     ContextParallel,
     context_parallel_of,
     enable_tf32,
+    fsdp_parameters,
     merge_stage_modules,
     select_float8_linears,
 )
@@ -273,6 +274,7 @@ class Trainer:
                 tcfg.activation_checkpointing.mode if tcfg.activation_checkpointing.mode != "none" else None
             ),
             "compile": True if tcfg.compile.enabled else None,
+            "cpu_offload": _offload_note(model, ctx.device) if tcfg.memory.cpu_offload else None,
             "float8": (
                 select_float8_linears(model, tcfg.precision.float8).describe()
                 if tcfg.precision.float8 is not None
@@ -558,3 +560,12 @@ def _local_numel(param: torch.Tensor) -> int:
 
 def _seconds(value: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=value)
+
+
+def _offload_note(model: torch.nn.Module, device: torch.device) -> str:
+    """What `trainer.memory.cpu_offload` keeps on the host, for the "job built" line."""
+    host = fsdp_parameters(model, offloaded=True)
+    size = sum(_local_numel(p) * p.element_size() for p in host)
+    pinned = "pinned " if device.type == "cuda" else ""
+    nothing = "" if device.type == "cuda" else "; a CPU run has no device to offload from"
+    return f"{len(host)} parameters ({size:,} bytes on this rank), their gradients and optimizer state in {pinned}host memory{nothing}"

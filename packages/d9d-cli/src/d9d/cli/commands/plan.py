@@ -319,7 +319,17 @@ def _memory_lines(job_plan: "JobPlan", config: "JobConfig") -> list[str]:
         )
     else:
         lines.append(f"  activations {'?':>10}  ({memory.activations_note})")
-    lines.append(f"  total       {format_size(memory.total):>10}")
+    if memory.host_state:
+        lines.append(
+            f"  total       {format_size(memory.total):>10}  (on the device: parameters, gradients and "
+            "optimizer state are offloaded to the host)"
+        )
+        lines.append(
+            f"  host        {format_size(memory.host_state):>10}  (trainer.memory.cpu_offload: parameters + "
+            "gradients + optimizer state, pinned)"
+        )
+    else:
+        lines.append(f"  total       {format_size(memory.total):>10}")
     if acts is not None:
         if acts.per_pp_rank:
             per_rank = ", ".join(f"pp rank {r}: {format_size(b)}" for r, b in enumerate(acts.per_pp_rank))

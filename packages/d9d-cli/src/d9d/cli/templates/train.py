@@ -131,7 +131,9 @@ class QuickstartModelProvider:
         # One FSDP group per block, one for the embeddings, one for [norm, head], in forward order:
         # only one group's full weights live at a time, and each group's gradients are reduced early.
         units = [[model.embed, model.pos], *blocks, [model.norm, model.head]]
-        parallelize_hsdp(model, context.mesh, blocks=units, precision=context.precision)
+        parallelize_hsdp(
+            model, context.mesh, blocks=units, precision=context.precision, cpu_offload=context.cpu_offload
+        )
 
     def prepare_export_model_stage(
         self, context: PrepareExportModelStageContext

@@ -194,7 +194,9 @@ class HFCausalLMProvider:
             apply_lora(model, context.lora)
         apply_activation_checkpointing(blocks, context.activation_checkpointing)
         compile_blocks(blocks, context.compile)
-        parallelize_hsdp(model, context.mesh, blocks=blocks, precision=context.precision)
+        parallelize_hsdp(
+            model, context.mesh, blocks=blocks, precision=context.precision, cpu_offload=context.cpu_offload
+        )
 
     def prepare_import_model_stage(
         self, context: PrepareImportModelStageContext

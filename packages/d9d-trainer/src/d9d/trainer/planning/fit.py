@@ -10,7 +10,7 @@ The levers, each only where it applies:
 - setting levers (`_SETTING_LEVERS`), one function each of the job and its plan that returns the
   overrides and the reason, or None where the lever does not apply: full activation checkpointing,
   microbatches of one sample, sharding instead of replicating over the data-parallel ranks, optimizer
-  states in bfloat16. A new lever is one more such function in that tuple; the search and the
+  states in bfloat16, CPU offload. A new lever is one more such function in that tuple; the search and the
   combinations take it up unchanged.
 - more ranks: the smallest `data_parallel_shard` × 2^k that fits (more processes, the same global
   batch, which must still split).
@@ -194,12 +194,27 @@ def _bf16_states(job: ResolvedJob, plan: "JobPlan") -> _Change | None:
     )
 
 
+def _cpu_offload(job: ResolvedJob, plan: "JobPlan") -> _Change | None:
+    mesh = job.config.mesh
+    if job.config.trainer.memory.cpu_offload or plan.memory is None:
+        return None
+    if mesh.data_parallel_shard * mesh.context_parallel == 1 or mesh.expert_parallel > 1:
+        return None  # offload needs FSDP shards and does not take expert banks (the trainer refuses)
+    return _Change(
+        ("trainer.memory.cpu_offload=true",),
+        "CPU offload",
+        "CPU offload: parameters, gradients and optimizer state of every FSDP unit in pinned host memory "
+        "(host-device copies every unit and step, the optimizer steps on the CPU)",
+    )
+
+
 #: The setting levers, in the order they are tried and listed (see the module's docstring to add one).
 _SETTING_LEVERS: tuple[_SettingLever, ...] = (
     _full_checkpointing,
     _microbatch_of_one,
     _replicate_to_shard,
     _bf16_states,
+    _cpu_offload,
 )
 
 

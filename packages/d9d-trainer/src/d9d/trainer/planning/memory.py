@@ -155,6 +155,8 @@ class MemoryPlan:
             estimate counts them as without float8 (their weights, gradients and optimizer state
             stay float32; the float8 casts live only around each matmul).
         float8_all_gather: whether FSDP2 all-gathers those weights in float8 (as the trainer builds).
+        host_state: bytes of `state` kept in host memory (`trainer.memory.cpu_offload`: all of it,
+            as the trainer refuses an FSDP2 unit that does not offload); 0 without offload.
     """
 
     parameters: int
@@ -165,11 +167,18 @@ class MemoryPlan:
     activations_note: str
     float8: Float8Selection | None = None
     float8_all_gather: bool = False
+    host_state: int = 0
+
+    @property
+    def device_state(self) -> int:
+        """Bytes of `state` on the device (all of it without CPU offload)."""
+        return self.state.total - self.host_state
 
     @property
     def total(self) -> int:
-        """The state plus the activations with the job's checkpointing (when estimated)."""
-        return self.state.total + (self.activations.checkpointed if self.activations is not None else 0)
+        """Device bytes: the state kept there plus the activations with the job's checkpointing (when
+        estimated). What CPU offload keeps on the host is `host_state`, not counted here."""
+        return self.device_state + (self.activations.checkpointed if self.activations is not None else 0)
 
     @property
     def peak_total(self) -> int:
@@ -178,7 +187,7 @@ class MemoryPlan:
         acts = self.activations
         if acts is None or not acts.per_pp_rank:
             return self.total
-        return self.state.total + max(acts.per_pp_rank)
+        return self.device_state + max(acts.per_pp_rank)
 
 
 def plan_memory(job: ResolvedJob, plan: "JobPlan", context: DistributedContext) -> MemoryPlan:
@@ -222,6 +231,7 @@ def plan_memory(job: ResolvedJob, plan: "JobPlan", context: DistributedContext) 
     return MemoryPlan(
         float8=select_float8_linears(model, float8) if float8 is not None else None,
         float8_all_gather=float8 is not None and float8.gathers_float8(shards_parameters(plan.mesh)),
+        host_state=state.total if job.config.trainer.memory.cpu_offload else 0,
         parameters=sum(p.numel() for p in params),
         param_bytes=param_bytes,
         trainable_bytes=trainable_bytes,
