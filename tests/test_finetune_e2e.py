@@ -4,9 +4,6 @@ FSDP 2 (equal), killed and resumed (equal to the uninterrupted run), and both ex
 transformers and peft with our trained model's logits."""
 
 import json
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,8 +12,6 @@ from _quickstart import records, run_forked
 
 from d9d.mesh.testing import run_distributed
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "finetune"
 STEPS = 6
 #: The example's config, smaller: 6 steps, a checkpoint every 2, an eval every 3 and at the end.
 SMALL = [
@@ -30,18 +25,10 @@ SMALL = [
 ]
 
 
-@pytest.fixture(scope="module")
-def example(tmp_path_factory) -> Path:
-    """A copy of the example folder with its demo made (the config's relative paths then point into it)."""
-    pytest.importorskip("tokenizers")
-    pytest.importorskip("jinja2")
-    folder = tmp_path_factory.mktemp("finetune") / "finetune"
-    shutil.copytree(EXAMPLE, folder, ignore=shutil.ignore_patterns("demo", "runs", "export", "__pycache__"))
-    for beside in ("reference_model", "data"):  # what the example finds next to it
-        (folder.parent / beside).symlink_to(ROOT / "examples" / beside)
-    subprocess.run([sys.executable, str(folder / "finetune.py"), "make-demo", "demo"], cwd=folder, check=True,
-                   capture_output=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}, timeout=300)  # fmt: skip
-    return folder
+@pytest.fixture
+def example(finetune_example: Path) -> Path:
+    """The example folder with its demo made (tests/conftest.py), shared with test_finetune_errors."""
+    return finetune_example
 
 
 def _ids() -> torch.Tensor:

@@ -2,27 +2,13 @@
 ranks to the one-process result, step by step after the resume and in the final weights."""
 
 import shutil
-import signal
 
 import pytest
 import torch
 from _quickstart import RunResult, compare_runs, overrides, records, train
-from faults._harness import start_job, wait_for
+from faults._harness import kill_after_save_and_resume, start_job
 
 pytestmark = pytest.mark.slow
-
-
-def _kill_after_save_4_and_resume(tmp_path, args: list[str], steps: int) -> None:
-    """Run "killed" (the quickstart's main(), forked from here), SIGKILL it once save-4 exists, then
-    run it again to the end: it must resume."""
-    job = start_job(args, tmp_path / "killed.log")
-    wait_for(lambda: (tmp_path / "killed" / "save-4").exists(), job, timeout=240, what="save-4")
-    job.kill()
-    assert job.poll() == -signal.SIGKILL, "the run ended before its first checkpoint"
-    assert not (tmp_path / "killed" / f"save-{steps}").exists(), "killed too late to test a resume"
-    resumed = start_job(args, tmp_path / "resumed.log")
-    assert resumed.wait(240) == 0, resumed.output()[-3000:]
-    assert "resumed" in resumed.output()
 
 
 def test_killed_run_resumes_to_identical_losses_grad_norms_and_weights(tmp_path):
@@ -36,7 +22,7 @@ def test_killed_run_resumes_to_identical_losses_grad_norms_and_weights(tmp_path)
         "trainer.checkpointing.period_steps=4",
         f"export.dir={tmp_path / 'export-killed'}",
     )
-    _kill_after_save_4_and_resume(tmp_path, args, steps)
+    kill_after_save_and_resume(tmp_path / "killed", args, steps)
     # the same mesh (one process): every loss, grad norm, lr and weight bit-identical
     compare_runs(
         RunResult.read(tmp_path / "killed", tmp_path / "export-killed"),
@@ -68,7 +54,7 @@ def test_killed_run_with_dropout_resumes_bit_exact(tmp_path):
         tmp_path, "killed", steps, *common, "trainer.checkpointing.period_steps=4",
         f"export.dir={tmp_path / 'export-killed'}",
     )  # fmt: skip
-    _kill_after_save_4_and_resume(tmp_path, args, steps)
+    kill_after_save_and_resume(tmp_path / "killed", args, steps)
     full = RunResult.read(tmp_path / "full", tmp_path / "export-full")
     compare_runs(
         RunResult.read(tmp_path / "killed", tmp_path / "export-killed"), full, rel=0

@@ -1,14 +1,16 @@
 """What a resume refuses or adapts to, through real `python train.py` processes: another optimizer
-(refused with the fix, or reset on request), and relative paths taken from the config file's directory
-wherever the job is started from."""
+(refused with the fix, or reset on request), a changed seed (noticed in one line), and relative paths
+taken from the config file's directory wherever the job is started from."""
 
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import yaml
-from _quickstart import CONFIG, TINY, TRAIN, records, run_local
+from _quickstart import CONFIG, TINY, TRAIN, overrides, records, run_local
+from faults._harness import start_job
 
 from d9d.ckpt import CheckpointManager
 
@@ -54,6 +56,21 @@ def test_a_resume_with_another_optimizer_is_refused_with_the_fix_then_reset_on_r
     assert "optimizer state reset" not in again.stdout
 
 
+def test_a_resume_with_a_changed_seed_says_so_in_one_line(tmp_path):
+    """The checkpoint's RNG state wins over the new seed; the resume says which setting changed."""
+    first = start_job(overrides(tmp_path, "seed", 2), tmp_path / "first.log")
+    assert first.wait() == 0, first.output()[-3000:]
+    resumed = start_job(
+        overrides(tmp_path, "seed", 4, "trainer.determinism.seed=7"), tmp_path / "resumed.log"
+    )
+    assert resumed.wait() == 0, resumed.output()[-3000:]
+    notices = [line for line in resumed.output().splitlines() if "resumed with a changed setting" in line]
+    assert len(notices) == 2, resumed.output()[-3000:]  # the seed, and total_steps 2 -> 4
+    (seed,) = [line for line in notices if "key=trainer.determinism.seed" in line]
+    assert "WARNING" in seed and seed.endswith("checkpoint=0  now=7"), seed
+    assert [r["step"] for r in records(tmp_path / "seed")] == [1, 2, 3, 4]  # it resumed at step 2
+
+
 def test_relative_paths_of_a_config_are_taken_from_its_directory_wherever_the_job_starts(tmp_path):
     job = tmp_path / "job"
     job.mkdir()
@@ -85,5 +102,9 @@ def test_relative_paths_of_a_config_are_taken_from_its_directory_wherever_the_jo
     assert "resumed" in second.stdout
     assert [r["step"] for r in records(run_dir)] == [1, 2, 3, 4]
     assert (job / "logs" / "rank-0.log").is_file() and any((job / "exported").glob("*.safetensors"))
+    # the file starts once the job did (after its first step), with the lines logged before it
+    log = (job / "logs" / "rank-0.log").read_text(encoding="utf-8")
+    assert log.count("d9d.trainer: job built") == 2, log[-3000:]
+    assert len(re.findall(r"d9d\.trainer: resumed +step=2", log)) == 1, log[-3000:]
     assert all(not any(cwd.iterdir()) for cwd in elsewhere)  # nothing written where the jobs started
     shutil.rmtree(job / "runs")

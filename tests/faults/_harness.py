@@ -28,6 +28,7 @@ __all__ = [
     "Job",
     "committed_steps",
     "job_args",
+    "kill_after_save_and_resume",
     "losses",
     "preload_distributed",
     "start_job",
@@ -103,13 +104,16 @@ def start_job(
     log: Path,
     env: Mapping[str, str] | None = None,
     setup: Callable[[], None] | None = None,
+    *,
+    config: str | Path = CONFIG,
 ) -> Job:
-    """Fork `python train.py config.yaml ARGS` (the quickstart's `main`) with `env` added.
+    """Fork `python train.py CONFIG ARGS` (`d9d.trainer.main`; CONFIG: the quickstart's unless given)
+    with `env` added.
 
     `setup` runs in the child first (e.g. to make its disk writes fail).
     """
     process = _FORK.Process(
-        target=_job_main, args=(list(args), str(log), dict(env or {}), setup), daemon=True
+        target=_job_main, args=(str(config), list(args), str(log), dict(env or {}), setup), daemon=True
     )
     process.start()
     return Job(process, log)
@@ -123,7 +127,12 @@ def preload_distributed() -> None:
 
 
 def start_ranks(
-    world_size: int, args: Sequence[str], logs: Path, env: Mapping[str, str] | None = None
+    world_size: int,
+    args: Sequence[str],
+    logs: Path,
+    env: Mapping[str, str] | None = None,
+    *,
+    config: str | Path = CONFIG,
 ) -> list[Job]:
     """Fork the ranks of one job (env:// rendezvous on a free port); rank r logs to logs/rank-r.txt."""
     port = str(free_port())
@@ -138,7 +147,7 @@ def start_ranks(
             "MASTER_PORT": port,
             **(env or {}),
         }
-        jobs.append(start_job(args, logs / f"rank-{rank}.txt", rank_env))
+        jobs.append(start_job(args, logs / f"rank-{rank}.txt", rank_env, config=config))
     return jobs
 
 
@@ -153,6 +162,32 @@ def wait_for(condition: Callable[[], bool], job: Job, timeout: float = 60.0, wha
             raise AssertionError(f"timed out waiting for {what}:\n{job.output()[-3000:]}")
         time.sleep(0.005)
     return True
+
+
+def kill_after_save_and_resume(
+    run_dir: Path,
+    args: Sequence[str],
+    steps: int,
+    *,
+    save_step: int = 4,
+    config: str | Path = CONFIG,
+    killed_env: Mapping[str, str] | None = None,
+) -> Job:
+    """Run the job (`start_job`), SIGKILL it once `save-<save_step>` exists in `run_dir`, then run it
+    again to the end: it must resume. Logs go next to `run_dir` (killed.log, resumed.log); returns the
+    resumed job. `killed_env`: added to the first run only (e.g. D9D_TEST_HANG_AT_STEP to hold it
+    after the save, for a job whose steps are too quick to kill in between)."""
+    logs = run_dir.parent
+    job = start_job(args, logs / "killed.log", killed_env, config=config)
+    save = run_dir / f"save-{save_step}"
+    wait_for(save.exists, job, timeout=240, what=save.name)
+    job.kill()
+    assert job.poll() == -signal.SIGKILL, "the run ended before its checkpoint"
+    assert not (run_dir / f"save-{steps}").exists(), "killed too late to test a resume"
+    resumed = start_job(args, logs / "resumed.log", config=config)
+    assert resumed.wait(240) == 0, resumed.output()[-3000:]
+    assert "resumed" in resumed.output()
+    return resumed
 
 
 def committed_steps(run_dir: Path) -> list[int]:
@@ -172,7 +207,9 @@ def losses(run_dir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _job_main(args: list[str], log: str, env: dict[str, str], setup: Callable[[], None] | None) -> None:
+def _job_main(
+    config: str, args: list[str], log: str, env: dict[str, str], setup: Callable[[], None] | None
+) -> None:
     code = 1
     try:
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -192,7 +229,7 @@ def _job_main(args: list[str], log: str, env: dict[str, str], setup: Callable[[]
         if setup is not None:
             setup()
         try:
-            main([CONFIG, *args])
+            main([config, *args])
             code = 0
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)

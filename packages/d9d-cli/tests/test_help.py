@@ -44,6 +44,26 @@ def test_every_command_has_help_with_examples(runner, command):
     assert f"d9d {command}" in result.output or f"-m d9d.cli {command}" in result.output
 
 
+def _help_text(runner, command: str) -> str:
+    """`d9d COMMAND --help` as one line of words (click wraps at the terminal's width)."""
+    result = runner.invoke(cli, [command, "--help"])
+    assert result.exit_code == 0, result.output
+    return " ".join(result.output.split())
+
+
+def test_export_help_says_which_models_write_a_hugging_face_folder(runner):
+    text = _help_text(runner, "export")
+    assert "the Hugging Face backend write a folder transformers loads" in text
+    assert "the reference model (examples/quickstart, examples/finetune)" in text
+    assert "the model of the `d9d init` template writes its own module names, without a config.json" in text
+
+
+def test_init_help_says_its_export_has_no_config_json(runner):
+    text = _help_text(runner, "init")
+    assert "its export holds its own module names (no config.json), not a folder transformers loads" in text
+    assert "examples/quickstart (the reference model, exported in the Hugging Face layout)" in text
+
+
 def test_group_help_lists_every_command(runner):
     result = runner.invoke(cli, ["--help"])
     assert result.exit_code == 0

@@ -23,6 +23,10 @@ def _log_on_rank(config, log_dir):
     with DistributedContext.from_env(config) as ctx:
         configure_logging(ctx, stream=stream, log_dir=log_dir)
         get_logger("d9d.test").info("step done", step=3, loss=1.25, note="two words")
+        get_logger("d9d.ckpt").info("checkpoint committed", step=2, path="/runs/quickstart/save-2")
+        get_logger("d9d.trainer").warning(  # a label of 43 characters: just within the padded width
+            "resumed with a changed setting", key="trainer.determinism.seed", checkpoint=0, now=1
+        )
         logging.getLogger("some.library").warning("plain stdlib record")
         with warnings.catch_warnings():
             warnings.simplefilter("always")
@@ -49,6 +53,25 @@ def test_every_rank_tags_its_lines_and_writes_its_own_file(tmp_path):
         assert "RuntimeError: shown with its traceback" in text and "Traceback" in text
         assert rank_log_path(tmp_path, rank).read_text() == text
     assert len(widths) == 1  # columns align across ranks
+
+
+#: Where a console line's first `key=value` pair starts: after the label's padding, two spaces.
+FIRST_PAIR = re.compile(r"  (?=[a-z_]+=)")
+
+
+def test_key_value_columns_line_up_across_loggers_levels_and_ranks(tmp_path):
+    outputs = run_distributed(_log_on_rank, 2, MeshConfig(data_parallel_shard=2), str(tmp_path))
+    columns: dict[int, list[str]] = {}
+    for text in outputs:
+        for line in text.splitlines():
+            found = LINE.match(line)
+            pair = FIRST_PAIR.search(line)
+            if found and pair:  # a line with fields (the stdlib records and the warning have none)
+                columns.setdefault(pair.end(), []).append(f"{found['logger']}: {found['event']}")
+    labels = {label.split("  ")[0] for found in columns.values() for label in found}
+    assert {"d9d.test: step done", "d9d.ckpt: checkpoint committed",
+            "d9d.trainer: resumed with a changed setting"} <= labels, labels  # fmt: skip
+    assert len(columns) == 1, f"the fields start in more than one column: {columns}"
 
 
 def test_local_mode_tag_and_json_format():

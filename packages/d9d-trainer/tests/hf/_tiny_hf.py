@@ -49,12 +49,21 @@ MORE_ARCHITECTURES: dict[str, Any] = {
 }
 
 
-def save_tiny(model_type: str, folder: Path, *, seed: int = 0, max_shard_size: str | None = None) -> Path:
-    """A random tiny model of `model_type` saved by transformers into `folder` (fp32 safetensors)."""
+def save_tiny(
+    model_type: str,
+    folder: Path,
+    *,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    config: dict[str, Any] | None = None,
+) -> Path:
+    """A random tiny model of `model_type` saved by transformers into `folder` (fp32 safetensors);
+    `config`: attributes of its transformers config to set (e.g. attention_dropout)."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(
-        {**ARCHITECTURES, **MORE_ARCHITECTURES}[model_type]()
-    )
+    hf_config = {**ARCHITECTURES, **MORE_ARCHITECTURES}[model_type]()
+    for key, value in (config or {}).items():
+        setattr(hf_config, key, value)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
     model.save_pretrained(folder, **kwargs)
     return folder

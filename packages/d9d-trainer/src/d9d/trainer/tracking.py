@@ -224,7 +224,8 @@ def open_trackers(loaded: LoadedJob, run_dir: Path, *, start_step: int, writer: 
             except Exception as exc:
                 raise TrainingError(
                     f"trainer.tracking: the {backend} tracker could not start: {type(exc).__name__}: "
-                    f"{one_line_text(exc)}"
+                    f"{one_line_text(exc)}; fix its settings in trainer.tracking or remove {backend} "
+                    "from trainer.tracking.backends"
                 ) from exc
     except BaseException:
         Trackers(opened).close(failed=True)

@@ -94,13 +94,15 @@ class Trainer:
             device=tcfg.device,
         )
         self._threads = _fit_cpu_threads(self._context.device)
+        # `trainer.logging.log_dir`, (dir, logging options) until the job started (`_start_log_file`)
+        self._log_file: tuple[Path, dict[str, Any]] | None = None
+        self._step_done_here = False  # a step of `train()` done by this launch
         try:
-            logging_options = {"format": tcfg.logging.format, "level": tcfg.logging.level}
+            logging_options: dict[str, Any] = {"format": tcfg.logging.format, "level": tcfg.logging.level}
             configure_logging(self._context, **logging_options)
             self._build()
-            if tcfg.logging.log_dir is not None:  # only once the job is sound: a failed start writes nothing
-                log_dir = job.loaded.resolve_path(tcfg.logging.log_dir)
-                configure_logging(self._context, log_dir=log_dir, **logging_options)
+            if tcfg.logging.log_dir is not None:
+                self._log_file = (job.loaded.resolve_path(tcfg.logging.log_dir), logging_options)
         except BaseException:
             self.close()
             raise
@@ -356,6 +358,7 @@ class Trainer:
     def save_checkpoint(self) -> None:
         """Save model, optimizer, data position, LR schedule, RNG and config as `save-<step>`."""
         self._refuse_if_read_only("save a checkpoint")
+        self._start_log_file()
         self._checkpoints.save(self._step)
 
     def _refuse_if_read_only(self, what: str) -> None:
@@ -364,10 +367,12 @@ class Trainer:
 
     def evaluate(self) -> EvalResult:
         """The eval of the `eval:` section on the current weights, now (`train()` runs it when due)."""
+        self._start_log_file()
         return self._evaluator.run(self._step)
 
     def export(self, out_dir: str | Path | None = None) -> Path:
         """Write the model as safetensors through the model provider's export mapper."""
+        self._start_log_file()
         return self._exporter.export(out_dir)
 
     # ------------------------------------------------------------------ train
@@ -375,6 +380,29 @@ class Trainer:
     def train(self) -> TrainResult:
         """Resume if the run has a checkpoint, then train until `trainer.schedule.total_steps`."""
         self._refuse_if_read_only("train")
+        try:
+            return self._train()
+        except BaseException:
+            if not self._step_done_here:  # the job did not start: no log file (the error is on stderr)
+                self._log_file = None
+            raise
+
+    def _start_log_file(self) -> None:
+        """Begin this rank's file under `trainer.logging.log_dir`, with every line logged before it.
+
+        Once the job started, not at the end of the build: after this launch's first step (every rank
+        then passed a collective with rank 0, whose trackers had opened), or at a checkpoint, eval or
+        export outside `train()`, or at `close()` of a Trainer that never trained. A job that failed
+        before its first step (a tracker that could not start, a damaged checkpoint, an error in step
+        1) writes no log file, as it leaves no run directory.
+        """
+        if self._log_file is not None:
+            log_dir, options = self._log_file
+            self._log_file = None
+            configure_logging(self._context, log_dir=log_dir, **options)
+
+    def _train(self) -> TrainResult:
+        self._step_done_here = False
         cfg = self._job.config.trainer
         total = cfg.schedule.total_steps
         self.resume()
@@ -439,6 +467,9 @@ class Trainer:
                             lr = self._scheduler.get_last_lr()[0]  # the learning rate this step uses
                             output = self._train_step.run(microbatches, self._step + 1)
                         self._step += 1
+                        if not self._step_done_here:
+                            self._step_done_here = True
+                            self._start_log_file()
                         step_time_s = time.perf_counter() - step_start
                         evaluation = self._evaluator.after_step(self._step, total, stopping=output.stop)
                         records.add(self._step, output, lr=lr, step_time_s=step_time_s, evaluation=evaluation,
@@ -519,6 +550,8 @@ class Trainer:
         # releasers after the process group, first-acquired first: the failure board lingers for the
         # other ranks' reports, and only then is the run lock released for the next job.
         errors: list[BaseException] = []
+        with contextlib.suppress(Exception):  # a Trainer that never trained (its own loop, an export)
+            self._start_log_file()
         for release in [*reversed(self._closers), self._context.close, *self._releasers]:
             try:
                 release()

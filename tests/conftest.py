@@ -1,0 +1,30 @@
+"""Fixtures shared by the end-to-end tests of several modules."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def finetune_example(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of examples/finetune with its demo made (`make-demo`: a tiny Qwen3 folder with its
+    tokenizer and chat template, and conversations); the config's relative paths point into it.
+    Made once per session (~20 s): the fine-tune e2e and error tests share it, each with its own runs."""
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    folder = tmp_path_factory.mktemp("finetune") / "finetune"
+    shutil.copytree(
+        ROOT / "examples" / "finetune",
+        folder,
+        ignore=shutil.ignore_patterns("demo", "runs", "export", "__pycache__"),
+    )
+    for beside in ("reference_model", "data"):  # what the example finds next to it
+        (folder.parent / beside).symlink_to(ROOT / "examples" / beside)
+    subprocess.run([sys.executable, str(folder / "finetune.py"), "make-demo", "demo"], cwd=folder, check=True,
+                   capture_output=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}, timeout=300)  # fmt: skip
+    return folder
