@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports t
         BuiltinOptimizerProvider,
         CausalLMTask,
     )
+    from d9d.trainer.callbacks import Callback, RunControl
     from d9d.trainer.config import JobConfig
     from d9d.trainer.entry import main, run_command, run_job
     from d9d.trainer.errors import TrainingError
@@ -88,6 +89,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "BuiltinOptimizerProvider",
         "CausalLMTask",
     ),
+    "callbacks": ("Callback", "RunControl"),
     "config": ("JobConfig",),
     "entry": ("main", "run_command", "run_job"),
     "errors": ("TrainingError",),
@@ -155,6 +157,7 @@ __all__ = [
     "BuildDatasetResult",
     "BuiltinLRSchedulerProvider",
     "BuiltinOptimizerProvider",
+    "Callback",
     "CausalLMTask",
     "CheckSequenceLengthContext",
     "ChecksMesh",
@@ -194,6 +197,7 @@ __all__ = [
     "PreparedDataConfig",
     "PreparedDataProvider",
     "ResolvedJob",
+    "RunControl",
     "SequencePlan",
     "SupportsClose",
     "Task",

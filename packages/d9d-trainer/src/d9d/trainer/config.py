@@ -22,6 +22,7 @@ from d9d.parallel import (
 
 __all__ = [
     "ActivationCheckpointingConfig",
+    "CallbackConfig",
     "CheckpointingConfig",
     "CompileConfig",
     "DeterminismConfig",
@@ -233,6 +234,18 @@ class TimeoutsConfig(_Section):
                 raise ValueError(f"trainer.timeouts.{name} must be > 0 and finite (seconds), got {value}")
 
 
+class CallbackConfig(_Section):
+    """One `trainer.callbacks` entry with a config: `{target: file.py:MyCallback, config: {...}}`.
+
+    `target` is resolved like a provider (`package.module:Name` or `file.py:Name`, relative to the
+    config file); the class is constructed with `config`, converted into its `config_type` when it
+    declares one. A plain string entry is a target without a config.
+    """
+
+    target: str
+    config: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
 class TrainerConfig(_Section):
     """The `trainer:` section.
 
@@ -262,6 +275,9 @@ class TrainerConfig(_Section):
     compile: CompileConfig = CompileConfig()
     profiling: ProfilingConfig = ProfilingConfig()
     tracking: TrackingConfig = TrackingConfig()
+    callbacks: list[str | CallbackConfig] = msgspec.field(default_factory=list)
+    """`d9d.trainer.Callback` subclasses run at the points of the run, in order (see
+    `d9d.trainer.callbacks`): `file.py:Name` or `{target: file.py:Name, config: {...}}`."""
 
 
 class OptimizerConfig(_Section):

@@ -14,7 +14,8 @@ import torch
 
 from d9d.data import DataError
 from d9d.mesh import D9dError
-from d9d.trainer.config import JobConfig
+from d9d.trainer.callbacks import Callback
+from d9d.trainer.config import CallbackConfig, JobConfig
 from d9d.trainer.loading import (
     ConfigError,
     LoadedJob,
@@ -69,6 +70,8 @@ class ResolvedJob:
     sections: Mapping[str, Any] = field(default_factory=dict)
     """Each provider's config section as it was constructed with (role → its `config_type` instance,
     or the raw mapping without one), e.g. `sections["dataset"]`."""
+    callbacks: tuple[Callback, ...] = ()
+    """`trainer.callbacks`, constructed (each from its `config:` section), in the config's order."""
 
     @property
     def config(self) -> JobConfig:
@@ -128,6 +131,10 @@ def resolve_job(loaded: LoadedJob) -> ResolvedJob:
         )
     _check_batch(config, built["data"])
     _check_state_dtype(config, built["optimizer"], where=where)
+    callbacks = tuple(
+        _callback(entry, f"trainer.callbacks[{i}]", loaded, where)
+        for i, entry in enumerate(config.trainer.callbacks)
+    )
     return ResolvedJob(
         loaded=loaded,
         model_provider=built["model"],
@@ -138,7 +145,22 @@ def resolve_job(loaded: LoadedJob) -> ResolvedJob:
         lr_scheduler_provider=built["lr_scheduler"],
         eval_dataset_provider=built.get("eval_dataset"),
         sections=arguments,
+        callbacks=callbacks,
     )
+
+
+def _callback(entry: str | CallbackConfig, key: str, loaded: LoadedJob, where: str) -> Callback:
+    """One `trainer.callbacks` entry, imported and constructed like a provider."""
+    spec, section = (entry, {}) if isinstance(entry, str) else (entry.target, dict(entry.config))
+    cls = resolve_object(spec, loaded.base_dir, key=f"{where}: {key}")
+    if not (isinstance(cls, type) and issubclass(cls, Callback)):
+        raise ConfigError(
+            f"{where}: {key} names {spec!r}, which is not a d9d.trainer.Callback subclass; "
+            "subclass d9d.trainer.Callback and override its on_* events"
+        )
+    instance, _ = _construct(cls, section, loaded, where=where, role=key, section_key=f"{key}.config",
+                             methods=(), spec=spec)  # fmt: skip
+    return instance
 
 
 def _construct(
@@ -153,8 +175,9 @@ def _construct(
     spec: str,
 ) -> tuple[Any, Any]:
     """The provider instance and the argument it was constructed with (its converted section)."""
+    label = f"providers.{role}" if not role.startswith("trainer.") else role
     if not callable(cls):
-        raise ConfigError(f"{where}: providers.{role} names {cls!r}, which is not a class")
+        raise ConfigError(f"{where}: {label} names {cls!r}, which is not a class")
     config_type = getattr(cls, "config_type", None)
     prefix = section_key or role
     if config_type is not None:
@@ -165,7 +188,7 @@ def _construct(
             raise
         except Exception as exc:  # not a type msgspec can convert into, or its own check crashed
             raise ConfigError(
-                f"{where}: providers.{role} ({spec}): its config_type {config_type!r} cannot hold the "
+                f"{where}: {label} ({spec}): its config_type {config_type!r} cannot hold the "
                 f"{prefix}: section ({type(exc).__name__}: {one_line_text(exc)}); make config_type a "
                 "msgspec.Struct (or a dataclass) whose fields are the section's keys"
             ) from None
@@ -177,18 +200,16 @@ def _construct(
         instance = cls(argument)
     except Exception as exc:  # the provider's own code: any exception is one line naming it
         raise ConfigError(
-            f"{where}: constructing providers.{role} ({spec}) failed: {type(exc).__name__}: "
+            f"{where}: constructing {label} ({spec}) failed: {type(exc).__name__}: "
             f"{one_line_text(exc)}; fix the provider or its {prefix}: section"
         ) from exc
     missing = [m for m in methods if not callable(getattr(instance, m, None))]
     if missing:
-        raise ConfigError(
-            f"{where}: providers.{role} ({cls.__name__}) lacks {', '.join(missing)}; implement it"
-        )
+        raise ConfigError(f"{where}: {label} ({cls.__name__}) lacks {', '.join(missing)}; implement it")
     for ability in _ABILITIES.get(role, ()):
         for name in undeclared_methods(instance, ability):
             raise ConfigError(
-                f"{where}: providers.{role} ({cls.__name__}) has an attribute {name} that is not a method, "
+                f"{where}: {label} ({cls.__name__}) has an attribute {name} that is not a method, "
                 f"but d9d reads {name}() as the {ability.__name__} ability (d9d.trainer.{ability.__name__}); "
                 f"rename the attribute or make it that method"
             )

@@ -7,6 +7,7 @@ path and the fix.
 """
 
 import copy
+import dataclasses
 import importlib
 import importlib.util
 import logging
@@ -15,7 +16,7 @@ import os
 import re
 import sys
 import types
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, NewType, Union, get_args, get_origin, get_type_hints
@@ -266,7 +267,16 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
 
 
 def convert_section(raw: Any, schema: type, *, where: str, prefix: str) -> Any:
-    """Convert a raw (YAML) value into `schema`, turning msgspec's errors into one ConfigError line."""
+    """Convert a raw (YAML) value into `schema`, turning msgspec's errors into one ConfigError line.
+
+    A dataclass `schema` refuses unknown keys too (msgspec drops them; a Struct with
+    `forbid_unknown_fields` refuses them at any depth)."""
+    if dataclasses.is_dataclass(schema) and isinstance(raw, Mapping):
+        names = [f.name for f in dataclasses.fields(schema)]
+        unknown = [key for key in raw if key not in names]
+        if unknown:
+            hint = f"; valid keys here: {', '.join(names)}" if names else "; it takes no keys"
+            raise ConfigError(f"{where}: unknown key {_join(prefix, str(unknown[0]))}{hint}")
     try:
         return msgspec.convert(raw, schema, strict=False)
     except msgspec.ValidationError as exc:

@@ -21,7 +21,7 @@ import contextlib
 import json
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,6 +71,8 @@ class StepRecords:
         device: the device whose peak memory is reported.
         progress: a progress line to update each step (None: none).
         trackers: experiment trackers that get every record too (`d9d.trainer.tracking`; rank 0's).
+        on_records: called with the records once they are written (on every rank: the callbacks'
+            `on_step`).
     """
 
     def __init__(
@@ -87,6 +89,7 @@ class StepRecords:
         device: torch.device,
         progress: ProgressLine | None = None,
         trackers: Trackers | None = None,
+        on_records: Callable[[list[dict[str, Any]]], None] | None = None,
     ) -> None:
         self._path = path
         self._writer = writer
@@ -99,6 +102,7 @@ class StepRecords:
         self._device = device
         self._progress = progress
         self._trackers = trackers
+        self._on_records = on_records
         self._pending: list[_Pending] = []
         self._last_log = time.perf_counter()
         self._last_loss: float | None = None
@@ -175,18 +179,19 @@ class StepRecords:
         self.losses += [r["loss"] for r in records]
         self.tokens += sum(r["tokens"] for r in records)
         self._last_loss, self._last_loss_step = records[-1]["loss"], records[-1]["step"]
-        if not self._writer:
-            return
-        self._path.parent.mkdir(parents=True, exist_ok=True)
-        with self._path.open("a", encoding="utf-8") as fh:
-            fh.write("".join(json.dumps(r) + "\n" for r in records))
-        if self._trackers is not None:
-            self._trackers.log(records)
-        if log:
-            self._log_line(records)
-        for p in pending:
-            if p.evaluation is not None:
-                _log_eval(p.evaluation)
+        if self._writer:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            with self._path.open("a", encoding="utf-8") as fh:
+                fh.write("".join(json.dumps(r) + "\n" for r in records))
+            if self._trackers is not None:
+                self._trackers.log(records)
+            if log:
+                self._log_line(records)
+            for p in pending:
+                if p.evaluation is not None:
+                    _log_eval(p.evaluation)
+        if self._on_records is not None:  # after the file: a callback that raises loses no record
+            self._on_records(records)
 
     def close(self, *, failed: bool = False) -> None:
         """Flush what is left, end the progress line and close the trackers.

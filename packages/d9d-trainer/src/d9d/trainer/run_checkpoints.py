@@ -8,7 +8,7 @@ import msgspec
 import torch
 from torch import nn
 
-from d9d.ckpt import CheckpointManager, capture_rng_state, restore_rng_state
+from d9d.ckpt import CheckpointInfo, CheckpointManager, capture_rng_state, restore_rng_state
 from d9d.mesh import get_logger
 from d9d.trainer.config import OptimizerConfig, ProvidersConfig
 from d9d.trainer.errors import TrainingError
@@ -105,8 +105,9 @@ class RunCheckpoints:
             _log.warning("resumed with a changed setting", key=key, checkpoint=before, now=now)
         return resumed
 
-    def save(self, step: int) -> None:
-        """Save model, optimizer, data position, LR schedule, RNG and config as `save-<step>`."""
+    def save(self, step: int) -> CheckpointInfo | None:
+        """Save model, optimizer, data position, LR schedule, RNG and config as `save-<step>`; the
+        committed checkpoint (None with async_save: the manager's `poll()`/`wait()` returns it)."""
         lora = self._job.config.peft.lora is not None
         extra = {
             "step": step,
@@ -117,7 +118,7 @@ class RunCheckpoints:
             **({"lora_base": self._starting.base_reference()} if lora else {}),
         }
         # A LoRA run's checkpoint holds the adapters (and their optimizer state), not the frozen base.
-        self.manager.save(
+        info = self.manager.save(
             step,
             self._model,
             self._optimizer,
@@ -127,6 +128,7 @@ class RunCheckpoints:
         )
         # d9d.ckpt logs "checkpoint committed" (rank 0, with its path) once the save is durable
         _log.debug("checkpoint saved", step=step, run_dir=str(self.manager.run_dir))
+        return info
 
 
 def _reapply_schedule(

@@ -17,6 +17,7 @@ class TrainResult:
     final_step: int
     losses: list[float]
     stopped_by: str | None = None
-    """The signal that stopped the run early (e.g. "SIGTERM"), after saving; None when it finished."""
+    """What stopped the run early, after saving: a signal ("SIGTERM"), a callback's `request_stop`
+    reason, or (on the other ranks) "a signal or a callback on another rank"; None when it finished."""
     data_ended: bool = False
     """The data ran out (a mixture with `exhausted: stop`) before `total_steps`: the run ended, saved."""

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from d9d.ckpt import CheckpointManager
+from d9d.ckpt import CheckpointInfo, CheckpointManager
 from d9d.data import DeclaresStepsLeft
 from d9d.mesh import DistributedContext, configure_logging, get_logger
 from d9d.parallel import (
@@ -31,6 +31,7 @@ from d9d.parallel import (
 )
 from d9d.trainer._fault_injection import FaultInjection
 from d9d.trainer.build import materialize_model, shape_model
+from d9d.trainer.callbacks import Callback, Callbacks, RunControl
 from d9d.trainer.errors import TrainingError, is_out_of_memory, step_out_of_memory
 from d9d.trainer.evaluation import EvalResult, EvalSet, Evaluator, load_eval_set
 from d9d.trainer.export import Exporter
@@ -77,9 +78,12 @@ class Trainer:
         trainer.export()
     """
 
-    def __init__(self, job: ResolvedJob, *, read_only: bool = False) -> None:
+    def __init__(
+        self, job: ResolvedJob, *, read_only: bool = False, callbacks: Sequence[Callback] = ()
+    ) -> None:
         """`read_only`: for resume-and-export while another job may train the run (`d9d export`): no run
-        lock, no clean-up in the run directory; `train()` and `save_checkpoint()` refuse."""
+        lock, no clean-up in the run directory; `train()` and `save_checkpoint()` refuse.
+        `callbacks`: run after the config's `trainer.callbacks` (see `d9d.trainer.Callback`)."""
         self._job = job
         self._read_only = read_only
         # What close() releases, registered as the build acquires it (a failed build releases what it
@@ -94,6 +98,9 @@ class Trainer:
             device=tcfg.device,
         )
         self._threads = _fit_cpu_threads(self._context.device)
+        self._callbacks = Callbacks(
+            [*job.callbacks, *callbacks], is_main_process=self._context.is_main_process
+        )
         # `trainer.logging.log_dir`, (dir, logging options) until the job started (`_start_log_file`)
         self._log_file: tuple[Path, dict[str, Any]] | None = None
         self._step_done_here = False  # a step of `train()` done by this launch
@@ -114,10 +121,11 @@ class Trainer:
         overrides: Sequence[str] = (),
         *,
         read_only: bool = False,
+        callbacks: Sequence[Callback] = (),
     ) -> "Trainer":
         """Load, validate and resolve a job config (raising `ConfigError` before anything starts), then build."""
         loaded = source if isinstance(source, LoadedJob) else load_job_config(source, overrides)
-        return cls(resolve_job(loaded), read_only=read_only)
+        return cls(resolve_job(loaded), read_only=read_only, callbacks=callbacks)
 
     # ------------------------------------------------------------------ build
 
@@ -209,7 +217,8 @@ class Trainer:
             on_nonfinite=tcfg.on_nonfinite,
             dp_group=None if ctx.is_local else token_group(ctx),
             pp_group=ctx.mesh("dense")["pp"] if pipeline is not None else None,
-            stop_requested=lambda: self._stops.requested,
+            stop_requested=self._stop_requested,
+            save_requested=self._save_requested,
             context_parallel=context_parallel_of(model) or ContextParallel(),
             timer=self._timer,
         )
@@ -230,6 +239,16 @@ class Trainer:
             )
         else:
             self._train_step = MicrobatchStep(model, job.task, self._optimizer, self._scheduler, settings)
+
+    def _stop_requested(self) -> bool:
+        """A signal or a callback of this rank asks the run to stop (read once a step)."""
+        control = self._callbacks.control
+        return self._stops.requested or (control is not None and control.stop_requested)
+
+    def _save_requested(self) -> bool:
+        """A callback of this rank asked for a checkpoint since the last step."""
+        control = self._callbacks.control
+        return control is not None and control.take_save_request()
 
     def _guard_run(self, checkpoints: CheckpointManager) -> None:
         """Fault handling: one job per run directory, one report per failure, no silent hang."""
@@ -407,16 +426,20 @@ class Trainer:
         total = cfg.schedule.total_steps
         self.resume()
         start = self._step
+        control = RunControl(run_dir=self.run_dir, rank=self._context.rank, plan=self._plan, model=self._model,
+                             is_main_process=self._context.is_main_process)  # fmt: skip
+        control.step = start
         if start >= total:
             _log.info("run is already complete", step=start, total_steps=total)
-            return TrainResult(start_step=start, final_step=start, losses=[])
+            return self._ended(control, TrainResult(start_step=start, final_step=start, losses=[]))
         # Data that runs out (a mixture with exhausted: stop) ends the run after its last step.
         left = self._data.steps_left if isinstance(self._data, DeclaresStepsLeft) else None
         end = total if left is None else min(total, start + left)
         if end == start:
             _log.warning("the data is used up: no step left to train (dataset exhausted: stop)", step=start,
                          total_steps=total)  # fmt: skip
-            return TrainResult(start_step=start, final_step=start, losses=[], data_ended=True)
+            result = TrainResult(start_step=start, final_step=start, losses=[], data_ended=True)
+            return self._ended(control, result)
         self._context.use_step_timeout()
         ctx = self._context
         metrics_path = self.run_dir / METRICS_FILE
@@ -438,6 +461,7 @@ class Trainer:
             device=ctx.device,
             progress=ProgressLine(total, start) if ctx.is_main_process and cfg.logging.progress_bar else None,
             trackers=trackers,
+            on_records=self._callbacks.steps if self._callbacks else None,
         )
         data_iter = iter(self._data)
         source_tokens = getattr(self._data, "source_tokens", lambda: None)  # a mixture's, per source
@@ -452,6 +476,7 @@ class Trainer:
                         self._job.loaded, self.run_dir, start_step=start, writer=ctx.is_main_process
                     )
                 )
+                self._callbacks.start(control)
                 while self._step < end:
                     step_start = time.perf_counter()
                     # a profiled step's trace holds the timer's d9d.* ranges, its checkpoint's too
@@ -474,20 +499,30 @@ class Trainer:
                         evaluation = self._evaluator.after_step(self._step, total, stopping=output.stop)
                         records.add(self._step, output, lr=lr, step_time_s=step_time_s, evaluation=evaluation,
                                     phases=self._timer.take(), source_tokens=source_tokens())  # fmt: skip
+                        control.step = self._step
+                        if evaluation is not None and self._callbacks:
+                            self._callbacks.evaluated(evaluation)
                         periodic = bool(period) and self._step % period == 0
                         if (
                             self._step == end
                             or periodic
+                            or output.save
                             or (output.stop and cfg.checkpointing.save_on_signal)
                         ):
                             records.flush()  # a committed checkpoint never has fewer records than steps
                             self._timer.begin("checkpoint")  # its stall goes on the next step's record
-                            self.save_checkpoint()
+                            self._committed(self._checkpoints.save(self._step))
                             self._timer.mark("checkpoint")
+                        else:
+                            self._committed(self._checkpoints.manager.poll())  # an async save's commit
                     if output.stop and self._step < end:
-                        stopped_by = self._stops.signal_name or "a signal on another rank"
+                        stopped_by = (
+                            self._stops.signal_name
+                            or control.stop_reason
+                            or "a signal or a callback on another rank"
+                        )
                         break
-                self._checkpoints.manager.wait()
+                self._committed(self._checkpoints.manager.wait())
             except Exception as caught:
                 exc: Exception = caught
                 if is_out_of_memory(caught):
@@ -498,15 +533,17 @@ class Trainer:
                 if self._watchdog is not None:
                     self._watchdog.hold_if_exiting()
                 records.close(failed=True)  # keep what was trained before the failure; trackers end
+                self._callbacks.failed(exc)
                 stop = self._failures.stopping(exc, self._step + 1)
                 if stop is caught:
                     raise
                 if stop is exc:
                     raise exc from None
                 raise stop from exc
-            except BaseException:  # Ctrl-C, SystemExit: still end the trackers' runs (W&B's service)
+            except BaseException as interrupted:  # Ctrl-C, SystemExit: still end the trackers' runs
                 with contextlib.suppress(Exception):
                     records.close(failed=True)
+                self._callbacks.failed(interrupted)
                 raise
         records.close()
         unrecorded = read_phases([self._timer.take()])[0]  # the stall of the last checkpoint
@@ -533,10 +570,22 @@ class Trainer:
                 f"the data is used up after step {end} of {total} (dataset exhausted: stop): the run ends here, "
                 "with its checkpoint", step=end, total_steps=total,
             )  # fmt: skip
-        return TrainResult(
+        return self._ended(control, TrainResult(
             start_step=start, final_step=self._step, losses=records.losses, stopped_by=stopped_by,
             data_ended=data_ended,
-        )  # fmt: skip
+        ))  # fmt: skip
+
+    def _committed(self, info: CheckpointInfo | None) -> None:
+        """Tell the callbacks of a committed checkpoint (None: none committed now)."""
+        if info is not None and self._callbacks:
+            self._callbacks.committed(info.step, info.path)
+
+    def _ended(self, control: RunControl, result: TrainResult) -> TrainResult:
+        if self._callbacks:
+            if self._callbacks.control is None:  # a run with nothing to train: built, then done
+                self._callbacks.start(control)
+            self._callbacks.ended(result)
+        return result
 
     def _watching(self, step: int) -> contextlib.AbstractContextManager[None]:
         return self._watchdog.step(step) if self._watchdog is not None else contextlib.nullcontext()

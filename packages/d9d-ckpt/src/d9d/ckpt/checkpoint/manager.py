@@ -344,6 +344,18 @@ class CheckpointManager:
         finally:
             self._retention.join()
 
+    def poll(self) -> CheckpointInfo | None:
+        """The pending asynchronous save's checkpoint once it is committed, without blocking: None while
+        it writes or when none is pending; each commit is returned once (as `wait()` would).
+
+        Raises:
+            CheckpointError: when the pending save failed (nothing was committed).
+        """
+        pending = self._pending
+        if pending is None or not pending.done():
+            return None
+        return self.wait()
+
     def _finish_async(
         self,
         step: int,

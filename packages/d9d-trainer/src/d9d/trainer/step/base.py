@@ -40,7 +40,8 @@ class StepOutput:
         grad_norm: the global gradient norm before clipping, the same on every rank.
         weight: the global batch's weight (e.g. labelled tokens), float64.
         applied: False when the step was skipped (non-finite loss or norm, `on_nonfinite: skip`).
-        stop: some rank was asked to stop (a signal): every rank stops after this step.
+        stop: some rank was asked to stop (a signal, a callback): every rank stops after this step.
+        save: some rank's callback asked for a checkpoint: every rank saves after this step.
         expert_load: for a model with MoE layers, [min / mean, max / mean, std / mean] of the
             step's tokens per expert, worst layer each (`d9d.parallel.expert_load_summary`); None
             without MoE.
@@ -52,6 +53,7 @@ class StepOutput:
     applied: bool
     stop: bool = False
     expert_load: torch.Tensor | None = None
+    save: bool = False
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,9 @@ class StepSettings:
     """The ranks whose tokens make up the global batch: data parallel × context parallel."""
     pp_group: Any = None
     stop_requested: Callable[[], bool] | None = None
+    """Whether this rank asks the run to stop (read once a step, agreed over all ranks in its sync)."""
+    save_requested: Callable[[], bool] | None = None
+    """Whether this rank asks for a checkpoint after the step (read and agreed like `stop_requested`)."""
     context_parallel: ContextParallel = field(default_factory=ContextParallel)
     """The cp group: each microbatch's sequences are split over it before the forward (disabled: none)."""
     timer: StepTimer | None = None
@@ -182,11 +187,11 @@ class StepBase:
             norm = clip_grad_norm_(params, settings.max_norm, pp_group=settings.pp_group)
         else:
             norm = grad_norm(params, pp_group=settings.pp_group)
-        finite, stop = self._read_flags(torch.isfinite(loss) & torch.isfinite(norm))
+        finite, stop, save = self._read_flags(torch.isfinite(loss) & torch.isfinite(norm))
         if finite:
             self.optimizer.step()
             self.scheduler.step()
-            return StepOutput(loss=loss, grad_norm=norm, weight=weight, applied=True, stop=stop)
+            return StepOutput(loss=loss, grad_norm=norm, weight=weight, applied=True, stop=stop, save=save)
         if float(weight) <= 0:
             raise TrainingError(f"step {step} has no labelled tokens in the whole global batch")
         if settings.on_nonfinite == "stop":
@@ -198,15 +203,18 @@ class StepBase:
         _log.warning("skipping step with a non-finite loss or grad norm", step=step, loss=float(loss))
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return StepOutput(loss=loss, grad_norm=norm, weight=weight, applied=False, stop=stop)
+        return StepOutput(loss=loss, grad_norm=norm, weight=weight, applied=False, stop=stop, save=save)
 
-    def _read_flags(self, finite: torch.Tensor) -> tuple[bool, bool]:
-        """(finite, stop) in one host sync; with several ranks the stop is agreed (MAX over all ranks)."""
-        source = self.settings.stop_requested
-        if source is None:
-            return bool(finite), False
-        stop = torch.tensor([1.0 if source() else 0.0], device=self.settings.device)
+    def _read_flags(self, finite: torch.Tensor) -> tuple[bool, bool, bool]:
+        """(finite, stop, save) in one host sync; with several ranks the requests are agreed (MAX over
+        all ranks, one all-reduce of both)."""
+        stop_source, save_source = self.settings.stop_requested, self.settings.save_requested
+        if stop_source is None and save_source is None:
+            return bool(finite), False, False
+        asked = [stop_source is not None and stop_source(), save_source is not None and save_source()]
+        requests = torch.tensor([1.0 if flag else 0.0 for flag in asked], device=self.settings.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-        packed = int((finite.reshape(1).to(stop.dtype) + 2 * stop).item())  # both flags, one read
-        return bool(packed & 1), bool(packed & 2)
+            dist.all_reduce(requests, op=dist.ReduceOp.MAX)
+        flags = finite.reshape(1).to(requests.dtype) + 2 * requests[0] + 4 * requests[1]
+        packed = int(flags.item())  # every flag, one read
+        return bool(packed & 1), bool(packed & 2), bool(packed & 4)
