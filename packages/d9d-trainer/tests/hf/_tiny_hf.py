@@ -33,6 +33,25 @@ _COMMON = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
+#: DeepSeek-V3 in small: multi-head latent attention (low-rank q and kv), one dense layer, then an MoE
+#: layer of 4 routed experts (top 2, biased grouped routing) and a shared one; its folder holds one
+#: weight per expert, as transformers saves it.
+_DEEPSEEK_V3 = {
+    **_COMMON,
+    "num_key_value_heads": 4,
+    "moe_intermediate_size": 16,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 16,
+    "qk_rope_head_dim": 4,
+    "qk_nope_head_dim": 4,
+    "v_head_dim": 8,
+}
 #: model_type → its transformers config: one of each family the tests cover (tied: gemma2, gemma3_text).
 ARCHITECTURES: dict[str, Any] = {
     "llama": lambda: transformers.LlamaConfig(**_COMMON),
@@ -41,11 +60,14 @@ ARCHITECTURES: dict[str, Any] = {
     "gemma3_text": lambda: transformers.Gemma3TextConfig(**_COMMON, head_dim=8),
     "phi3": lambda: transformers.Phi3Config(**_COMMON),
     "olmo2": lambda: transformers.Olmo2Config(**_COMMON),
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(**_DEEPSEEK_V3),
 }
-#: Families the tensor-parallel tests add (per-head q/k norms without Gemma's scaling; sliding-window code).
+#: Families other tests add: the tensor-parallel ones (per-head q/k norms without Gemma's scaling;
+#: sliding-window code) and an MoE folder whose experts transformers saves under another module name.
 MORE_ARCHITECTURES: dict[str, Any] = {
     "qwen3": lambda: transformers.Qwen3Config(**_COMMON),
     "mistral": lambda: transformers.MistralConfig(**_COMMON),
+    "mixtral": lambda: transformers.MixtralConfig(**_COMMON, num_local_experts=4),
 }
 
 

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _tiny_hf import ARCHITECTURES, VOCAB, hf_job, load_hf, save_tiny
+from _tiny_hf import ARCHITECTURES, MORE_ARCHITECTURES, VOCAB, hf_job, load_hf, save_tiny
 
 from d9d.mesh import DistributedContext, MeshConfig
 from d9d.trainer import InitializeModelStageContext, TrainingError, load_job_config, resolve_job
@@ -189,3 +189,28 @@ def test_checkpointing_and_compile_act_on_each_decoder_layer_and_keep_the_names(
     assert all(layer._d9d_activation_checkpointed for layer in layers)
     assert compiled == [(layers, context.compile)]
     assert list(model.state_dict()) == names
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "mixtral"])
+def test_moe_folders_build_from_either_expert_layout_and_tp_refuses_what_it_cannot_split(
+    tmp_path, model_type
+):
+    import transformers
+
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config({**ARCHITECTURES, **MORE_ARCHITECTURES}[model_type]())
+    hf.save_pretrained(tmp_path / "per-expert")  # transformers' default: one weight per expert
+    hf.save_pretrained(tmp_path / "fused", save_original_format=False)  # the tensors as held in memory
+    per_expert = set(load_file(tmp_path / "per-expert" / "model.safetensors"))
+    assert any(".experts.0." in k for k in per_expert) and not any("gate_up_proj" in k for k in per_expert)
+    for layout in ("per-expert", "fused"):
+        model = _build(tmp_path / layout)
+        assert list(model.state_dict()) == list(hf.state_dict()), layout
+    provider = HFCausalLMProvider(HFCausalLMConfig(folder=str(tmp_path / "per-expert")))
+    with pytest.raises(HFModelError) as refused:
+        provider.check_mesh(MeshConfig(tensor_parallel=2))
+    (line,) = str(refused.value).splitlines()
+    assert (
+        line.startswith("mesh.tensor_parallel=2: the Hugging Face backend")
+        and "; set mesh.tensor_parallel: 1" in line
+    )

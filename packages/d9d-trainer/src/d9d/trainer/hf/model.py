@@ -227,7 +227,11 @@ def _flops_terms(model: PreTrainedModel) -> tuple[float, float]:
     embedding = model.get_input_embeddings()
     head = model.get_output_embeddings()
     top_k = getattr(config, "num_experts_per_tok", None)
-    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    experts = (
+        getattr(config, "num_local_experts", None)
+        or getattr(config, "num_experts", None)
+        or getattr(config, "n_routed_experts", None)
+    )
     expert_share = top_k / experts if isinstance(top_k, int) and isinstance(experts, int) and experts else 1.0
     matmul = 0.0
     for name, param in model.named_parameters():

@@ -27,6 +27,7 @@ from d9d.parallel import apply_activation_checkpointing, apply_lora, compile_blo
 from d9d.trainer.errors import first_line
 from d9d.trainer.hf.config import HFCausalLMConfig
 from d9d.trainer.hf.context_parallel import apply_context_parallel, context_parallel_problem
+from d9d.trainer.hf.conversion import SavedFormat
 from d9d.trainer.hf.errors import HFModelError
 from d9d.trainer.hf.folder import (
     CONFIG_FILE,
@@ -127,6 +128,7 @@ class HFCausalLMProvider:
     def __init__(self, config: HFCausalLMConfig) -> None:
         self.config = config
         self._folder: HFFolder | None = None
+        self._saved: SavedFormat | None = None  # the folder's checkpoint layout, when not the model's own
 
     def check_mesh(self, mesh: MeshConfig) -> None:
         """Refuse pipeline and expert parallelism, and tensor or context parallelism of a model the
@@ -165,7 +167,7 @@ class HFCausalLMProvider:
                 f"from it ({type(exc).__name__}: {first_line(exc)}); fix config.json"
             ) from None
         model = HFCausalLM(hf_model, fp32_logits=self.config.fp32_logits)
-        check_folder_weights(model, folder.path)
+        self._saved = check_folder_weights(model, folder.path)
         self._folder = folder
         return InitializeModelStageResult(model=model)
 
@@ -203,19 +205,20 @@ class HFCausalLMProvider:
     ) -> PrepareImportModelStageResult:
         """The folder, read into the model under Hugging Face's names (tied tensors read once)."""
         folder = self._built_folder()
-        mapper = import_mapper(unwrap(context.model).layout, safetensors_shapes(folder.path))
+        mapper = import_mapper(unwrap(context.model).layout, safetensors_shapes(folder.path), self._saved)
         return PrepareImportModelStageResult(folder=folder.path, mapper=mapper)
 
     def prepare_export_model_stage(
         self, context: PrepareExportModelStageContext
     ) -> PrepareExportModelStageResult:
         """A folder `AutoModelForCausalLM.from_pretrained` loads: safetensors under Hugging Face's
-        names, config.json (float32), and the folder's generation_config.json when it has one."""
+        names (in the folder's layout: one weight per MoE expert if it had that), config.json (float32),
+        and the folder's generation_config.json when it has one."""
         folder = self._built_folder()
         model = unwrap(context.model)
         config_json = exported_config(model.config, type(model.hf_model).__name__)
         return PrepareExportModelStageResult(
-            mapper=export_mapper(model.layout),
+            mapper=export_mapper(model.layout, self._saved),
             extra_files={CONFIG_FILE: config_json, **folder.copied_files()},
         )
 

@@ -5,9 +5,11 @@ The model's names are Hugging Face's, so both mappers are identity but for what 
 does on save and load: a tied tensor (`tie_word_embeddings`) is stored once under its first name and
 read into all of them, and on load the folder keys transformers ignores are dropped (a stored copy
 of a tied tensor, non-persistent buffers an old export saved, the class's own ignore patterns).
+A folder in transformers' checkpoint layout (one weight per MoE expert, `hf.conversion`) is read
+through that layout's mapper and exported back in it.
 """
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from d9d.ckpt import (
@@ -22,6 +24,7 @@ from d9d.ckpt import (
     check_safetensors,
     safetensors_shapes,
 )
+from d9d.trainer.hf.conversion import SavedFormat, saved_format
 from d9d.trainer.hf.errors import HFModelError
 from d9d.trainer.hf.folder import CONFIG_FILE
 from d9d.trainer.hf.model import HFCausalLM, HFStateLayout
@@ -32,31 +35,45 @@ __all__ = ["check_folder_weights", "export_mapper", "import_mapper"]
 _SHOWN = 4
 
 
-def export_mapper(layout: HFStateLayout) -> StateMapper:
-    """The model's state-dict keys → a Hugging Face folder's: identity, each tied tensor stored once."""
+def export_mapper(layout: HFStateLayout, saved: SavedFormat | None = None) -> StateMapper:
+    """The model's state-dict keys → a Hugging Face folder's: identity (or the folder's `saved`
+    format, e.g. one weight per MoE expert), each tied tensor stored once."""
     groups = _tie_groups(layout)
     parts: list[StateMapper] = [Deduplicate(keys, stored) for stored, keys in groups.items()]
-    parts.extend(Identity(key) for key in layout.stored_keys if key not in groups)
+    if saved is not None:
+        parts.append(saved.mapper)
+    else:
+        parts.extend(Identity(key) for key in layout.stored_keys if key not in groups)
     return Parallel(parts)
 
 
-def import_mapper(layout: HFStateLayout, source_keys: Iterable[str]) -> StateMapper:
-    """A Hugging Face folder's keys (`source_keys`) → the model's: identity, each tied tensor read once
-    into all its names, and the folder keys transformers ignores on load dropped unread."""
+def import_mapper(
+    layout: HFStateLayout, source_keys: Iterable[str], saved: SavedFormat | None = None
+) -> StateMapper:
+    """A Hugging Face folder's keys (`source_keys`) → the model's: identity (or the inverse of the
+    folder's `saved` format), each tied tensor read once into all its names, and the folder keys
+    transformers ignores on load dropped unread."""
     groups = _tie_groups(layout)
     parts: list[StateMapper] = [Duplicate(stored, keys) for stored, keys in groups.items()]
-    parts.extend(Identity(key) for key in layout.stored_keys if key not in groups)
-    read = set(layout.stored_keys)
+    if saved is not None:
+        parts.append(saved.mapper.inverse())
+    else:
+        parts.extend(Identity(key) for key in layout.stored_keys if key not in groups)
+    read = _folder_keys(layout, saved)
     ignored = sorted(k for k in source_keys if k not in read and (k in layout.tied or layout.is_ignorable(k)))
     if ignored:
         parts.append(Drop(ignored))
     return Parallel(parts)
 
 
-def check_folder_weights(model: HFCausalLM, folder: Path) -> None:
+def check_folder_weights(model: HFCausalLM, folder: Path) -> SavedFormat | None:
     """Refuse a folder whose weights do not fit the model its config.json builds, reading no tensor.
 
     `model` may be on the meta device. The same checks run again when the trainer loads the folder.
+
+    Returns:
+        The folder's saved format when it holds transformers' checkpoint layout rather than the
+        model's own tensors (per-expert MoE weights), else None (the names are the model's).
 
     Raises:
         HFModelError: naming the folder (or file) and key, when a tensor is missing, extra or of
@@ -69,13 +86,17 @@ def check_folder_weights(model: HFCausalLM, folder: Path) -> None:
         shapes = safetensors_shapes(folder)
     except SafetensorsIOError as exc:
         raise HFModelError(f"model.folder: {exc}") from None
-    extra = sorted(k for k in shapes if k not in set(layout.keys) and not layout.is_ignorable(k))
+    saved = _folder_format(model, shapes)
+    expected = _folder_keys(layout, saved)
+    extra = sorted(
+        k for k in shapes if k not in expected and k not in layout.tied and not layout.is_ignorable(k)
+    )
     if extra:
         raise HFModelError(
             f"model.folder: {folder} holds {len(extra)} tensors that {described} does not have "
             f"({_listed(extra)}); the weights are of another model: use the config.json they were saved with"
         )
-    missing = sorted(k for k in layout.stored_keys if k not in shapes)
+    missing = sorted(k for k in expected if k not in shapes)
     if missing:
         raise HFModelError(
             f"model.folder: {folder} lacks {len(missing)} tensors of {described} ({_listed(missing)}); "
@@ -83,7 +104,7 @@ def check_folder_weights(model: HFCausalLM, folder: Path) -> None:
             "config.json they were saved with"
         )
     try:
-        check_safetensors(model, folder, mapper=import_mapper(layout, shapes))
+        check_safetensors(model, folder, mapper=import_mapper(layout, shapes, saved))
     except SafetensorsIOError as exc:  # the layout passed above: a tensor of another shape
         raise HFModelError(
             f"model.folder: {folder / CONFIG_FILE} does not describe the weights beside it ({exc}); use "
@@ -91,6 +112,32 @@ def check_folder_weights(model: HFCausalLM, folder: Path) -> None:
         ) from None
     except MappingError as exc:
         raise HFModelError(f"model.folder: {exc}") from None
+    return saved
+
+
+def _folder_format(model: HFCausalLM, shapes: Mapping[str, tuple[int, ...]]) -> SavedFormat | None:
+    """transformers' saved format of the model when the folder is closer to it than to the model's own
+    keys (fewer tensors missing), else None."""
+    layout = model.layout
+    own_missing = sum(k not in shapes for k in layout.stored_keys)
+    if not own_missing:
+        return None
+    tied = set(_tie_groups(layout)) | set(layout.tied)
+    state = model.hf_model.state_dict()
+    saved = saved_format(
+        model.hf_model, {k: tuple(state[k].shape) for k in layout.stored_keys if k not in tied}
+    )
+    if not saved.converted:
+        return None
+    saved_missing = sum(k not in shapes for k in _folder_keys(layout, saved))
+    return saved if saved_missing < own_missing else None
+
+
+def _folder_keys(layout: HFStateLayout, saved: SavedFormat | None) -> set[str]:
+    """The keys a folder of `layout` holds, in the model's own names or in the `saved` format."""
+    if saved is None:
+        return set(layout.stored_keys)
+    return set(saved.keys) | set(_tie_groups(layout))
 
 
 def _tie_groups(layout: HFStateLayout) -> dict[str, list[str]]:
