@@ -49,7 +49,8 @@ def test_what_context_parallelism_cannot_split_is_one_line_naming_the_key_and_th
         provider.check_mesh(MeshConfig(context_parallel=2))
     (line,) = str(refused.value).splitlines()
     assert line.startswith("mesh.context_parallel=2: the Hugging Face backend")
-    assert "model_type 'gemma2' is not verified" in line and line.endswith("set mesh.context_parallel: 1")
+    assert "sliding window" in line and "soft-caps the logits (attn_logit_softcapping=" in line
+    assert line.endswith("set mesh.context_parallel: 1")
     import transformers
 
     from d9d.trainer.hf.context_parallel import context_parallel_problem
@@ -57,6 +58,8 @@ def test_what_context_parallelism_cannot_split_is_one_line_naming_the_key_and_th
     windowed = transformers.Qwen2Config(use_sliding_window=True, sliding_window=8)
     problem = context_parallel_problem(transformers.Qwen2ForCausalLM, windowed)
     assert problem is not None and "sliding window" in problem
+    plain = context_parallel_problem(transformers.Olmo2ForCausalLM, transformers.Olmo2Config())
+    assert plain is not None and "model_type 'olmo2' is not verified" in plain
 
 
 def _packed_forward_error(folder: Path) -> str:

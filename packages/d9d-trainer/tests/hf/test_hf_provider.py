@@ -214,3 +214,82 @@ def test_moe_folders_build_from_either_expert_layout_and_tp_refuses_what_it_cann
         line.startswith("mesh.tensor_parallel=2: the Hugging Face backend")
         and "; set mesh.tensor_parallel: 1" in line
     )
+
+
+#: google/gemma-2-9b's config.json, written out from its public file (not downloaded).
+GEMMA_2_9B = {
+    "architectures": ["Gemma2ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "attn_logit_softcapping": 50.0,
+    "bos_token_id": 2,
+    "cache_implementation": "hybrid",
+    "eos_token_id": 1,
+    "final_logit_softcapping": 30.0,
+    "head_dim": 256,
+    "hidden_act": "gelu_pytorch_tanh",
+    "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 3584,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 8192,
+    "model_type": "gemma2",
+    "num_attention_heads": 16,
+    "num_hidden_layers": 42,
+    "num_key_value_heads": 8,
+    "pad_token_id": 0,
+    "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000.0,
+    "sliding_window": 4096,
+    "sliding_window_size": 4096,
+    "torch_dtype": "float32",
+    "transformers_version": "4.42.0.dev0",
+    "use_cache": True,
+    "vocab_size": 256000,
+}
+
+
+def test_gemma_2_9b_config_builds_on_meta_with_its_shapes_and_the_mesh_verdicts(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from d9d.trainer.hf.folder import read_folder
+    from d9d.trainer.hf.model import HFCausalLM
+    from d9d.trainer.hf.provider import context_parallel_refusal
+    from d9d.trainer.hf.tensor_parallel import tensor_parallel_problem
+
+    examples = Path(__file__).resolve().parents[4] / "examples"
+    if (examples / "reference_model").is_dir():  # the reference path refuses it in one line
+        sys.path.insert(0, str(examples))
+        from reference_model import HFConversionError, from_hf_config
+
+        with pytest.raises(HFConversionError) as refused:
+            from_hf_config(GEMMA_2_9B)
+        (line,) = str(refused.value).splitlines()
+        assert "model_type 'gemma2'" in line and "model.backend: hf" in line
+    folder = tmp_path / "gemma-2-9b"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(GEMMA_2_9B))
+    read = read_folder(folder)
+    assert read.model_class.__name__ == "Gemma2ForCausalLM"
+    with torch.device("meta"):
+        model = HFCausalLM(AutoModelForCausalLM.from_config(read.config, dtype=torch.float32))
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    hidden, heads, kv_heads, head_dim, ffn = 3584, 16, 8, 256, 14336
+    assert shapes["model.embed_tokens.weight"] == (256000, hidden)
+    assert model.layout.tied == {"lm_head.weight": "model.embed_tokens.weight"}
+    layer = "model.layers.41."
+    assert shapes[layer + "self_attn.q_proj.weight"] == (heads * head_dim, hidden)
+    assert shapes[layer + "self_attn.k_proj.weight"] == (kv_heads * head_dim, hidden)
+    assert shapes[layer + "self_attn.o_proj.weight"] == (hidden, heads * head_dim)
+    assert shapes[layer + "mlp.gate_proj.weight"] == (ffn, hidden)
+    assert shapes[layer + "mlp.down_proj.weight"] == (hidden, ffn)
+    assert len(model.decoder_layers()) == 42 and "model.layers.42.mlp.up_proj.weight" not in shapes
+    params = sum(t.numel() for t in model.parameters())
+    assert 9.2e9 < params < 9.3e9  # "9B": 9.24e9 with the tied embedding counted once
+    stored = {k: v for k, v in shapes.items() if k not in model.layout.tied}
+    problem = tensor_parallel_problem(read.config, 2, prefix=model.base_model_path, shapes=stored)
+    assert problem is not None and "'gemma2' is not verified" in problem
+    refusal = context_parallel_refusal(read, 2)
+    assert refusal is not None and "soft-caps the logits (attn_logit_softcapping=50.0)" in refusal
+    assert refusal.startswith("mesh.context_parallel=2: the Hugging Face backend") and "\n" not in refusal

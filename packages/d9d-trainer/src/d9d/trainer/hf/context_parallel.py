@@ -47,9 +47,27 @@ _HARMLESS = frozenset({"sliding_window", "softcap", "position_ids", "cu_seq_lens
 
 
 def context_parallel_problem(model_class: type, config: PretrainedConfig) -> str | None:
-    """Why context parallelism cannot run `model_class` built from `config` exactly, or None."""
+    """Why context parallelism cannot run `model_class` built from `config` exactly, or None.
+
+    What the config's attention computes that d9d's context-parallel attention does not (a sliding
+    window, soft-capped logits, dropout) is named first, every such feature at once: it is the reason
+    that holds whatever is verified later.
+    """
     text = config.get_text_config()
     model_type = getattr(text, "model_type", None) or getattr(config, "model_type", "?")
+    window = getattr(text, "sliding_window", None)
+    uses_window = getattr(text, "use_sliding_window", True)
+    layer_types = getattr(text, "layer_types", None) or []
+    features = []
+    if (window is not None and uses_window) or "sliding_attention" in layer_types:
+        features.append(f"has a sliding window (sliding_window={window})")
+    softcap = getattr(text, "attn_logit_softcapping", None)
+    if softcap:
+        features.append(f"soft-caps the logits (attn_logit_softcapping={softcap})")
+    if float(getattr(text, "attention_dropout", 0.0) or 0.0) > 0:
+        features.append("has dropout (attention_dropout > 0; set it to 0)")
+    if features:
+        return f"its attention {' and '.join(features)}, which d9d's context-parallel attention does not implement"
     if model_type not in CONTEXT_PARALLEL_ARCHITECTURES:
         return (
             f"model_type {model_type!r} is not verified with it (offered for "
@@ -60,15 +78,6 @@ def context_parallel_problem(model_class: type, config: PretrainedConfig) -> str
             f"{model_class.__name__} does not route its attention through transformers' attention "
             "interface, so d9d's context-parallel attention cannot replace it"
         )
-    window = getattr(text, "sliding_window", None)
-    uses_window = getattr(text, "use_sliding_window", True)
-    layer_types = getattr(text, "layer_types", None) or []
-    if (window is not None and uses_window) or "sliding_attention" in layer_types:
-        return f"its attention has a sliding window (sliding_window={window}), which it does not implement"
-    if getattr(text, "attn_logit_softcapping", None):
-        return "its attention soft-caps the logits (attn_logit_softcapping), which it does not implement"
-    if float(getattr(text, "attention_dropout", 0.0) or 0.0) > 0:
-        return "its attention has dropout (attention_dropout > 0), which it does not implement; set it to 0"
     return None
 
 
