@@ -62,10 +62,21 @@ def test_import_train_fsdp2_and_export_match_transformers(tmp_path, folders, mod
     assert not torch.allclose(one["trained"], expected)
 
 
+#: LoRA targets per architecture where Hugging Face's module names differ from Llama's.
+_LORA_TARGETS = {
+    "phi3": r".*\.(qkv_proj|gate_up_proj)",  # fused projections
+    # attention only: for an MoE model PEFT turns the regex into leaf names, so `mlp.down_proj` would
+    # also put a PEFT adapter on the fused experts' `down_proj`, which d9d's (Linear modules) leave alone
+    "deepseek_v3": r".*\.(q_b_proj|kv_b_proj|o_proj)",
+}
+
+
 @pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft's call
-def test_lora_fsdp2_adapters_load_in_peft_with_the_trained_logits(tmp_path, folders):
-    folder = folders["llama"]
-    lora = {"lora": {"rank": 4, "alpha": 8.0, "target_modules": [r".*\.(q_proj|v_proj|down_proj)"]}}
+@pytest.mark.parametrize("model_type", list(ARCHITECTURES))
+def test_lora_fsdp2_adapters_load_in_peft_with_the_trained_logits(tmp_path, folders, model_type):
+    folder = folders[model_type]
+    target = _LORA_TARGETS.get(model_type, r".*\.(q_proj|v_proj|down_proj)")
+    lora = {"lora": {"rank": 4, "alpha": 8.0, "target_modules": [target]}}
     config = hf_job(
         folder,
         tmp_path / "runs",
