@@ -7,6 +7,9 @@ path runs.
 - The reference path, started from the folder's weights with LoRA, under tensor parallel 2 and
   pipeline parallel 2 equals one process (3 SGD steps, fp32, no clipping: every loss, grad norm,
   adapter and frozen weight), and a Qwen3-MoE folder under expert parallel 2 (x FSDP 2) does too.
+- Folders that transformers saves of the other families (llama with llama3 RoPE scaling, qwen2,
+  mistral, mixtral) train on the reference path: FSDP 2 (qwen2 also TP 2, mixtral EP 2 x FSDP 2)
+  equals one process, and both exports load in transformers with the trained model's logits.
 - "reference" on a Gemma 2 folder, and the transformers path on a pipeline-parallel mesh, are one
   line each, exit 2, before anything is written.
 
@@ -216,3 +219,79 @@ def test_reference_on_gemma2_and_transformers_on_a_pp_mesh_are_one_line_before_a
         assert len(errors) == 1 and errors[0].startswith("error: ") and expected in errors[0], errors
         assert "Traceback" not in done.stderr
     assert not (root / "runs").exists()
+
+
+def _save_transformers_folder(folder: Path, model_type: str) -> Path:
+    """A tiny random model of one of the reference model's other families, built and saved by transformers."""
+    transformers = pytest.importorskip("transformers")
+    common = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128}  # fmt: skip
+    configs = {
+        "llama": lambda: transformers.LlamaConfig(**common, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),  # scaled: 32 > 16 positions
+        "qwen2": lambda: transformers.Qwen2Config(**common),  # q/k/v biases
+        "mistral": lambda: transformers.MistralConfig(**common, sliding_window=64),  # >= seq_len: no effect
+        "mixtral": lambda: transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2),
+    }  # fmt: skip
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(configs[model_type]()).save_pretrained(folder)
+    return folder
+
+
+def _probe() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
+
+
+def _train_with_logits(config: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One process: `_train`, and the trained model's logits on `_probe()`."""
+    from d9d.trainer import Trainer
+
+    with Trainer.from_config(config) as trainer:
+        trainer.train()
+        trainer.export()
+        trainer.model.eval()
+        with torch.no_grad():
+            logits = trainer.model(_probe()).float().clone()
+        return {n: t.detach().clone() for n, t in trainer.model.state_dict().items()}, logits
+
+
+_ONE_PROCESS: dict[str, tuple[Any, ...]] = {}
+
+
+@pytest.mark.parametrize(
+    ("model_type", "mesh"),
+    [
+        ("llama", {"data_parallel_shard": 2}),
+        ("qwen2", {"data_parallel_shard": 2}),
+        ("qwen2", {"tensor_parallel": 2}),
+        ("mistral", {"data_parallel_shard": 2}),
+        ("mixtral", {"data_parallel_shard": 2, "expert_parallel": 2}),
+    ],
+    ids=["llama-fsdp2", "qwen2-fsdp2", "qwen2-tp2", "mistral-fsdp2", "mixtral-ep2"],
+)
+def test_transformers_folders_of_the_other_families_train_on_the_reference_path_like_one_process(
+    folders, model_type, mesh
+):
+    transformers = pytest.importorskip("transformers")
+    root = folders["root"] / "families"
+    root.mkdir(exist_ok=True)
+    model = {"hf_folder": str(root / model_type), "backend": "reference"}
+    if model_type not in _ONE_PROCESS:  # one reference run per family, shared by its meshes
+        _save_transformers_folder(root / model_type, model_type)
+        config = _config(root, f"{model_type}-one", model, lora=False)
+        weights, logits = run_forked(_train_with_logits, str(config))
+        _ONE_PROCESS[model_type] = ((records(root / "runs" / config.stem), weights), logits)
+        exported = transformers.AutoModelForCausalLM.from_pretrained(root / f"export-{config.stem}",
+                                                                     dtype=torch.float32).eval()  # fmt: skip
+        with torch.no_grad():
+            torch.testing.assert_close(exported(_probe()).logits, logits, rtol=0, atol=1e-5)
+    one, logits = _ONE_PROCESS[model_type]
+    assert one[0][-1]["loss"] < one[0][0]["loss"]  # it trains
+    name = f"{model_type}-{'-'.join(f'{k}{v}' for k, v in mesh.items())}"
+    split = _run(_config(root, name, model, lora=False, **mesh), 2)
+    _assert_equal_runs(split, one)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(root / f"export-{name}", dtype=torch.float32)
+    assert sorted(exported_weights(root / f"export-{name}")) == sorted(exported_weights(root / model_type))
+    with torch.no_grad():
+        torch.testing.assert_close(exported.eval()(_probe()).logits, logits, rtol=0, atol=1e-4)
