@@ -41,6 +41,7 @@ from reference_model import (
     trim_to_stage,
 )
 
+from d9d.ckpt import SafetensorsIOError, check_safetensors, safetensors_shapes
 from d9d.data import SFTDataset, TextDataset
 from d9d.mesh import MeshConfig
 from d9d.parallel import (
@@ -148,7 +149,21 @@ class HFModelProvider:
         model = ReferenceForCausalLM(self._reference())
         if context.stage is not None:  # pipeline parallel: keep this stage's part (on meta: free)
             trim_to_stage(model, context.stage)
+        else:  # the whole model: the folder's weights checked against it before anything is written
+            self._check_folder_weights(model)
         return InitializeModelStageResult(model=model)
+
+    def _check_folder_weights(self, model: ReferenceForCausalLM) -> None:
+        """Refuse weights that config.json does not describe (from the safetensors headers: none read)."""
+        safetensors_shapes(self.folder)  # a missing or stray shard: d9d.ckpt's own line names it
+        mapper = hf_import_mapper(self._reference(), source_keys=hf_checkpoint_keys(self.folder))
+        try:
+            check_safetensors(model, self.folder, mapper=mapper)
+        except SafetensorsIOError as exc:
+            raise HFConversionError(
+                f"model.hf_folder: {self.folder / 'config.json'} does not describe the weights beside it "
+                f"({exc}); use the config.json they were saved with"
+            ) from None
 
     def parallelize_model_stage(self, context: ParallelizeModelStageContext) -> None:
         if self.hf is not None:

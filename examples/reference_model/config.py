@@ -366,5 +366,5 @@ def check_sequence_length(
         raise SlidingWindowError(
             f"sequences of {seq_len} tokens are longer than {key}={window}: the reference model attends to the "
             f"whole sequence, which equals sliding-window attention only up to {window} tokens; use sequences "
-            f"of at most {window} tokens (dataset.seq_len) or another backend (model.backend: hf, coming)"
+            f"of at most {window} tokens (dataset.seq_len) or another backend (model.backend: hf)"
         )

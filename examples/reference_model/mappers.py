@@ -395,7 +395,7 @@ def _rope_from_hf(
     if partial not in (None, 1, 1.0):
         raise HFConversionError(
             f"{source} has partial_rotary_factor={partial!r}; the reference model rotates whole heads "
-            "(partial_rotary_factor 1); use another backend (model.backend: hf, coming)"
+            "(partial_rotary_factor 1); use another backend (model.backend: hf)"
         )
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
@@ -403,7 +403,7 @@ def _rope_from_hf(
     if rope_type not in _ROPE_KEYS:
         raise HFConversionError(
             f"{source} {where}.rope_type={rope_type!r} is not supported by the reference model (supported: "
-            f"default, {', '.join(_ROPE_KEYS)}); use another backend (model.backend: hf, coming)"
+            f"default, {', '.join(_ROPE_KEYS)}); use another backend (model.backend: hf)"
         )
     struct, required = _ROPE_KEYS[rope_type]
     if missing := [k for k in required if k not in params]:
@@ -471,7 +471,7 @@ def _require(hf: Mapping[str, Any], key: str, expected: object, source: str) -> 
     if value != expected:
         raise HFConversionError(
             f"{source} has {key}={value!r}; the reference model supports only {key}={expected!r}; use another "
-            "backend (model.backend: hf, coming)"
+            "backend (model.backend: hf)"
         )
 
 

@@ -99,6 +99,11 @@ def _narrow_the_mlp(folder: Path) -> None:
     (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": 48}))
 
 
+def _make_it_t5(folder: Path) -> None:  # an encoder-decoder: no causal LM in transformers
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "t5"}))
+
+
 CASES = {
     "no-config-json": (_drop_config, ["model.folder:", "has no config.json", "point model.folder"]),
     "shard-missing": (
@@ -119,6 +124,7 @@ CASES = {
             "use the config.json they were saved with",
         ],
     ),
+    "t5": (_make_it_t5, ["config.json: model_type 't5' has no causal LM", "trains causal LMs only"]),
 }
 
 
