@@ -148,3 +148,22 @@ def test_a_finished_run_through_train_py_does_not_build(tiny_run, tmp_path):
     assert out.returncode == 0, out.stderr
     assert "run is already complete" in out.stdout and "job built" not in out.stdout
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_checkpoints_marks_the_best_by_the_recorded_eval_loss_and_export_best_refuses_without_one(
+    tiny_run, tmp_path
+):
+    run_dir = tmp_path / "tiny"
+    shutil.copytree(tiny_run.run_dir, run_dir)
+    code, heavy, stdout, err = _d9d("export", str(run_dir), "--out", str(tmp_path / "out"), "--best")
+    assert code == 2 and "has no checkpoint that records eval_loss" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+    for step, loss in ((2, 1.5), (4, 2.5)):  # as a run with eval: would have recorded them
+        commit = run_dir / f"save-{step}" / "commit.json"
+        record = json.loads(commit.read_text())
+        commit.write_text(json.dumps({**record, "metrics": {"eval_loss": loss}, "metrics_step": step}))
+    code, heavy, stdout, err = _d9d("checkpoints", str(run_dir))
+    assert code == 0, err
+    rows = {line.split()[0]: line for line in stdout.splitlines()[2:]}
+    assert rows["2"].endswith("1.5  best 1") and rows["4"].endswith("2.5")
+    assert "torch" not in heavy

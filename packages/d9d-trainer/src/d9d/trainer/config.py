@@ -21,15 +21,18 @@ from d9d.parallel import (
 )
 
 __all__ = [
+    "EVAL_METRICS",
     "ActivationCheckpointingConfig",
     "CallbackConfig",
     "CheckpointingConfig",
     "CompileConfig",
     "DeterminismConfig",
+    "EarlyStoppingConfig",
     "EvalConfig",
     "ExportConfig",
     "GradientClippingConfig",
     "JobConfig",
+    "KeepBestConfig",
     "LRSchedulerConfig",
     "LoggingConfig",
     "LoraConfig",
@@ -87,6 +90,38 @@ class ScheduleConfig(_Section):
             raise ValueError(f"trainer.schedule.total_steps must be >= 1, got {self.total_steps}")
 
 
+#: The metrics an eval records on its step (`EvalResult.record`) that a checkpoint's commit record
+#: holds, so `keep_best` can rank by them.
+EVAL_METRICS = ("eval_loss", "eval_perplexity")
+
+
+class KeepBestConfig(_Section):
+    """`trainer.checkpointing.keep_best`: also keep the `count` best checkpoints by `metric`.
+
+    `metric` is one of `EVAL_METRICS`: the last eval's value at (or before) the saved step, recorded in
+    the checkpoint's commit record (`d9d.ckpt.KeepBest`). `mode`: `min` (lower is better) or `max`.
+    """
+
+    metric: str = "eval_loss"
+    mode: str = "min"
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if self.metric not in EVAL_METRICS:
+            raise ValueError(
+                f"trainer.checkpointing.keep_best.metric {self.metric!r} is never recorded in a checkpoint; "
+                f"use one of {', '.join(EVAL_METRICS)}"
+            )
+        if self.mode not in ("min", "max"):
+            raise ValueError(
+                f"trainer.checkpointing.keep_best.mode must be min (lower is better) or max, got {self.mode!r}"
+            )
+        if self.count < 1:
+            raise ValueError(
+                f"trainer.checkpointing.keep_best.count must be >= 1 (or remove keep_best), got {self.count}"
+            )
+
+
 class CheckpointingConfig(_Section):
     """Where and how often to save. `period_steps: 0` saves only at the end.
 
@@ -103,6 +138,8 @@ class CheckpointingConfig(_Section):
     async_save: bool = False
     save_on_signal: bool = True
     verify_on_load: bool = True
+    keep_best: KeepBestConfig | None = None
+    """Keep the best checkpoints by an eval metric next to the `num_to_keep` newest (never the latest)."""
 
     def __post_init__(self) -> None:
         if self.period_steps < 0:
@@ -378,6 +415,22 @@ class ExportConfig(_Section):
             )
 
 
+class EarlyStoppingConfig(_Section):
+    """`eval.early_stopping`: stop (and save) once `eval_loss` has not improved by more than `min_delta` on
+    the best so far for `patience` evals in a row (`d9d.trainer.early_stopping`)."""
+
+    patience: int
+    min_delta: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.patience < 1:
+            raise ValueError(
+                f"eval.early_stopping.patience must be >= 1 (evals without improvement), got {self.patience}"
+            )
+        if not self.min_delta >= 0:
+            raise ValueError(f"eval.early_stopping.min_delta must be >= 0, got {self.min_delta}")
+
+
 class EvalConfig(_Section):
     """The validation loop: the mean token loss over `providers.eval_dataset`'s set (`d9d.trainer.evaluation`).
 
@@ -389,6 +442,7 @@ class EvalConfig(_Section):
     period_steps: int = 0
     steps: int | None = None
     microbatch_size: int | None = None
+    early_stopping: EarlyStoppingConfig | None = None
 
     def __post_init__(self) -> None:
         if self.period_steps < 0:

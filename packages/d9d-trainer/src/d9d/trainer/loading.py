@@ -480,6 +480,17 @@ def _check_eval(config: JobConfig, where: str) -> None:
             "(the pipeline schedules run training steps only); remove the eval: section or set "
             "mesh.pipeline_parallel: 1"
         )
+    keep_best = config.trainer.checkpointing.keep_best
+    if keep_best is not None and config.eval is None:
+        raise ConfigError(
+            f"{where}: trainer.checkpointing.keep_best ranks checkpoints by {keep_best.metric}, which only an "
+            "eval: section records; add eval: {period_steps: N} with providers.eval_dataset, or remove keep_best"
+        )
+    if config.eval is not None and config.eval.early_stopping is not None and config.eval.period_steps == 0:
+        raise ConfigError(
+            f"{where}: eval.early_stopping needs evals during the run, but eval.period_steps is 0 (only after "
+            "the last step); set eval.period_steps: N, or remove eval.early_stopping"
+        )
 
 
 def _check_directories(loaded: LoadedJob, where: str) -> None:

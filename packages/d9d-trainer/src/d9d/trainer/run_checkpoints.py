@@ -1,6 +1,11 @@
 """A run's checkpoints as the trainer writes and reads them: what a save holds besides model and
 optimizer, and what a resume restores and checks (a changed optimizer, the LR schedule as configured
-now, the settings that changed). The checkpoint mechanics themselves are d9d.ckpt's."""
+now, the settings that changed). The checkpoint mechanics themselves are d9d.ckpt's.
+
+Each save's commit record holds the numbers of the last eval at or before its step (`EVAL_METRICS`,
+with that eval's step), which `keep_best` ranks by and `d9d checkpoints` shows; a resume takes them
+back, so a save before the next eval records them again. The early-stopping counter rides in the
+extra state."""
 
 from typing import Any
 
@@ -10,8 +15,10 @@ from torch import nn
 
 from d9d.ckpt import CheckpointInfo, CheckpointManager, capture_rng_state, restore_rng_state
 from d9d.mesh import get_logger
-from d9d.trainer.config import OptimizerConfig, ProvidersConfig
+from d9d.trainer.config import EVAL_METRICS, OptimizerConfig, ProvidersConfig
+from d9d.trainer.early_stopping import EarlyStopping
 from d9d.trainer.errors import TrainingError
+from d9d.trainer.evaluation import EvalResult
 from d9d.trainer.job import ResolvedJob
 from d9d.trainer.starting_weights import StartingWeights
 
@@ -35,14 +42,24 @@ class RunCheckpoints:
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         data: Any,
         starting: StartingWeights,
+        early_stopping: EarlyStopping | None = None,
     ) -> None:
         self.manager = manager
+        self.early_stopping = early_stopping
+        self._eval_metrics: dict[str, float] | None = None  # of the last eval, recorded by each save
+        self._eval_step: int | None = None
         self._job = job
         self._model = model
         self._optimizer = optimizer
         self._scheduler = scheduler
         self._data = data
         self._starting = starting
+
+    def evaluated(self, result: EvalResult) -> None:
+        """The loop's latest eval: the numbers the next saves record in their commit records."""
+        record = result.record()
+        self._eval_metrics = {key: record[key] for key in EVAL_METRICS}
+        self._eval_step = result.step
 
     def resume(self, step: int | None = None) -> int | None:
         """Load the latest (or the given step's) committed checkpoint; the step it holds, or None.
@@ -99,6 +116,9 @@ class RunCheckpoints:
         _reapply_schedule(self._scheduler, self._optimizer)
         if loaded.rank_state is not None:
             restore_rng_state(loaded.rank_state)
+        self._eval_metrics, self._eval_step = latest.meta.metrics, latest.meta.metrics_step
+        if self.early_stopping is not None:
+            self.early_stopping.load_state_dict(extra.get("early_stopping") or {})
         resumed = int(extra["step"])
         _log.info("resumed", step=resumed, checkpoint=str(latest.path))
         for key, (before, now) in config_changes(extra.get("config"), self._job.loaded.raw).items():
@@ -116,6 +136,11 @@ class RunCheckpoints:
             "config": self._job.loaded.raw,
             "config_dir": str(self._job.loaded.base_dir.resolve()),
             **({"lora_base": self._starting.base_reference()} if lora else {}),
+            **(
+                {"early_stopping": self.early_stopping.state_dict()}
+                if self.early_stopping is not None
+                else {}
+            ),
         }
         # A LoRA run's checkpoint holds the adapters (and their optimizer state), not the frozen base.
         info = self.manager.save(
@@ -125,6 +150,8 @@ class RunCheckpoints:
             extra_state=extra,
             rank_state=capture_rng_state(),
             trainable_only=lora,
+            metrics=self._eval_metrics,
+            metrics_step=self._eval_step,
         )
         # d9d.ckpt logs "checkpoint committed" (rank 0, with its path) once the save is durable
         _log.debug("checkpoint saved", step=step, run_dir=str(self.manager.run_dir))

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from d9d.ckpt import CheckpointInfo, CheckpointManager
+from d9d.ckpt import CheckpointInfo, CheckpointManager, KeepBest
 from d9d.data import DeclaresStepsLeft
 from d9d.mesh import DistributedContext, configure_logging, get_logger
 from d9d.parallel import (
@@ -32,6 +32,7 @@ from d9d.parallel import (
 from d9d.trainer._fault_injection import FaultInjection
 from d9d.trainer.build import materialize_model, shape_model
 from d9d.trainer.callbacks import Callback, Callbacks, RunControl
+from d9d.trainer.early_stopping import EarlyStopping
 from d9d.trainer.errors import TrainingError, is_out_of_memory, step_out_of_memory
 from d9d.trainer.evaluation import EvalResult, EvalSet, Evaluator, load_eval_set
 from d9d.trainer.export import Exporter
@@ -161,19 +162,23 @@ class Trainer:
             self._optimizer, tcfg.schedule.total_steps
         )
         ckpt = tcfg.checkpointing
+        best = ckpt.keep_best
         checkpoints = CheckpointManager(
             job.loaded.resolve_path(ckpt.save_dir),
             tcfg.run.name,
             num_to_keep=ckpt.num_to_keep,
+            keep_best=KeepBest(best.metric, best.mode, best.count) if best is not None else None,
             async_save=ckpt.async_save,
             verify_on_load=ckpt.verify_on_load,
             context=ctx,
         )
         self._closers.append(checkpoints.close)  # finishes a pending asynchronous save
         starting = StartingWeights(job, ctx, model)  # one for both: one answer for the load and the check
+        stopping = job.config.eval.early_stopping if job.config.eval is not None else None
         self._checkpoints = RunCheckpoints(
-            job, checkpoints, model, self._optimizer, self._scheduler, self._data, starting
-        )
+            job, checkpoints, model, self._optimizer, self._scheduler, self._data, starting,
+            early_stopping=EarlyStopping(stopping) if stopping is not None else None,
+        )  # fmt: skip
         self._exporter = Exporter(job, ctx, model, starting, pipelined=plan.pipeline is not None)
         self._build_step(plan, chunks, eval_set)
         self._step = 0
@@ -432,6 +437,11 @@ class Trainer:
         if start >= total:
             _log.info("run is already complete", step=start, total_steps=total)
             return self._ended(control, TrainResult(start_step=start, final_step=start, losses=[]))
+        early = self._checkpoints.early_stopping
+        if early is not None and early.exhausted:  # resumed from the save that stopped it: finished
+            _log.info("run already stopped early", step=start, reason=early.reason())
+            result = TrainResult(start_step=start, final_step=start, losses=[], early_stopped=early.reason())
+            return self._ended(control, result)
         # Data that runs out (a mixture with exhausted: stop) ends the run after its last step.
         left = self._data.steps_left if isinstance(self._data, DeclaresStepsLeft) else None
         end = total if left is None else min(total, start + left)
@@ -467,6 +477,7 @@ class Trainer:
         source_tokens = getattr(self._data, "source_tokens", lambda: None)  # a mixture's, per source
         period = cfg.checkpointing.period_steps
         stopped_by = None
+        early_stopped = None
         began = time.perf_counter()
         flops_unknown = True
         with self._stops:
@@ -500,13 +511,19 @@ class Trainer:
                         records.add(self._step, output, lr=lr, step_time_s=step_time_s, evaluation=evaluation,
                                     phases=self._timer.take(), source_tokens=source_tokens())  # fmt: skip
                         control.step = self._step
-                        if evaluation is not None and self._callbacks:
-                            self._callbacks.evaluated(evaluation)
+                        stop_early = False
+                        if evaluation is not None:
+                            self._checkpoints.evaluated(evaluation)  # its numbers go on the next saves
+                            # the same eval numbers on every rank: every rank decides alike, here
+                            stop_early = early is not None and early.observe(evaluation.loss)
+                            if self._callbacks:
+                                self._callbacks.evaluated(evaluation)
                         periodic = bool(period) and self._step % period == 0
                         if (
                             self._step == end
                             or periodic
                             or output.save
+                            or stop_early
                             or (output.stop and cfg.checkpointing.save_on_signal)
                         ):
                             records.flush()  # a committed checkpoint never has fewer records than steps
@@ -515,6 +532,10 @@ class Trainer:
                             self._timer.mark("checkpoint")
                         else:
                             self._committed(self._checkpoints.manager.poll())  # an async save's commit
+                    if stop_early and self._step < end:
+                        assert early is not None
+                        early_stopped = early.reason()
+                        break
                     if output.stop and self._step < end:
                         stopped_by = (
                             self._stops.signal_name
@@ -564,7 +585,9 @@ class Trainer:
                 f"stopped by {stopped_by} at step {self._step}; checkpoint {saved}; resume with the same command",
                 step=self._step,
             )
-        data_ended = stopped_by is None and end < total
+        if early_stopped is not None:
+            _log.info(f"stopped at step {self._step} by {early_stopped}; checkpoint saved", step=self._step)
+        data_ended = stopped_by is None and early_stopped is None and end < total
         if data_ended:
             _log.warning(
                 f"the data is used up after step {end} of {total} (dataset exhausted: stop): the run ends here, "
@@ -572,7 +595,7 @@ class Trainer:
             )  # fmt: skip
         return self._ended(control, TrainResult(
             start_step=start, final_step=self._step, losses=records.losses, stopped_by=stopped_by,
-            data_ended=data_ended,
+            early_stopped=early_stopped, data_ended=data_ended,
         ))  # fmt: skip
 
     def _committed(self, info: CheckpointInfo | None) -> None:

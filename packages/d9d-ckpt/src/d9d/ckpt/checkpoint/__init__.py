@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from d9d.mesh.lazy import lazy_exports
 
 if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports these on first use
+    from d9d.ckpt.checkpoint.best import KeepBest, best_checkpoints, metric_of
     from d9d.ckpt.checkpoint.errors import (
         CheckpointDamagedError,
         CheckpointDiskFullError,
@@ -46,6 +47,7 @@ if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports t
 
 #: Module → the public names it defines (the run-time twin of the imports above; a test keeps them equal).
 _EXPORTS: dict[str, tuple[str, ...]] = {
+    "best": ("KeepBest", "best_checkpoints", "metric_of"),
     "errors": (
         "CheckpointDamagedError",
         "CheckpointDiskFullError",
@@ -83,13 +85,16 @@ __all__ = [
     "CheckpointVerification",
     "FileProblem",
     "FileProblemKind",
+    "KeepBest",
     "LoadedCheckpoint",
     "RunEntryKind",
     "SaveDirNotSharedError",
+    "best_checkpoints",
     "capture_rng_state",
     "check_checkpoint_files",
     "classify_run_entry",
     "list_checkpoints",
+    "metric_of",
     "read_checkpoint_info",
     "restore_rng_state",
     "uncommitted_step_dirs",

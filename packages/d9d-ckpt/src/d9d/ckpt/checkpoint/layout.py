@@ -78,6 +78,10 @@ class CheckpointMeta(msgspec.Struct, frozen=True, kw_only=True):
         checksums: every file's checksum (`crc32:<hex>`, see `integrity.py`), computed by the rank
             that wrote it; None in checkpoints written before d9d recorded checksums.
         trainable_only: the model's frozen parameters were left out (`save(trainable_only=True)`).
+        metrics: the caller's numbers at save time (`save(metrics=...)`, e.g. the trainer's last
+            `eval_loss`), read by `keep_best` retention and `d9d checkpoints` without loading
+            anything else; None when none were given.
+        metrics_step: the step those numbers were measured at (an eval may be older than the save).
     """
 
     step: int
@@ -91,6 +95,8 @@ class CheckpointMeta(msgspec.Struct, frozen=True, kw_only=True):
     format: int = FORMAT_VERSION
     checksums: dict[str, str] | None = None
     trainable_only: bool = False
+    metrics: dict[str, float] | None = None
+    metrics_step: int | None = None
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ from d9d.ckpt.checkpoint._testhooks import (  # re-exported: crash tests import 
     PAUSE_IN_PRUNE_ENV,  # noqa: F401
     pause_for_test,
 )
+from d9d.ckpt.checkpoint.best import KeepBest
 from d9d.ckpt.checkpoint.errors import CheckpointDamagedError, CheckpointError, SaveDirNotSharedError
 from d9d.ckpt.checkpoint.extra import decode_state, encode_state
 from d9d.ckpt.checkpoint.integrity import (
@@ -131,6 +132,8 @@ class CheckpointManager:
         save_dir: the directory holding the runs (must be shared by all nodes).
         run_name: the run's own subdirectory.
         num_to_keep: how many of the newest committed checkpoints to keep (None keeps all).
+        keep_best: also keep the best checkpoints by a metric their commit records hold (`save(metrics=)`);
+            never deletes the newest ones `num_to_keep` keeps (see `best.py`).
         async_save: overlap writing with training.
         context: the job's distributed context; None uses the default process group if one exists,
             else one plain process.
@@ -152,6 +155,7 @@ class CheckpointManager:
         run_name: str,
         *,
         num_to_keep: int | None = None,
+        keep_best: KeepBest | None = None,
         async_save: bool = False,
         context: DistributedContext | None = None,
         reuse_staging: bool = True,
@@ -181,7 +185,7 @@ class CheckpointManager:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future[CheckpointInfo] | None = None
         self._staging = HostStaging(reuse=reuse_staging)
-        self._retention = Retention(self._run_dir, num_to_keep)  # runs on rank 0 only
+        self._retention = Retention(self._run_dir, num_to_keep, keep_best)  # runs on rank 0 only
         self._closed = False
 
     # ------------------------------------------------------------------ discovery
@@ -251,6 +255,8 @@ class CheckpointManager:
         extra_state: Mapping[str, Any] | None = None,
         rank_state: Mapping[str, Any] | None = None,
         trainable_only: bool = False,
+        metrics: Mapping[str, float] | None = None,
+        metrics_step: int | None = None,
     ) -> CheckpointInfo | None:
         """Save the model (and optimizer) with the caller's state as checkpoint `step` (collective).
 
@@ -262,6 +268,8 @@ class CheckpointManager:
             extra_state: plain data shared by all ranks (step, data state, LR scheduler, config);
                 rank 0's copy is written.
             rank_state: plain data of this rank alone (e.g. `capture_rng_state()`).
+            metrics: numbers recorded in the commit marker (`CheckpointMeta.metrics`, rank 0's copy),
+                e.g. the last eval's loss, measured at `metrics_step`; `keep_best` ranks by them.
 
         Returns:
             The committed checkpoint, or None with `async_save` (`wait()` returns it).
@@ -303,6 +311,8 @@ class CheckpointManager:
             "world_size": self._group.world_size,
             "has_optimizer": optimizer is not None,
             "trainable_only": trainable_only,
+            "metrics": {str(k): float(v) for k, v in metrics.items()} if metrics is not None else None,
+            "metrics_step": metrics_step,
         }
         writer = ChecksummingWriter(tmp)
         if not self._async:
@@ -442,6 +452,8 @@ class CheckpointManager:
             mesh=self._mesh,
             has_optimizer=meta["has_optimizer"],
             trainable_only=meta["trainable_only"],
+            metrics=meta["metrics"],
+            metrics_step=meta["metrics_step"],
             files=files,
             checksums={name: checksum for name, (_, checksum) in written.items()},
         )

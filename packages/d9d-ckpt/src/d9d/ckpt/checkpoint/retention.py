@@ -1,4 +1,9 @@
-"""Retention: which checkpoints beyond `num_to_keep` go, deleted off the training path.
+"""Retention: which checkpoints beyond `num_to_keep` (and the `KeepBest` ones) go, deleted off the
+training path.
+
+Kept: the `num_to_keep` newest and, with a `KeepBest` policy, its best ones by their recorded metric
+(`best.py`); the checkpoint just committed is never deleted. The choice reads the commit records only,
+so a prune interrupted by a crash is redone alike after the next commit.
 
 A checkpoint is deleted only after a newer one was committed, and in two steps: renamed aside to
 `.trash-save-<step>-<id>` (atomic, so it stops being a checkpoint at once), then removed; a kill in
@@ -14,6 +19,7 @@ from pathlib import Path
 
 from d9d.ckpt.checkpoint._fs import remove
 from d9d.ckpt.checkpoint._testhooks import PAUSE_IN_PRUNE_ENV, pause_for_test
+from d9d.ckpt.checkpoint.best import KeepBest, best_checkpoints
 from d9d.ckpt.checkpoint.layout import CheckpointInfo, list_checkpoints, stale_dirs, trash_dir_name
 from d9d.mesh import get_logger
 
@@ -23,17 +29,27 @@ _log = get_logger("d9d.ckpt")
 
 
 def excess_checkpoints(
-    committed: Sequence[CheckpointInfo], keep: Path, num_to_keep: int | None
+    committed: Sequence[CheckpointInfo], keep: Path, num_to_keep: int | None, best: KeepBest | None = None
 ) -> list[CheckpointInfo]:
-    """The oldest of `committed` (sorted by step) to delete so that `num_to_keep` remain, never `keep`."""
+    """What of `committed` (sorted by step) to delete: all but `keep`, the `num_to_keep` newest
+    (`keep` among them) and `best`'s best ones."""
     if num_to_keep is None:
         return []
     others = [info for info in committed if info.path != keep]
-    return others[: max(len(others) + 1 - num_to_keep, 0)]
+    excess = others[: max(len(others) + 1 - num_to_keep, 0)]
+    if best is None:
+        return excess
+    kept = {info.path for info in best_checkpoints(committed, best)}
+    return [info for info in excess if info.path not in kept]
 
 
 def prune(
-    run_dir: Path, keep: Path, step: int, num_to_keep: int | None, replaced: Path | None = None
+    run_dir: Path,
+    keep: Path,
+    step: int,
+    num_to_keep: int | None,
+    replaced: Path | None = None,
+    best: KeepBest | None = None,
 ) -> None:
     """Delete what the commit of `keep` (checkpoint `step`) made obsolete, then crash leftovers.
 
@@ -41,7 +57,7 @@ def prune(
     """
     if replaced is not None:
         remove(replaced)
-    for info in excess_checkpoints(list_checkpoints(run_dir), keep, num_to_keep):
+    for info in excess_checkpoints(list_checkpoints(run_dir), keep, num_to_keep, best):
         trash = run_dir / trash_dir_name(info.step, uuid.uuid4().hex[:12])
         info.path.rename(trash)  # atomic: it stops being a checkpoint at once
         pause_for_test(PAUSE_IN_PRUNE_ENV, step)
@@ -59,9 +75,10 @@ class Retention:
     `fork`-based data workers must not inherit a live thread).
     """
 
-    def __init__(self, run_dir: Path, num_to_keep: int | None) -> None:
+    def __init__(self, run_dir: Path, num_to_keep: int | None, best: KeepBest | None = None) -> None:
         self._run_dir = run_dir
         self._num_to_keep = num_to_keep
+        self._best = best
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # the commit may run on the async-save thread
 
@@ -94,6 +111,6 @@ class Retention:
 
     def _run(self, keep: Path, step: int, replaced: Path | None) -> None:
         try:
-            prune(self._run_dir, keep, step, self._num_to_keep, replaced)
+            prune(self._run_dir, keep, step, self._num_to_keep, replaced, self._best)
         except Exception as exc:  # the new checkpoint is safe; leftovers are retried after the next save
             _log.warning("checkpoint cleanup failed", error=str(exc))

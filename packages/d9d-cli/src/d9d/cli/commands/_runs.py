@@ -129,3 +129,34 @@ def _damage_summary(kinds: list[str]) -> str:
         f"{n} file{'s' if n > 1 else ''} {what}" for what in ("missing", "resized") if (n := counts[what])
     ]
     return "damaged: " + ", ".join(parts)
+
+
+def best_policy(committed: list[Any]) -> Any:
+    """The run's `d9d.ckpt.KeepBest`: its `trainer.checkpointing.keep_best` as the latest checkpoint's
+    config holds it, else the best one by `eval_loss` (lower is better). Torch-free."""
+    from d9d.ckpt import KeepBest
+    from d9d.ckpt.checkpoint.extra import decode_state
+    from d9d.ckpt.checkpoint.layout import EXTRA_FILE
+
+    config: Any = {}
+    if committed:
+        try:
+            path = committed[-1].path / EXTRA_FILE
+            config = decode_state(path.read_bytes(), str(path)).get("config") or {}
+        except Exception:  # an unreadable extra state: the default policy
+            config = {}
+    section = (
+        config.get("trainer", {}).get("checkpointing", {}).get("keep_best")
+        if isinstance(config, dict)
+        else None
+    )
+    if not isinstance(section, dict):
+        return KeepBest("eval_loss", "min", 1)
+    try:
+        return KeepBest(
+            str(section.get("metric", "eval_loss")),
+            str(section.get("mode", "min")),
+            int(section.get("count", 1)),
+        )
+    except (TypeError, ValueError):
+        return KeepBest("eval_loss", "min", 1)

@@ -4,7 +4,7 @@ import datetime
 
 import click
 
-from d9d.cli.commands._runs import check_run_dir, scan_run_dir
+from d9d.cli.commands._runs import best_policy, check_run_dir, scan_run_dir
 from d9d.cli.commands._text import format_size
 from d9d.cli.errors import reports_errors
 
@@ -57,7 +57,9 @@ def checkpoints(run_dir: str, verify: bool) -> None:
     and mesh degrees of the job that wrote it, and whether its files are intact (their sizes; with
     --verify their checksums too, which reads the whole checkpoint). Unfinished saves (no commit
     marker) and leftovers of crashed saves are listed after the table; they are never loaded and are
-    safe to delete.
+    safe to delete. When the commit records hold eval numbers, a column shows the metric the run's
+    `trainer.checkpointing.keep_best` ranks by (default eval_loss, lower is better) and marks the
+    best ones (`best 1` is what `d9d export --best` exports).
 
     \b
     Examples:
@@ -79,9 +81,30 @@ def checkpoints(run_dir: str, verify: bool) -> None:
     if not scan.committed:
         lines.append("no committed checkpoints")
     else:
-        rows = [("step", "saved at (UTC)", "size", "world size", "mesh", "status")]
+        from d9d.ckpt import best_checkpoints, metric_of  # torch-free: commit records only
+
+        policy = best_policy(scan.committed)
+        ranks = {info.step: n for n, info in enumerate(best_checkpoints(scan.committed, policy), 1)}
+        shown = any(metric_of(info, policy.metric) is not None for info in scan.committed)
+        rows = [
+            (
+                "step",
+                "saved at (UTC)",
+                "size",
+                "world size",
+                "mesh",
+                "status",
+                *([policy.metric] if shown else []),
+            )
+        ]
         for info in scan.committed:
             meta = info.meta
+            value = metric_of(info, policy.metric)
+            cell = (
+                "-"
+                if value is None
+                else f"{value:.5g}" + (f"  best {ranks[info.step]}" if info.step in ranks else "")
+            )
             rows.append(
                 (
                     str(info.step),
@@ -90,6 +113,7 @@ def checkpoints(run_dir: str, verify: bool) -> None:
                     str(meta.world_size),
                     format_mesh(meta.mesh),
                     "damaged" if info.step in damage else scan.damaged.get(info.step, "ok"),
+                    *([cell] if shown else []),
                 )
             )
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

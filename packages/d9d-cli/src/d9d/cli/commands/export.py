@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from d9d.cli.commands._options import overrides_option
-from d9d.cli.commands._runs import check_run_dir, scan_run_dir
+from d9d.cli.commands._runs import best_policy, check_run_dir, scan_run_dir
 from d9d.cli.errors import CliError, reports_errors
 
 if TYPE_CHECKING:  # the trainer imports torch: only inside the command at run time
@@ -136,9 +136,14 @@ def _with_values(loaded: "LoadedJob", values: dict[str, Any]) -> "LoadedJob":
     help="Directory to write (created if needed; an earlier export in it is replaced).",
 )
 @click.option("--step", type=click.IntRange(min=0), help="Checkpoint step to export (default: the latest).")
+@click.option(
+    "--best",
+    is_flag=True,
+    help="Export the best checkpoint by its recorded eval metric (see `d9d checkpoints`).",
+)
 @overrides_option
 @reports_errors
-def export(source: str, out_dir: str, step: int | None, overrides: Sequence[str]) -> None:
+def export(source: str, out_dir: str, step: int | None, best: bool, overrides: Sequence[str]) -> None:
     """Export a checkpoint's model as safetensors files (sharded, with an index).
 
     The tensor names and any config.json are the model provider's mapper's: the reference model
@@ -156,8 +161,11 @@ def export(source: str, out_dir: str, step: int | None, overrides: Sequence[str]
     Examples:
       d9d export runs/quickstart --out exported/
       d9d export runs/quickstart --out exported-50/ --step 50
+      d9d export runs/quickstart --out best/ --best
       d9d export config.yaml --out exported/ --set trainer.run.name=try2
     """
+    if best and step is not None:
+        raise CliError("--best and --step both pick the checkpoint to export; pass one of them")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise CliError(f"--out {out} is a file; pass a directory to write the safetensors files into")
@@ -172,13 +180,13 @@ def export(source: str, out_dir: str, step: int | None, overrides: Sequence[str]
 
     if src.is_dir():
         run_dir = check_run_dir(src)
-        info = _committed_checkpoint(run_dir, step)
+        info = _committed_checkpoint(run_dir, step, best=best)
         loaded = _loaded_from_run(run_dir, info, list(overrides))
     else:
         loaded = load_job_config(src, list(overrides))
         ckpt = loaded.config.trainer.checkpointing
         run_dir = loaded.resolve_path(ckpt.save_dir) / loaded.config.trainer.run.name
-        info = _committed_checkpoint(run_dir, step)
+        info = _committed_checkpoint(run_dir, step, best=best)
     loaded = _single_process_mesh(loaded)
 
     from d9d.mesh import get_logger
@@ -200,8 +208,9 @@ def _is_reporting_rank() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def _committed_checkpoint(run_dir: Path, step: int | None) -> "CheckpointInfo":
-    """The run's committed checkpoint (`CheckpointInfo`) of `step`, or its latest; a `CliError` if none."""
+def _committed_checkpoint(run_dir: Path, step: int | None, *, best: bool = False) -> "CheckpointInfo":
+    """The run's committed checkpoint (`CheckpointInfo`) of `step`, its best (`best`) or its latest; a
+    `CliError` if none."""
     if not run_dir.is_dir():
         raise CliError(
             f"run directory {run_dir} does not exist; train the job first (or check trainer.run.name "
@@ -211,6 +220,17 @@ def _committed_checkpoint(run_dir: Path, step: int | None) -> "CheckpointInfo":
     steps = [info.step for info in committed]
     if not steps:
         raise CliError(f"{run_dir} has no committed checkpoint to export; train the job first")
+    if best:
+        from d9d.ckpt import best_checkpoints
+
+        policy = best_policy(committed)
+        ranked = best_checkpoints(committed, policy)
+        if not ranked:
+            raise CliError(
+                f"{run_dir} has no checkpoint that records {policy.metric} (only runs with an eval: section "
+                "record it); pass --step N or leave out --best for the latest"
+            )
+        return ranked[0]
     if step is None:
         return committed[-1]
     if step not in steps:
