@@ -22,7 +22,7 @@ from d9d.ckpt import KeepBest, best_checkpoints, list_checkpoints
 from d9d.ckpt.checkpoint.extra import decode_state
 from d9d.ckpt.checkpoint.layout import EXTRA_FILE
 
-EVERY_STEP = [*EVAL, "eval.period_steps=1"]
+EVERY_STEP = [*EVAL, "eval.period_steps=1", "eval.steps=1"]  # one eval microbatch: the numbers, cheaply
 
 
 def _evals(run_dir: Path) -> dict[int, float]:

@@ -181,8 +181,10 @@ class Evaluator:
         model, settings = self._model, self._settings
         eval_set = self._set
         mine = eval_set.microbatches
-        # a rank short of one microbatch repeats its first (discarded): every rank runs as many forwards
-        plan = [(samples, True) for samples in mine] + [(mine[0], False)] * (eval_set.forwards - len(mine))
+        # a rank short of one microbatch repeats its first (discarded): every rank runs as many forwards;
+        # one with none (fewer eval microbatches than dp ranks) runs the set's first sample, discarded
+        filler = mine[0] if mine else range(0, 1)
+        plan = [(samples, True) for samples in mine] + [(filler, False)] * (eval_set.forwards - len(mine))
         loss_sum = torch.zeros((), dtype=torch.float64, device=settings.device)
         tokens = torch.zeros((), dtype=torch.float64, device=settings.device)
         was_training = model.training
