@@ -19,17 +19,26 @@ from _quickstart import CONFIG, TINY, compare_runs, overrides, run_forked, sprea
 pytest.importorskip("torchao", reason="torchao (d9d-parallel's float8 extra) is not installed")
 
 F8 = ["trainer.precision.float8={recipe: tensorwise}"]
+#: Every run here, float8 or not, takes 4 sequences a step (2 microbatches of 2 on one process, 1 per
+#: rank on FSDP 2): torch's CPU `_scaled_mm` is a reference kernel (measured 17 ms for 128x64x64, ~600x
+#: a float32 matmul), so the quickstart's 16 sequences cost seconds per float8 step.
+BATCH = ["data.global_batch_size=4"]
+
+
+def _job(save_dir: Path, name: str, steps: int, *extra: str) -> list[str]:
+    return overrides(save_dir, name, steps, *BATCH, *extra)
 
 
 def test_float8_on_one_process_equals_fsdp_2_and_stays_near_float32(tmp_path):
-    one = train(1, overrides(tmp_path, "one", 3, *F8))
-    fsdp = train(2, overrides(tmp_path, "fsdp", 3, "mesh.data_parallel_shard=2", *F8))
-    plain = train(1, overrides(tmp_path, "plain", 3))
+    one = train(1, _job(tmp_path, "one", 3, *F8))
+    fsdp = train(2, _job(tmp_path, "fsdp", 3, "mesh.data_parallel_shard=2", *F8))
+    plain = train(1, _job(tmp_path, "plain", 3))
     gap = spread(one, plain)
-    assert 0 < gap.loss < 1e-2, gap  # float8 rounding changes the numbers, a little (measured 2e-4)
-    # FSDP sums the same float8 products in another order; e5m2 gradients (2 mantissa bits) turn the
-    # last-bit differences into visible ones (measured: loss 3e-6, grad norm 4.4e-4, weights 3.4e-3 on
-    # the embedding after 3 AdamW steps), a fifth or less of what float8 itself changes
+    assert 0 < gap.loss < 1e-2, gap  # float8 rounding changes the numbers, a little (measured 3.5e-4)
+    # FSDP sums the same float8 products in another order; e5m2 gradients (2 mantissa bits) can turn
+    # last-bit differences into visible ones (measured at 16 sequences a step: loss 3e-6, grad norm
+    # 4.4e-4, weights 3.4e-3; at 4: 5e-8, 2e-7, 4e-8 against float8's own 3.5e-4, 4.4e-3, 3.7e-2 after
+    # 3 AdamW steps), a fifth or less of what float8 itself changes
     found = compare_runs(fsdp, one, rel=1e-3, weights_rel=1e-2)
     assert found.grad_norm < gap.grad_norm / 5 and found.weights < gap.weights / 5, (found, gap)
 
@@ -39,13 +48,11 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 def test_a_checkpoint_holds_the_float32_weights_and_a_run_resumes_with_float8_on_or_off(tmp_path):
-    saved_on = train(1, overrides(tmp_path, "f8on", 2, *F8))  # its checkpoint at step 2
-    assert _same(train(1, overrides(tmp_path, "f8on", 2)).weights, saved_on.weights)  # loaded without float8
-    saved_off = train(1, overrides(tmp_path, "f8off", 2))
-    assert _same(
-        train(1, overrides(tmp_path, "f8off", 2, *F8)).weights, saved_off.weights
-    )  # loaded into float8
-    going_on = train(1, overrides(tmp_path, "f8off", 3, *F8))  # and it trains on from there
+    saved_on = train(1, _job(tmp_path, "f8on", 2, *F8))  # its checkpoint at step 2
+    assert _same(train(1, _job(tmp_path, "f8on", 2)).weights, saved_on.weights)  # loaded without float8
+    saved_off = train(1, _job(tmp_path, "f8off", 2))
+    assert _same(train(1, _job(tmp_path, "f8off", 2, *F8)).weights, saved_off.weights)  # loaded into float8
+    going_on = train(1, _job(tmp_path, "f8off", 3, *F8))  # and it trains on from there
     assert [r["step"] for r in going_on.records] == [1, 2, 3]
     assert torch.isfinite(torch.tensor(going_on.records[-1]["loss"]))
 
@@ -59,7 +66,7 @@ def _run(save_dir: str, compile_on: bool, checkpointing: str) -> tuple[dict[str,
 
     torch._dynamo.reset()
     counters.clear()
-    sets = [*TINY, *F8, f"trainer.compile.enabled={str(compile_on).lower()}",
+    sets = [*TINY, *BATCH, *F8, f"trainer.compile.enabled={str(compile_on).lower()}",
             f"trainer.activation_checkpointing.mode={checkpointing}", f"trainer.checkpointing.save_dir={save_dir}",
             "trainer.schedule.total_steps=6", "trainer.checkpointing.period_steps=0"]  # fmt: skip
     with Trainer.from_config(CONFIG, sets) as trainer:
@@ -80,7 +87,7 @@ def test_float8_with_activation_checkpointing_and_compile_keeps_one_graph_per_bl
     assert graphs["breaks"] == 0 and 1 <= graphs["graphs"] <= 2, (
         graphs
     )  # 2 blocks of one shape: no recompiles
-    # inductor rounds differently, and float8 casts make that visible (measured 1.1e-4 by step 6)
+    # inductor rounds differently, and float8 casts make that visible (measured 9.7e-5 by step 6)
     assert max(abs(a - b) / abs(b) for a, b in zip(compiled, eager, strict=True)) < 1e-3
 
 
