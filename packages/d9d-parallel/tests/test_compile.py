@@ -1,34 +1,30 @@
 """In-place `torch.compile` per block: same keys, idempotent, off when disabled, eager's numbers.
 
 torch.compile never runs in the pytest process (an inductor worker pool in the parent breaks the
-tests that fork ranks later): every check runs in one subprocess, which reports what it saw as JSON.
+tests that fork ranks later): every check runs in one forked process, which returns what it saw.
 """
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
+import copy
 from typing import Any
 
 import pytest
 
+from d9d.mesh.testing import run_distributed
 from d9d.parallel import CompileConfig
 
-_SCRIPT = textwrap.dedent(
-    """
-    import copy, json, sys
-    import torch
-    import torch._inductor.config
 
-    torch._inductor.config.compile_threads = 1  # no worker pool
-    sys.path.insert(0, sys.argv[1])
+def _check_compile() -> dict[str, Any]:
+    """Every check, in the forked process that compiles; what it saw."""
+    import torch._inductor.config
     import torch.nn.functional as F
     from _tiny_transformer import TinyConfig, make_batches, make_model
-    from d9d.parallel import CompileConfig, compile_blocks
 
-    seen = {}
+    from d9d.parallel import compile_blocks
+
+    torch._inductor.config.compile_threads = 1  # no worker pool in the forked process either
+    torch._dynamo.reset()  # counts start at 0 whatever the parent process did
+    torch._dynamo.utils.counters.clear()
+    seen: dict[str, Any] = {}
     cfg = TinyConfig(n_layers=2)
     model = make_model(cfg=cfg)
     eager = copy.deepcopy(model)
@@ -48,7 +44,7 @@ _SCRIPT = textwrap.dedent(
     impls = [b._compiled_call_impl for b in model.blocks]
     again = compile_blocks(model.blocks, CompileConfig(enabled=True))
     seen["idempotent"] = [id(b) for b in again] == [id(b) for b in model.blocks] and all(
-        b._compiled_call_impl is impl for b, impl in zip(model.blocks, impls)
+        b._compiled_call_impl is impl for b, impl in zip(model.blocks, impls, strict=True)
     )
     seen["keys_unchanged"] = list(model.state_dict()) == keys
     seen["names_unchanged"] = [n for n, _ in model.named_parameters()] == names
@@ -82,26 +78,14 @@ _SCRIPT = textwrap.dedent(
     seen["none_config_compiles"] = (
         len(compile_blocks([none_config])) == 1 and none_config._compiled_call_impl is not None
     )
-    print("RESULT " + json.dumps(seen))
-    """
-)
+    return seen
 
 
 @pytest.fixture(scope="module")
-def seen(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    script = tmp_path_factory.mktemp("compile") / "check_compile.py"
-    script.write_text(_SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, str(script), str(Path(__file__).parent)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line.removeprefix("RESULT "))
+def seen() -> dict[str, Any]:
+    # one forked process (world size 1): it reuses this process's imported torch and dynamo
+    (found,) = run_distributed(_check_compile, 1, timeout=300)
+    return found
 
 
 def test_disabled_config_does_nothing(seen):
