@@ -1,11 +1,13 @@
 """Run the quickstart job (tiny overrides) and compare what runs left: losses, grad norms, weights.
 
 Three ways to run it: a plain process (`run_local`), a real torchrun (`run_ranks`), or forked from
-the test process (`train`: one plain process, or ranks joined by `d9d.mesh.testing.run_distributed`),
-which skips a fresh interpreter per rank. `compare_runs` is the one parity check of the e2e tests.
+the test process (`train`: one plain process, or ranks joined by `d9d.mesh.testing.run_distributed`;
+`run_main`: train.py's `main()` with its exit status and output), which skips a fresh interpreter per
+rank. `compare_runs` is the one parity check of the e2e tests.
 """
 
 import importlib.util
+import io
 import json
 import math
 import multiprocessing
@@ -13,6 +15,7 @@ import os
 import pickle
 import subprocess
 import sys
+import tempfile
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -22,6 +25,7 @@ from typing import Any
 import torch
 
 from d9d.mesh.testing import run_distributed, run_torchrun
+from d9d.trainer import Trainer, main  # here, once, not in every forked run (~3 s each)
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "examples" / "quickstart" / "train.py")
@@ -80,6 +84,42 @@ def run_local(args: list[str], timeout: float = 300) -> subprocess.CompletedProc
         [sys.executable, TRAIN, CONFIG, *args], capture_output=True, text=True, timeout=timeout,
         env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
     )  # fmt: skip
+
+
+def run_main(
+    args: list[str], *, config: str = CONFIG, cwd: Path | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """`python train.py CONFIG ARGS` as its `main()` runs it, in a process forked from this one (no
+    interpreter start-up), started in `cwd`: its exit status and what it wrote on stdout and stderr."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        code = run_forked(_main_writing_to, config, list(args), str(out), str(err), cwd, timeout=timeout)
+        return subprocess.CompletedProcess(
+            [TRAIN, config, *args], code, out.read_text(errors="replace"), err.read_text(errors="replace")
+        )
+
+
+def _main_writing_to(config: str, args: list[str], out: str, err: str, cwd: Path | None) -> int:
+    if cwd is not None:
+        os.chdir(cwd)
+    for fd, path in ((1, out), (2, err)):  # the process's own stdout and stderr, as a subprocess's
+        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(opened, fd)
+        os.close(opened)
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True)
+    try:
+        main([config, *args])
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except BaseException:
+        traceback.print_exc()  # an uncaught error, as the interpreter would print it
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return code
 
 
 def run_ranks(nproc: int, args: list[str], timeout: float = 300) -> str:
@@ -277,8 +317,6 @@ def train_and_gather(args: list[str]) -> dict[str, torch.Tensor]:
     full-tensor view of its weights."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from d9d.trainer import Trainer
-
     with Trainer.from_config(CONFIG, args) as trainer:
         trainer.train()
         if any(arg.startswith("export.dir=") and arg != "export.dir=null" for arg in args):
@@ -290,8 +328,6 @@ def train_and_gather(args: list[str]) -> dict[str, torch.Tensor]:
 def build_error(args: list[str]) -> str:
     """Build the quickstart job (and close it) in this process: "Type: message" of what it raised, or
     "no error". Call it in forked ranks (`run_distributed`, `run_forked`), never in the test process."""
-    from d9d.trainer import Trainer
-
     try:
         Trainer.from_config(CONFIG, args).close()
     except Exception as exc:

@@ -1,15 +1,17 @@
-"""What a resume refuses or adapts to, through real `python train.py` processes: another optimizer
-(refused with the fix, or reset on request), a changed seed (noticed in one line), and relative paths
-taken from the config file's directory wherever the job is started from."""
+"""What a resume refuses or adapts to, through train.py's `main()`: another optimizer (refused with
+the fix, or reset on request), a changed seed (noticed in one line), and relative paths taken from the
+config file's directory wherever the job is started from. The refusal runs as a real `python train.py`
+process (its exit status and its one stderr line are the contract), the seed job through the fault
+harness's `start_job`; the other runs are forked from the test process (`run_main`: the same `main()`,
+its exit status and output, without an interpreter start-up each)."""
 
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import yaml
-from _quickstart import CONFIG, TINY, TRAIN, overrides, records, run_local
+from _quickstart import CONFIG, TINY, overrides, records, run_local, run_main
 from faults._harness import start_job
 
 from d9d.ckpt import CheckpointManager
@@ -23,7 +25,7 @@ def _snapshot(directory: Path) -> dict[str, int]:
 
 def test_a_resume_with_another_optimizer_is_refused_with_the_fix_then_reset_on_request(tmp_path):
     base = [*TINY, f"trainer.checkpointing.save_dir={tmp_path}", "trainer.run.name=opt"]
-    first = run_local([*base, "trainer.schedule.total_steps=2"])
+    first = run_main([*base, "trainer.schedule.total_steps=2"])
     assert first.returncode == 0, first.stderr[-2000:]
     run_dir = tmp_path / "opt"
     before = _snapshot(run_dir)
@@ -37,7 +39,7 @@ def test_a_resume_with_another_optimizer_is_refused_with_the_fix_then_reset_on_r
     after = _snapshot(run_dir)
     assert {k: v for k, v in after.items() if not k.startswith("logs")} == before  # nothing written
 
-    reset = run_local(
+    reset = run_main(
         [*base, "trainer.schedule.total_steps=4", "optimizer.name=sgd", "optimizer.lr=0.1",
          "trainer.resume.reset_optimizer=true"]
     )  # fmt: skip
@@ -48,7 +50,7 @@ def test_a_resume_with_another_optimizer_is_refused_with_the_fix_then_reset_on_r
         assert [c.step for c in manager.checkpoints()] == [2, 4]
 
     # The checkpoint now records SGD: the same command resumes with its state (no reset, no refusal).
-    again = run_local(
+    again = run_main(
         [*base, "trainer.schedule.total_steps=6", "optimizer.name=sgd", "optimizer.lr=0.1",
          "trainer.resume.reset_optimizer=true"]
     )  # fmt: skip
@@ -88,10 +90,9 @@ def test_relative_paths_of_a_config_are_taken_from_its_directory_wherever_the_jo
         cwd.mkdir()
 
     def run(cwd: Path, steps: int) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, TRAIN, str(job / "config.yaml"), *TINY, f"trainer.schedule.total_steps={steps}"],
-            cwd=cwd, capture_output=True, text=True, timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
-        )  # fmt: skip
+        return run_main(
+            [*TINY, f"trainer.schedule.total_steps={steps}"], config=str(job / "config.yaml"), cwd=cwd
+        )
 
     first = run(elsewhere[0], 2)
     assert first.returncode == 0, first.stderr[-2000:]
