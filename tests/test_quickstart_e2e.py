@@ -42,6 +42,9 @@ MESHES = {
 #: "unclipped" lets a gradient-scale error reach the loss, not only the logged norm, and carries SGD
 #: momentum state into the final checkpoint (a Partial norm-weight gradient under TP made its save fail).
 VARIANTS = {"clipped": SGD, "unclipped": [*SGD, "optimizer.momentum=0.5", *NO_CLIP]}
+#: Every run writes its final checkpoint only (always written): the compared weights are gathered from
+#: the model, and a checkpoint at step 2 too would only add a save per run.
+LAST_SAVE = ["trainer.checkpointing.period_steps=0"]
 
 
 def _model(mesh: str) -> list[str]:
@@ -66,7 +69,7 @@ def reference(runs):
         key = (model, variant)
         if key not in cache:
             name = f"single{len(cache)}"
-            cache[key] = train(1, overrides(runs, name, STEPS, *model, *variant))
+            cache[key] = train(1, overrides(runs, name, STEPS, *LAST_SAVE, *model, *variant))
             losses = [r["loss"] for r in cache[key].records]
             assert len(losses) == STEPS and losses[-1] < losses[0]
         return cache[key]
@@ -83,7 +86,7 @@ def mesh_run(runs):
         if (mesh, variant) not in cache:
             nproc, degrees = MESHES[mesh]
             job = [*_model(mesh), *VARIANTS[variant], *degrees]
-            cache[mesh, variant] = train(nproc, overrides(runs, f"{mesh}-{variant}", STEPS, *job))
+            cache[mesh, variant] = train(nproc, overrides(runs, f"{mesh}-{variant}", STEPS, *LAST_SAVE, *job))
         return cache[mesh, variant]
 
     return get
@@ -99,7 +102,7 @@ def test_mesh_gives_single_process_losses_grad_norms_and_weights(reference, mesh
 def test_tensor_parallel_keeps_qk_norm_replicas_equal(runs):
     """Per-head norms under tensor parallel (each rank normalizes its own heads): their weight
     gradients are summed over tp, so after training both tp ranks hold the same q/k norms."""
-    args = overrides(runs, "tp2-replicas", 2, *SGD, "mesh.tensor_parallel=2")
+    args = overrides(runs, "tp2-replicas", 2, *LAST_SAVE, *SGD, "mesh.tensor_parallel=2")
     rank0, rank1 = run_distributed(train_and_gather, 2, args, timeout=300)
     differ = [name for name in rank0 if not torch.equal(rank0[name], rank1[name])]
     assert not differ, f"tp ranks hold different replicas of {differ}"
@@ -115,7 +118,15 @@ def test_comparison_catches_gradients_averaged_instead_of_summed(runs, reference
     expected = reference((), tuple(VARIANTS["unclipped"]))
     broken = train(
         2,
-        overrides(runs, "fsdp2-mean", STEPS, *VARIANTS["unclipped"], "mesh.data_parallel_shard=2", MUTATION),
+        overrides(
+            runs,
+            "fsdp2-mean",
+            STEPS,
+            *LAST_SAVE,
+            *VARIANTS["unclipped"],
+            "mesh.data_parallel_shard=2",
+            MUTATION,
+        ),
     )
     with pytest.raises(AssertionError, match="grad_norm off") as caught:
         compare_runs(broken, expected, rel=REL)
