@@ -23,6 +23,16 @@ from _quickstart import CONFIG, overrides, records, run_forked, train, train_and
 from d9d.trainer import ConfigError, load_job_config
 from d9d.trainer.tracking import STATE_FILE, Trackers, numeric_fields
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _tracker_libraries_imported() -> None:
+    """Import the trackers' libraries once here, before the ranks fork: each forked run would import
+    them itself, mlflow alone ~4-7 s on a busy 2-core machine. Importing starts no thread."""
+    import mlflow  # noqa: F401
+    import torch.utils.tensorboard  # noqa: F401
+    import wandb  # noqa: F401
+
+
 ALL = "trainer.tracking={backends: [jsonl, tensorboard, wandb, mlflow], project: tiny, wandb_mode: offline}"
 #: Fields that are the same numbers when a step is redone (the others are timings and memory).
 EXACT = ("loss", "grad_norm", "lr", "tokens")
