@@ -97,7 +97,13 @@ MESHES = {
 @pytest.mark.parametrize("mesh", list(MESHES), ids=list(MESHES))
 def test_bf16_matmuls_fp32_master_weights_and_reductions(tmp_path, mesh):
     args = overrides(tmp_path, "bf16", 1, *BF16, *MESHES[mesh])
-    results = [_one_step(args)] if mesh == "local" else run_distributed(_one_step, 2, args, timeout=180)
+    # local: forked too, as no test trains in the pytest process (a backward there, after an in-process
+    # `d9d plan`, leaves autograd's fork handler set: every later forked rank's backward then fails)
+    results = (
+        [run_forked(_one_step, args, timeout=180)]
+        if mesh == "local"
+        else run_distributed(_one_step, 2, args, timeout=180)
+    )
     for rank, seen in enumerate(results):
         assert seen["matmuls"], f"rank {rank} ran no matmul"
         for name, dtypes in seen["matmuls"]:
