@@ -35,7 +35,7 @@ from _common import row, write_rows  # noqa: E402
 
 from d9d.mesh.testing import run_distributed  # noqa: E402
 from d9d.parallel import fsdp_parameters  # noqa: E402
-from d9d.trainer import Trainer, load_job_config, plan_job, resolve_job  # noqa: E402
+from d9d.trainer import Trainer, load_job_config  # noqa: E402
 
 CONFIG = ROOT / "examples" / "quickstart" / "config.yaml"
 LEVERS = {"1 process": [], "FSDP 2": ["mesh.data_parallel_shard=2"],
@@ -87,18 +87,10 @@ def _measure(sets: list[str]) -> dict[str, Any]:
 
 
 def _plan(sets: list[str]) -> tuple[int, int]:
-    """`d9d plan`'s per-rank state estimate: (device, host) bytes, on a planning context as `d9d plan`."""
-    from d9d.mesh import DistributedContext
+    """`d9d plan`'s per-rank state estimate: (device, host) bytes, planned as `d9d plan` plans."""
+    from d9d.trainer.planning import plan_config
 
-    job = resolve_job(load_job_config(CONFIG, sets))
-    mesh = job.config.mesh
-    context = (
-        DistributedContext.from_env(mesh, environ={}, device="cpu")
-        if mesh.is_local
-        else DistributedContext.for_planning(mesh)
-    )
-    with context as ctx:
-        memory = plan_job(job, ctx, device="cpu", memory=True).memory
+    memory = plan_config(load_job_config(CONFIG, sets), device="cpu").memory
     assert memory is not None
     return memory.device_state, memory.host_state
 
