@@ -21,6 +21,7 @@ __all__ = [
     "MLP",
     "Attention",
     "DecoderLayer",
+    "KVCache",
     "RMSNorm",
     "ReferenceForCausalLM",
     "ReferenceModel",
@@ -80,6 +81,41 @@ def _in_compute_dtype(hidden_states: torch.Tensor) -> torch.Tensor:
     return to_autocast_dtype(hidden_states)
 
 
+class KVCache:
+    """The keys and values of the tokens seen so far, for generating one token at a time.
+
+    One [batch, kv_heads, max_length, head_dim] buffer pair per layer (made in the dtype and on the
+    device of the layer's first keys), filled from position 0;
+    `length` tokens are held. `ReferenceForCausalLM.new_kv_cache` makes one;
+    `ReferenceForCausalLM.forward(..., kv_cache=cache)` appends the new tokens' keys and values,
+    attends over everything held, and advances `length`.
+    """
+
+    def __init__(self, max_length: int) -> None:
+        self.keys: dict[str, torch.Tensor] = {}  # by layer name, made at the layer's first tokens
+        self.values: dict[str, torch.Tensor] = {}
+        self.max_length = max_length
+        self.length = 0
+
+    def extend(self, layer: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store `k`, `v` ([batch, kv_heads, seq, head_dim]) after the held tokens of `layer`; the keys
+        and values of every token held and new (the cache's `length` moves on in `advance`)."""
+        end = self.length + k.shape[2]
+        if end > self.max_length:
+            raise ValueError(f"the KV cache holds {self.max_length} tokens; {end} were asked for")
+        if layer not in self.keys:  # in the dtype and on the device the layer computes in
+            batch, heads, _, width = k.shape
+            self.keys[layer] = k.new_zeros(batch, heads, self.max_length, width)
+            self.values[layer] = v.new_zeros(batch, heads, self.max_length, width)
+        self.keys[layer][:, :, self.length : end] = k
+        self.values[layer][:, :, self.length : end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def advance(self, tokens: int) -> None:
+        """Count `tokens` more as held (after every layer stored them)."""
+        self.length += tokens
+
+
 class Attention(nn.Module):
     """Causal self-attention with RoPE, grouped-query heads, optional per-head q/k RMSNorm (Qwen3) and
     optional q/k/v biases (Qwen2).
@@ -110,12 +146,14 @@ class Attention(nn.Module):
         *,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: Any = None,
+        kv_cache: tuple[KVCache, str] | None = None,
     ) -> torch.Tensor:
         """`hidden_states` [batch, seq, hidden] → [batch, seq, hidden]; `position_embeddings` is (cos, sin).
 
         `attention_mask` replaces the plain causal mask: a `d9d.parallel.DocumentMask` of packed
         documents (FlexAttention on CUDA, masked SDPA elsewhere), or a bool [batch, 1, seq, seq]
-        tensor (True = may attend).
+        tensor (True = may attend). `kv_cache` (the cache and this layer's name): the tokens attend to
+        the cached ones before them too, and their keys and values are stored.
         """
         batch, seq, _ = hidden_states.shape
         q = self.q_proj(hidden_states).view(batch, seq, -1, self.head_dim)
@@ -126,7 +164,18 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         cos, sin = position_embeddings
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if attention_mask is not None:
+        if kv_cache is not None:
+            cache, layer = kv_cache
+            held = cache.length
+            k, v = cache.extend(layer, k, v)
+            gqa = q.shape[1] != k.shape[1]
+            if held == 0:  # the prompt: plain causal attention
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            else:  # new token i sees every held token and the new ones up to itself
+                new = torch.arange(seq, device=q.device)[:, None] + held
+                allowed = torch.arange(held + seq, device=q.device)[None, :] <= new
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=gqa)
+        elif attention_mask is not None:
             if self.context_parallel is not None:
                 raise NotImplementedError(
                     "document masking (document_ids) with mesh.context_parallel > 1 is not supported yet; "
@@ -207,12 +256,15 @@ class DecoderLayer(nn.Module):
         *,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: Any = None,
+        kv_cache: tuple[KVCache, str] | None = None,
     ) -> torch.Tensor:
-        """`hidden_states` [batch, seq, hidden] → same shape (`attention_mask`: see `Attention`)."""
+        """`hidden_states` [batch, seq, hidden] → same shape (`attention_mask`, `kv_cache`: see `Attention`)."""
+        extra = {} if kv_cache is None else {"kv_cache": kv_cache}
         attn_out = self.self_attn(
             self.input_layernorm(hidden_states),
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
+            **extra,
         )
         hidden_states = hidden_states + attn_out
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
@@ -249,6 +301,7 @@ class ReferenceModel(nn.Module):
         inputs: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         """`inputs`: token ids [batch, seq] (hidden states when not `embeds_inputs`) → [batch, seq, hidden].
 
@@ -258,7 +311,11 @@ class ReferenceModel(nn.Module):
                 documents (positions restarting at 0 per document).
             document_ids: [batch, seq] document of each token (packed rows, e.g. d9d.data's
                 `document_masking`): attention is block-causal, never across documents.
+            kv_cache: the tokens before these (`new_kv_cache`, generation on one process): positions
+                continue after them, attention sees them, and the cache then holds these tokens too.
         """
+        if kv_cache is not None:
+            return self._forward_cached(inputs, kv_cache)
         embedding = self.embed_tokens if self.embeds_inputs else None
         # The residual stream in the compute dtype on every mesh (autocast leaves a lookup in float32)
         hidden_states = _in_compute_dtype(embedding(inputs)) if embedding is not None else inputs
@@ -284,6 +341,24 @@ class ReferenceModel(nn.Module):
                     hidden_states, position_embeddings=position_embeddings, attention_mask=mask
                 )
         return self.norm(hidden_states) if self.norm is not None else hidden_states
+
+    def _forward_cached(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """`forward` after the tokens `cache` holds (the whole model, one process, no packing)."""
+        if self.embed_tokens is None or self.norm is None or self.context_parallel is not None:
+            raise ValueError(
+                "a KV cache needs the whole model on one process (no pipeline or context parallelism)"
+            )
+        seq = input_ids.shape[1]
+        check_sequence_length(self.config, cache.length + seq)
+        hidden_states = _in_compute_dtype(self.embed_tokens(input_ids))
+        positions = torch.arange(cache.length, cache.length + seq, device=input_ids.device)
+        position_embeddings = self.rotary_emb(positions.expand(input_ids.shape[0], -1), hidden_states.dtype)
+        for name, layer in self.layers.items():
+            hidden_states = layer(
+                hidden_states, position_embeddings=position_embeddings, kv_cache=(cache, name)
+            )
+        cache.advance(seq)
+        return self.norm(hidden_states)
 
 
 class ReferenceForCausalLM(nn.Module):
@@ -368,18 +443,27 @@ class ReferenceForCausalLM(nn.Module):
             for buffer in module.buffers(recurse=False):  # e.g. a MoE router's score bias: starts at 0
                 nn.init.zeros_(buffer)
 
+    def new_kv_cache(self, max_length: int) -> KVCache:
+        """An empty KV cache for up to `max_length` tokens per row (d9d's `generate` uses it: the
+        prompt once, then one forward per new token)."""
+        return KVCache(max_length)
+
     def forward(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         """`input_ids` [batch, seq] → logits [batch, seq, vocab] (float32 when `config.fp32_logits`).
 
-        On a pipeline stage without `lm_head` the output is the hidden states instead. `position_ids`
-        and `document_ids` as in `ReferenceModel.forward` (packed documents).
+        On a pipeline stage without `lm_head` the output is the hidden states instead. `position_ids`,
+        `document_ids` and `kv_cache` as in `ReferenceModel.forward`.
         """
-        hidden_states = self.model(input_ids, position_ids, document_ids)
+        if kv_cache is not None:
+            hidden_states = self.model(input_ids, kv_cache=kv_cache)
+        else:
+            hidden_states = self.model(input_ids, position_ids, document_ids)
         if self.lm_head is None:
             return hidden_states
         logits = self.lm_head(hidden_states)

@@ -18,6 +18,7 @@ COMMANDS: dict[str, str] = {
     "checkpoints": "List a run's checkpoints; flag unfinished ones.",
     "metrics": "Summarize (and plot) a run's metrics; several runs to compare them.",
     "export": "Export a checkpoint as safetensors.",
+    "generate": "Sample text from a run or an export.",
     "data": "Prepare a corpus for training: tokenize it once into shards.",
 }
 
@@ -39,6 +40,7 @@ Examples:
   d9d checkpoints runs/quickstart
   d9d metrics runs/quickstart
   d9d export runs/quickstart --out exported/
+  d9d generate runs/quickstart --prompt "Call me" --max-new-tokens 40
   d9d data prepare corpus/ --out prepared/ --workers 4"""
 
 _HELP_OPTIONS = ("--help", "-h")

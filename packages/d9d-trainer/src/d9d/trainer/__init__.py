@@ -26,9 +26,10 @@ if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports t
     )
     from d9d.trainer.callbacks import Callback, RunControl
     from d9d.trainer.config import JobConfig
-    from d9d.trainer.entry import main, run_command, run_job
+    from d9d.trainer.entry import main, run_job
     from d9d.trainer.errors import TrainingError
     from d9d.trainer.evaluation import EvalResult
+    from d9d.trainer.generation import SamplingConfig, generate
     from d9d.trainer.job import ResolvedJob, resolve_job
     from d9d.trainer.loading import ConfigError, ConfigPath, LoadedJob, load_job_config
     from d9d.trainer.materialize import materialize_and_initialize
@@ -77,7 +78,6 @@ if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports t
         SupportsClose,
         Task,
     )
-    from d9d.trainer.reporting import report_job_error
     from d9d.trainer.train_result import TrainResult
     from d9d.trainer.trainer import Trainer
 
@@ -91,9 +91,10 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     ),
     "callbacks": ("Callback", "RunControl"),
     "config": ("JobConfig",),
-    "entry": ("main", "run_command", "run_job"),
+    "entry": ("main", "run_job"),
     "errors": ("TrainingError",),
     "evaluation": ("EvalResult",),
+    "generation": ("SamplingConfig", "generate"),
     "job": ("ResolvedJob", "resolve_job"),
     "loading": ("ConfigError", "ConfigPath", "LoadedJob", "load_job_config"),
     "materialize": ("materialize_and_initialize",),
@@ -142,7 +143,6 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "SupportsClose",
         "Task",
     ),
-    "reporting": ("report_job_error",),
     "train_result": ("TrainResult",),
     "trainer": ("Trainer",),
 }
@@ -198,20 +198,20 @@ __all__ = [
     "PreparedDataProvider",
     "ResolvedJob",
     "RunControl",
+    "SamplingConfig",
     "SequencePlan",
     "SupportsClose",
     "Task",
     "TrainResult",
     "Trainer",
     "TrainingError",
+    "generate",
     "load_job_config",
     "main",
     "materialize_and_initialize",
     "plan_fit",
     "plan_job",
     "read_metrics",
-    "report_job_error",
     "resolve_job",
-    "run_command",
     "run_job",
 ]

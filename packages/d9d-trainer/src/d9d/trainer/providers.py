@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from d9d.data import DataProvider, DeclaresDocumentMasking, DeclaresSeqLen, DeclaresVocabSize
+from d9d.data import DataProvider, DeclaresDocumentMasking, DeclaresSeqLen, DeclaresVocabSize, Tokenizer
 from d9d.mesh import DistributedContext, MeshConfig
 from d9d.parallel import ActivationCheckpointingConfig, CompileConfig, LoraConfig, MixedPrecision
 
@@ -308,6 +308,9 @@ class BuildDatasetResult:
         document_masking: samples pack documents that must not attend to each other (they carry
             `position_ids` and `document_ids`), checked against context parallelism; None when
             unknown. When not given, the dataset's own (`d9d.data.DeclaresDocumentMasking`).
+        tokenizer: the `d9d.data.Tokenizer` the samples were encoded with (`d9d generate` encodes
+            prompts and decodes text with it); None when unknown. When not given, the dataset's own
+            `tokenizer` attribute (d9d.data's text and chat datasets have one).
     """
 
     dataset: Any
@@ -315,6 +318,7 @@ class BuildDatasetResult:
     seq_len: int | None = None
     vocab_size: int | None = None
     document_masking: bool | None = None
+    tokenizer: Tokenizer | None = None
 
     def __post_init__(self) -> None:
         if self.seq_len is None and isinstance(self.dataset, DeclaresSeqLen):
@@ -324,6 +328,9 @@ class BuildDatasetResult:
         if self.document_masking is None and isinstance(self.dataset, DeclaresDocumentMasking):
             masking = self.dataset.document_masking
             object.__setattr__(self, "document_masking", masking if isinstance(masking, bool) else None)
+        if self.tokenizer is None:
+            found = getattr(self.dataset, "tokenizer", None)
+            object.__setattr__(self, "tokenizer", found if isinstance(found, Tokenizer) else None)
 
 
 def _count(value: object) -> int | None:

@@ -90,6 +90,7 @@ class Trainer:
         # What close() releases, registered as the build acquires it (a failed build releases what it
         # got): `_closers` before the process group closes (the last acquired first), `_releasers` after.
         self._closers: list[Callable[[], None]] = []
+        self._dataset: Any = None
         self._releasers: list[Callable[[], None]] = []
         tcfg = job.config.trainer
         self._context = DistributedContext.from_env(
@@ -142,6 +143,7 @@ class Trainer:
             if job.dataset_provider is not None
             else None
         )
+        self._dataset = dataset
         plan = self._plan = plan_job(
             job, ctx, dataset=dataset
         )  # every decision, checked before data or model
@@ -335,6 +337,12 @@ class Trainer:
     def model(self) -> torch.nn.Module:
         """The (parallelized) model."""
         return self._model
+
+    @property
+    def tokenizer(self) -> Any:
+        """The `d9d.data.Tokenizer` the job's dataset was encoded with (`BuildDatasetResult.tokenizer`),
+        or None when the dataset provider names none."""
+        return getattr(self._dataset, "tokenizer", None)
 
     @property
     def data(self) -> Any:

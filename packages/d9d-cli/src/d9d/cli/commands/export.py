@@ -26,7 +26,15 @@ if TYPE_CHECKING:  # the trainer imports torch: only inside the command at run t
     from d9d.ckpt import CheckpointInfo
     from d9d.trainer import LoadedJob
 
-__all__ = ["export", "find_config_dir", "relative_provider_files"]
+__all__ = [
+    "committed_checkpoint",
+    "export",
+    "find_config_dir",
+    "loaded_from_run",
+    "relative_provider_files",
+    "single_process_mesh",
+    "with_values",
+]
 
 
 def relative_provider_files(raw: dict[str, Any]) -> list[str]:
@@ -95,7 +103,7 @@ def _names_providers(directory: Path, providers: Any) -> bool:
     return False
 
 
-def _single_process_mesh(loaded: "LoadedJob") -> "LoadedJob":
+def single_process_mesh(loaded: "LoadedJob") -> "LoadedJob":
     """Outside torchrun, export in this one process (checkpoints reshard to any mesh).
 
     Only the degrees that are not 1 already are set, so that the trainer's "resumed with a changed
@@ -107,10 +115,10 @@ def _single_process_mesh(loaded: "LoadedJob") -> "LoadedJob":
 
     mesh = loaded.config.mesh
     changes = {f"mesh.{key}": 1 for key in DEGREE_KEYS if getattr(mesh, key) != 1}
-    return _with_values(loaded, changes) if changes else loaded
+    return with_values(loaded, changes) if changes else loaded
 
 
-def _with_values(loaded: "LoadedJob", values: dict[str, Any]) -> "LoadedJob":
+def with_values(loaded: "LoadedJob", values: dict[str, Any]) -> "LoadedJob":
     """`loaded` with some `a.b.c` keys set (in the raw dict: no YAML typing of the values), path kept."""
     from d9d.trainer import load_job_config
 
@@ -180,14 +188,14 @@ def export(source: str, out_dir: str, step: int | None, best: bool, overrides: S
 
     if src.is_dir():
         run_dir = check_run_dir(src)
-        info = _committed_checkpoint(run_dir, step, best=best)
-        loaded = _loaded_from_run(run_dir, info, list(overrides))
+        info = committed_checkpoint(run_dir, step, best=best)
+        loaded = loaded_from_run(run_dir, info, list(overrides))
     else:
         loaded = load_job_config(src, list(overrides))
         ckpt = loaded.config.trainer.checkpointing
         run_dir = loaded.resolve_path(ckpt.save_dir) / loaded.config.trainer.run.name
-        info = _committed_checkpoint(run_dir, step, best=best)
-    loaded = _single_process_mesh(loaded)
+        info = committed_checkpoint(run_dir, step, best=best)
+    loaded = single_process_mesh(loaded)
 
     from d9d.mesh import get_logger
     from d9d.trainer import Trainer
@@ -208,9 +216,11 @@ def _is_reporting_rank() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def _committed_checkpoint(run_dir: Path, step: int | None, *, best: bool = False) -> "CheckpointInfo":
+def committed_checkpoint(
+    run_dir: Path, step: int | None, *, best: bool = False, purpose: str = "export"
+) -> "CheckpointInfo":
     """The run's committed checkpoint (`CheckpointInfo`) of `step`, its best (`best`) or its latest; a
-    `CliError` if none."""
+    `CliError` (saying there is none to `purpose`) if none."""
     if not run_dir.is_dir():
         raise CliError(
             f"run directory {run_dir} does not exist; train the job first (or check trainer.run.name "
@@ -219,7 +229,7 @@ def _committed_checkpoint(run_dir: Path, step: int | None, *, best: bool = False
     committed = scan_run_dir(run_dir).committed
     steps = [info.step for info in committed]
     if not steps:
-        raise CliError(f"{run_dir} has no committed checkpoint to export; train the job first")
+        raise CliError(f"{run_dir} has no committed checkpoint to {purpose}; train the job first")
     if best:
         from d9d.ckpt import best_checkpoints
 
@@ -238,7 +248,7 @@ def _committed_checkpoint(run_dir: Path, step: int | None, *, best: bool = False
     return next(info for info in committed if info.step == step)
 
 
-def _loaded_from_run(run_dir: Path, info: "CheckpointInfo", overrides: list[str]) -> "LoadedJob":
+def loaded_from_run(run_dir: Path, info: "CheckpointInfo", overrides: list[str]) -> "LoadedJob":
     """The job config stored in checkpoint `info`, pointed back at this run directory.
 
     Reads only the checkpoint's small extra-state file: the weights are loaded once, by the trainer.
@@ -273,4 +283,4 @@ def _loaded_from_run(run_dir: Path, info: "CheckpointInfo", overrides: list[str]
         "trainer.checkpointing.save_dir": str(run_dir.resolve().parent),
         "trainer.run.name": run_dir.name,
     }
-    return _with_values(loaded, pinned)
+    return with_values(loaded, pinned)

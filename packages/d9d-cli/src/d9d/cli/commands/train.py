@@ -26,6 +26,6 @@ def train(config: str, overrides: Sequence[str]) -> None:
       torchrun --nproc-per-node 2 -m d9d.cli train config.yaml --set mesh.data_parallel_shard=2
     """
     check_config_path(config)
-    from d9d.trainer import run_command
+    from d9d.trainer.entry import run_command
 
     run_command(config, list(overrides))  # Ctrl-C and a saved SIGTERM exit as `python train.py` does
