@@ -21,7 +21,7 @@ from d9d.mesh.quiet import quiet_library_notices
 quiet_library_notices()
 
 if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports these on first use
-    from d9d.mesh.config import DEGREE_KEYS, MeshConfig
+    from d9d.mesh.config import AUTO, DEGREE_KEYS, MeshConfig, resolve_auto_degree
     from d9d.mesh.context import DistributedContext, Mode
     from d9d.mesh.device import DEVICE_CHOICES, DeviceChoice, cuda_problem, device_name, resolve_device
     from d9d.mesh.errors import D9dError, LaunchError, MeshConfigError, RendezvousError
@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports t
 
 #: Module → the public names it defines (the run-time twin of the imports above; a test keeps them equal).
 _EXPORTS: dict[str, tuple[str, ...]] = {
-    "config": ("DEGREE_KEYS", "MeshConfig"),
+    "config": ("AUTO", "DEGREE_KEYS", "MeshConfig", "resolve_auto_degree"),
     "context": ("DistributedContext", "Mode"),
     "device": ("DEVICE_CHOICES", "DeviceChoice", "cuda_problem", "device_name", "resolve_device"),
     "errors": ("D9dError", "LaunchError", "MeshConfigError", "RendezvousError"),
@@ -58,6 +58,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
 _MODULE_OF, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())  # PEP 562
 
 __all__ = [
+    "AUTO",
     "DEGREE_KEYS",
     "DEVICE_CHOICES",
     "DOMAINS",
@@ -82,5 +83,6 @@ __all__ = [
     "rank_coordinates",
     "rank_log_path",
     "rank_tag",
+    "resolve_auto_degree",
     "resolve_device",
 ]

@@ -1,10 +1,16 @@
 """`MeshConfig`: the parallelism degrees of a job (the `mesh:` section of a config)."""
 
+from collections.abc import Mapping
+from typing import Any
+
 import msgspec
 
 from d9d.mesh.errors import MeshConfigError
 
-__all__ = ["DEGREE_KEYS", "MeshConfig"]
+__all__ = ["AUTO", "DEGREE_KEYS", "MeshConfig", "resolve_auto_degree"]
+
+#: The value of the one degree that takes the rest of the world (`mesh.data_parallel_shard: auto`).
+AUTO = "auto"
 
 #: Degree keys in the order of the dense mesh axes (outermost first), expert_parallel last.
 DEGREE_KEYS: tuple[str, ...] = (
@@ -79,6 +85,47 @@ class MeshConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
         """The degrees that are not 1, as `key=value` pairs (or `all degrees 1`)."""
         parts = [f"{key}={getattr(self, key)}" for key in DEGREE_KEYS if getattr(self, key) != 1]
         return ", ".join(parts) if parts else "all degrees 1"
+
+
+def resolve_auto_degree(mesh: Mapping[str, Any], world_size: int) -> dict[str, Any]:
+    """A raw `mesh:` section with its `auto` degree (at most one) set to what `world_size` leaves it:
+    the world divided by the product of the other degrees (expert_parallel does not count).
+
+    So one config runs on whatever world the launcher hands it, e.g. under torchrun's elastic agent
+    after a node left or joined. Values that are not integers are left for the schema to refuse.
+
+    Raises:
+        MeshConfigError: more than one `auto`, `auto` on expert_parallel, or a world that the other
+            degrees do not divide.
+    """
+    autos = [key for key, value in mesh.items() if value == AUTO]
+    if not autos:
+        return dict(mesh)
+    if len(autos) > 1:
+        raise MeshConfigError(
+            f"mesh.{autos[0]} and mesh.{autos[1]} are both auto; at most one degree takes the rest of the "
+            "world: give the others numbers"
+        )
+    (key,) = autos
+    if key == "expert_parallel":
+        raise MeshConfigError(
+            "mesh.expert_parallel cannot be auto: it regroups ranks the other degrees count and adds none; "
+            "make a data-parallel degree auto and set expert_parallel to a number"
+        )
+    if key not in DEGREE_KEYS:
+        return dict(mesh)  # an unknown key: the schema names it
+    others = 1
+    for other in DEGREE_KEYS[:-1]:
+        value = mesh.get(other, 1)
+        if other != key and isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            others *= value
+    if world_size % others != 0:
+        raise MeshConfigError(
+            f"mesh.{key}: auto needs a world of a multiple of {others} processes (the product of the other "
+            f"degrees), but {world_size} were launched; launch a multiple of {others} or set mesh.{key} "
+            "to a number"
+        )
+    return {**mesh, key: world_size // others}
 
 
 def _divisors(n: int) -> list[int]:

@@ -24,7 +24,8 @@ from typing import Any, Literal, NewType, Union, get_args, get_origin, get_type_
 import msgspec
 import yaml
 
-from d9d.mesh import D9dError, MeshConfig
+from d9d.mesh import AUTO, D9dError, MeshConfig, MeshConfigError, resolve_auto_degree
+from d9d.mesh.launch import launched_world_size
 from d9d.parallel import PIPELINE_SCHEDULES, PipelineConfig, PipelineError
 from d9d.trainer.config import JobConfig
 
@@ -83,6 +84,9 @@ class LoadedJob:
     config: JobConfig
     path: Path | None
     raw: dict[str, Any]
+    #: The world a `mesh:` degree of `auto` was resolved for; None: the launch's (torchrun's WORLD_SIZE,
+    #: 1 for a plain process). `raw` keeps `auto`, so a resumed run resolves it for its own world.
+    world_size: int | None = None
 
     @property
     def base_dir(self) -> Path:
@@ -104,13 +108,22 @@ class LoadedJob:
             ConfigError: an override is malformed, or the changed config breaks a key or a rule.
         """
         where = str(self.path) if self.path is not None else "config"
-        return _parse(apply_overrides(self.raw, overrides), self.path, where, type(self.config))
+        return _parse(
+            apply_overrides(self.raw, overrides), self.path, where, type(self.config), self.world_size
+        )
 
 
 def load_job_config(
-    source: str | Path | dict[str, Any], overrides: Sequence[str] = (), *, schema: type = JobConfig
+    source: str | Path | dict[str, Any],
+    overrides: Sequence[str] = (),
+    *,
+    schema: type = JobConfig,
+    world_size: int | None = None,
 ) -> LoadedJob:
     """Parse a YAML file (or an already-parsed dict) with overrides into a `JobConfig`.
+
+    A `mesh:` degree of `auto` becomes the rest of `world_size` after the other degrees
+    (`d9d.mesh.resolve_auto_degree`); None: the launch's world (torchrun's WORLD_SIZE, else 1).
 
     Raises:
         ConfigError: the file is missing or not YAML, an override is malformed, or a key is unknown,
@@ -152,16 +165,30 @@ def load_job_config(
             raise ConfigError(
                 f"{where}: the top level must be a mapping of sections, got {type(raw).__name__}"
             )
-    return _parse(apply_overrides(raw, overrides), path, where, schema)
+    return _parse(apply_overrides(raw, overrides), path, where, schema, world_size)
 
 
-def _parse(raw: dict[str, Any], path: Path | None, where: str, schema: type) -> LoadedJob:
+def _parse(
+    raw: dict[str, Any], path: Path | None, where: str, schema: type, world_size: int | None = None
+) -> LoadedJob:
     """The job of a raw config (overrides applied): converted to `schema`, its values and rules checked."""
-    config = convert_section(raw, schema, where=where, prefix="")
+    config = convert_section(_with_auto_resolved(raw, where, world_size), schema, where=where, prefix="")
     check_values(config, where=where, prefix="")
     if isinstance(config, JobConfig):
         _check_rules(config, where)
-    return LoadedJob(config=config, path=path, raw=raw)
+    return LoadedJob(config=config, path=path, raw=raw, world_size=world_size)
+
+
+def _with_auto_resolved(raw: dict[str, Any], where: str, world_size: int | None) -> dict[str, Any]:
+    """`raw` with its `mesh:` degree of `auto` replaced by a number (`raw` itself is not changed)."""
+    mesh = raw.get("mesh")
+    if not isinstance(mesh, dict) or AUTO not in mesh.values():
+        return raw
+    world = world_size if world_size is not None else launched_world_size(os.environ)[0]
+    try:
+        return {**raw, "mesh": resolve_auto_degree(mesh, world)}
+    except MeshConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
 
 
 def _load_yaml(text: str, where: str) -> Any:

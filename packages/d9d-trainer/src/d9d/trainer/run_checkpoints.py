@@ -121,9 +121,19 @@ class RunCheckpoints:
             self.early_stopping.load_state_dict(extra.get("early_stopping") or {})
         resumed = int(extra["step"])
         _log.info("resumed", step=resumed, checkpoint=str(latest.path))
+        saved_world = extra.get("world")
+        if isinstance(saved_world, dict) and saved_world != self._world():  # e.g. an elastic restart
+            _log.info("resumed on another world", step=resumed, checkpoint_world=saved_world.get("size"),
+                      checkpoint_mesh=saved_world.get("mesh"), world=self._world()["size"],
+                      mesh=self._world()["mesh"])  # fmt: skip
         for key, (before, now) in config_changes(extra.get("config"), self._job.loaded.raw).items():
             _log.warning("resumed with a changed setting", key=key, checkpoint=before, now=now)
         return resumed
+
+    def _world(self) -> dict[str, Any]:
+        """The processes and mesh this run trains on now (a checkpoint records them)."""
+        mesh = self._job.config.mesh
+        return {"size": mesh.world_size, "mesh": mesh.describe_degrees()}
 
     def save(self, step: int) -> CheckpointInfo | None:
         """Save model, optimizer, data position, LR schedule, RNG and config as `save-<step>`; the
@@ -135,6 +145,7 @@ class RunCheckpoints:
             "lr_scheduler": _plain(self._scheduler.state_dict()),
             "config": self._job.loaded.raw,
             "config_dir": str(self._job.loaded.base_dir.resolve()),
+            "world": self._world(),
             **({"lora_base": self._starting.base_reference()} if lora else {}),
             **(
                 {"early_stopping": self.early_stopping.state_dict()}

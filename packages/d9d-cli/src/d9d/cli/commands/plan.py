@@ -153,7 +153,9 @@ def plan(
     check_config_path(config)
     from d9d.trainer import load_job_config
 
-    loaded = load_job_config(config, list(overrides))
+    # a mesh degree of `auto` takes what the launch shape leaves it
+    launched = shape[0] * shape[1] if shape is not None else None
+    loaded = load_job_config(config, list(overrides), world_size=launched)
     mesh = loaded.config.mesh
     need = mesh.world_size
     nodes, per_node = shape if shape is not None else (1, need)
