@@ -2,6 +2,8 @@
 
 D9D_TEST_HANG_AT_STEP=N   [D9D_TEST_HANG_RANK=R (default 0)] [D9D_TEST_HANG_S (default 3600)]
     rank R sleeps at the start of step N (a hung rank).
+Every D9D_TEST_*_RANK may be `any`: each rank that has the variable (e.g. one node's, whatever ranks
+the rendezvous gave it).
 D9D_TEST_RAISE_AT_STEP=N  [D9D_TEST_RAISE_RANK=R (default 0)] [D9D_TEST_RAISE_ONCE=PATH]
     rank R raises RuntimeError at the start of step N; with RAISE_ONCE, only while PATH does not
     exist (it is created first), so a restarted job gets past the step.
@@ -38,7 +40,8 @@ class FaultInjection:
 
         def step_for(prefix: str) -> int | None:
             at = env.get(f"D9D_TEST_{prefix}_AT_STEP")
-            return int(at) if at and int(env.get(f"D9D_TEST_{prefix}_RANK", "0")) == rank else None
+            which = env.get(f"D9D_TEST_{prefix}_RANK", "0")
+            return int(at) if at and (which == "any" or int(which) == rank) else None
 
         once = env.get("D9D_TEST_RAISE_ONCE")
         return cls(
