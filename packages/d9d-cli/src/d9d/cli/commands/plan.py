@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # the trainer imports torch: only inside the command at run t
     from d9d.trainer import FitPlan, JobConfig, JobPlan, LoadedJob, PipelinePlan, SequencePlan
     from d9d.trainer.config import PipeliningConfig
 
-__all__ = ["launch_command", "plan"]
+__all__ = ["launch_command", "plan", "slurm_script"]
 
 
 def launch_command(
@@ -53,6 +53,31 @@ def launch_command(
         f"{torchrun} --nnodes {nnodes} --nproc-per-node {nproc_per_node} --rdzv-backend c10d "
         f"--rdzv-endpoint HOST_OF_NODE_0:29500 -m d9d.cli train {job}"
     )
+
+
+def slurm_script(
+    config: str, overrides: Sequence[str], *, nnodes: int, nproc_per_node: int, name: str, d9d: str = "d9d"
+) -> list[str]:
+    """An sbatch script (its lines) that runs the job on `nnodes` Slurm nodes: one task per node, each
+    a torchrun agent of `nproc_per_node` processes meeting at a c10d rendezvous on the job's first
+    node (port 29500), whose id is the Slurm job id."""
+    args = [config]
+    for item in overrides:
+        args += ["--set", item]
+    job = " ".join(shlex.quote(part) for part in args)
+    torchrun = _torchrun_beside(d9d)
+    return [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={shlex.quote(name)}",
+        f"#SBATCH --nodes={nnodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --gpus-per-node={nproc_per_node}",
+        f"#SBATCH --output={shlex.quote(name)}-%j.out",
+        "set -euo pipefail",
+        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        f'srun {torchrun} --nnodes "$SLURM_NNODES" --nproc-per-node {nproc_per_node} --rdzv-backend c10d '
+        f'--rdzv-endpoint "$head_node:29500" --rdzv-id "$SLURM_JOB_ID" -m d9d.cli train {job}',
+    ]
 
 
 def _torchrun_beside(d9d: str) -> str:
@@ -112,6 +137,14 @@ def _mismatch(degrees: str, need: int, dp_shard: int, world: int, given: str) ->
     help="Memory of one device (e.g. 80GiB, 24GB, 512MiB, or bytes): says whether the job fits and, "
     "when it does not, which --set changes would make it fit (default: the local GPU's, when there is one).",
 )
+@click.option(
+    "--launcher",
+    type=click.Choice(["torchrun", "slurm"]),
+    default="torchrun",
+    show_default=True,
+    help="torchrun: end with the command for every node; slurm: print an sbatch script instead, "
+    "the plan in its comments (d9d plan ... --launcher slurm > job.sbatch; sbatch job.sbatch).",
+)
 @overrides_option
 @reports_errors
 def plan(
@@ -121,6 +154,7 @@ def plan(
     nproc_per_node: int | None,
     seq_len: int | None,
     device_memory: str | None,
+    launcher: str,
     overrides: Sequence[str],
 ) -> None:
     """Check CONFIG for a launch size without GPUs and print its plan.
@@ -147,6 +181,8 @@ def plan(
       d9d plan config.yaml --world-size 2 --set mesh.pipeline_parallel=2 \\
           --set pipelining.schedule=zbv
       d9d plan config.yaml --device-memory 80GiB
+      d9d plan config.yaml --nnodes 4 --nproc-per-node 8 --set mesh.data_parallel_shard=auto \\
+          --launcher slurm > job.sbatch
     """
     shape = _launch_shape(world_size, nnodes, nproc_per_node)
     device_bytes = _device_memory_option(device_memory)
@@ -170,10 +206,22 @@ def plan(
     fit_lines = _fit_lines(job_plan, loaded, device_bytes)
     command = launch_command(config, overrides, nnodes=nodes, nproc_per_node=per_node, d9d=d9d_invocation())
     where = "on every node: " if nodes > 1 else ""
-    lines = [
-        f"config: {config}",
-        *_plan_lines(job_plan, loaded.config),
-        *fit_lines,
+    lines = [f"config: {config}", *_plan_lines(job_plan, loaded.config), *fit_lines]
+    if launcher == "slurm":
+        script = slurm_script(config, overrides, nnodes=nodes, nproc_per_node=per_node,
+                              name=loaded.config.trainer.run.name, d9d=d9d_invocation())  # fmt: skip
+        click.echo(
+            "\n".join(
+                [
+                    script[0],
+                    *script[1:6],
+                    *(f"# {part}" for line in lines for part in line.splitlines()),
+                    *script[6:],
+                ]
+            )
+        )
+        return
+    lines += [
         f"launch ({nodes} node{'s' if nodes > 1 else ''} × {per_node} process{'es' if per_node > 1 else ''}):",
         f"  {where}{command}",
     ]
