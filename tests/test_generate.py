@@ -2,6 +2,7 @@
 `generate` on the run's export, with d9d's KV cache, transformers' cache and a plain re-forward; one
 seed gives the same sampled text, another seed other text; bad requests are one line, exit status 2."""
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -110,8 +111,9 @@ def test_bad_requests_are_one_line_with_exit_status_2(trained, tmp_path):
         ([str(tmp_path / "nowhere"), "--prompt", "a"], "no such run directory or export folder"),
         ([str(run_dir), "--prompt", "a", "--tokenizer", str(tmp_path / "none")], "--tokenizer"),
     ]
-    for args, expected in cases:
-        done = _generate(*args)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:  # each process mostly starts up
+        results = list(pool.map(lambda case: _generate(*case[0]), cases))
+    for (args, expected), done in zip(cases, results, strict=True):
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2, (args, done.stderr)
         assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], (
