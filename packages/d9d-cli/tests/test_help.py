@@ -12,7 +12,7 @@ import pytest
 from d9d.cli import cli
 from d9d.cli.main import COMMANDS, OPTIONS, group_help
 
-COMMAND_NAMES = ["init", "plan", "train", "checkpoints", "metrics", "export", "generate", "data"]
+COMMAND_NAMES = ["init", "plan", "preflight", "train", "checkpoints", "metrics", "export", "generate", "data"]
 
 # Runs main() as the console script does and prints what it imported (as JSON, on stderr).
 _IMPORTS = """

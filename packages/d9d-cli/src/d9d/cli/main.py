@@ -14,6 +14,7 @@ __all__ = ["COMMANDS", "group_help", "main"]
 COMMANDS: dict[str, str] = {
     "init": "Write a ready-to-run quickstart job.",
     "plan": "Validate a config for a launch size, without GPUs.",
+    "preflight": "Check the nodes, links and save_dir before a launch.",
     "train": "Run a job (one process or under torchrun).",
     "checkpoints": "List a run's checkpoints; flag unfinished ones.",
     "metrics": "Summarize (and plot) a run's metrics; several runs to compare them.",
@@ -35,6 +36,7 @@ d9d: composable distributed training for PyTorch.
 Examples:
   d9d init my-job && cd my-job         # a ready-to-run quickstart
   d9d plan config.yaml --world-size 8 --set mesh.data_parallel_shard=8
+  torchrun --nproc-per-node 8 -m d9d.cli preflight config.yaml --set mesh.data_parallel_shard=8
   d9d train config.yaml --set trainer.schedule.total_steps=400
   torchrun --nproc-per-node 4 -m d9d.cli train config.yaml --set mesh.data_parallel_shard=4
   d9d checkpoints runs/quickstart

@@ -8,7 +8,8 @@
 
 The names below load on first use (PEP 562): the config, its errors, the layout arithmetic, the launch
 check and logging import no torch, so a command that only reads a config or a run directory stays
-fast; `DistributedContext` and the device helpers import it. The multi-process test harness lives in
+fast; `DistributedContext`, the device helpers and the collective bandwidth checks (`measure_axes`,
+`slow_groups`, `suspect_ranks`: what `d9d preflight` measures per mesh axis) import it. The multi-process test harness lives in
 `d9d.mesh.testing` (kept out of this namespace so that importing d9d.mesh never pulls in test
 machinery).
 """
@@ -21,6 +22,14 @@ from d9d.mesh.quiet import quiet_library_notices
 quiet_library_notices()
 
 if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports these on first use
+    from d9d.mesh.bandwidth import (
+        COLLECTIVES,
+        CollectiveTiming,
+        SlowGroup,
+        measure_axes,
+        slow_groups,
+        suspect_ranks,
+    )
     from d9d.mesh.config import AUTO, DEGREE_KEYS, MeshConfig, resolve_auto_degree
     from d9d.mesh.context import DistributedContext, Mode
     from d9d.mesh.device import DEVICE_CHOICES, DeviceChoice, cuda_problem, device_name, resolve_device
@@ -39,6 +48,14 @@ if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports t
 
 #: Module → the public names it defines (the run-time twin of the imports above; a test keeps them equal).
 _EXPORTS: dict[str, tuple[str, ...]] = {
+    "bandwidth": (
+        "COLLECTIVES",
+        "CollectiveTiming",
+        "SlowGroup",
+        "measure_axes",
+        "slow_groups",
+        "suspect_ranks",
+    ),
     "config": ("AUTO", "DEGREE_KEYS", "MeshConfig", "resolve_auto_degree"),
     "context": ("DistributedContext", "Mode"),
     "device": ("DEVICE_CHOICES", "DeviceChoice", "cuda_problem", "device_name", "resolve_device"),
@@ -59,9 +76,11 @@ _MODULE_OF, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())  
 
 __all__ = [
     "AUTO",
+    "COLLECTIVES",
     "DEGREE_KEYS",
     "DEVICE_CHOICES",
     "DOMAINS",
+    "CollectiveTiming",
     "D9dError",
     "DeviceChoice",
     "DistributedContext",
@@ -72,6 +91,7 @@ __all__ = [
     "MeshConfigError",
     "Mode",
     "RendezvousError",
+    "SlowGroup",
     "axis_groups",
     "check_launch",
     "configure_logging",
@@ -80,9 +100,12 @@ __all__ = [
     "domain_layout",
     "format_layout",
     "get_logger",
+    "measure_axes",
     "rank_coordinates",
     "rank_log_path",
     "rank_tag",
     "resolve_auto_degree",
     "resolve_device",
+    "slow_groups",
+    "suspect_ranks",
 ]

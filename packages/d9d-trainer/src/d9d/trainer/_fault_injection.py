@@ -9,6 +9,8 @@ D9D_TEST_RAISE_AT_STEP=N  [D9D_TEST_RAISE_RANK=R (default 0)] [D9D_TEST_RAISE_ON
     exist (it is created first), so a restarted job gets past the step.
 D9D_TEST_SIGNAL_AT_STEP=N [D9D_TEST_SIGNAL_RANK=R (default 0)] [D9D_TEST_SIGNAL=TERM|INT (default TERM)]
     rank R sends itself the signal at the start of step N (a pre-emption in the middle of a step).
+D9D_TEST_SLOW_COLLECTIVES_S=S [D9D_TEST_SLOW_RANK=R (default 0)]
+    rank R sleeps S seconds before each collective that `d9d preflight` times (a slow rank).
 """
 
 import os
@@ -32,6 +34,7 @@ class FaultInjection:
     raise_once: Path | None = None
     signal_step: int | None = None
     signal_name: str = "TERM"
+    slow_collectives: float = 0.0
 
     @classmethod
     def from_env(cls, rank: int, environ: Mapping[str, str] | None = None) -> "FaultInjection":
@@ -44,6 +47,8 @@ class FaultInjection:
             return int(at) if at and (which == "any" or int(which) == rank) else None
 
         once = env.get("D9D_TEST_RAISE_ONCE")
+        slow_rank = env.get("D9D_TEST_SLOW_RANK", "0")
+        slow = float(env.get("D9D_TEST_SLOW_COLLECTIVES_S", "0") or 0)
         return cls(
             rank=rank,
             hang_step=step_for("HANG"),
@@ -52,6 +57,7 @@ class FaultInjection:
             raise_once=Path(once) if once else None,
             signal_step=step_for("SIGNAL"),
             signal_name=env.get("D9D_TEST_SIGNAL", "TERM"),
+            slow_collectives=slow if slow_rank == "any" or int(slow_rank) == rank else 0.0,
         )
 
     def before_step(self, step: int) -> None:
