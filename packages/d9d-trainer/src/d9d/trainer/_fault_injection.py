@@ -11,6 +11,8 @@ D9D_TEST_SIGNAL_AT_STEP=N [D9D_TEST_SIGNAL_RANK=R (default 0)] [D9D_TEST_SIGNAL=
     rank R sends itself the signal at the start of step N (a pre-emption in the middle of a step).
 D9D_TEST_SLOW_COLLECTIVES_S=S [D9D_TEST_SLOW_RANK=R (default 0)]
     rank R sleeps S seconds before each collective that `d9d preflight` times (a slow rank).
+D9D_TEST_SLOW_STEP_S=S [D9D_TEST_SLOW_RANK=R (default 0)] [D9D_TEST_SLOW_FROM_STEP=N (default 1)]
+    rank R sleeps S seconds at the start of every step from step N on (a straggler).
 """
 
 import os
@@ -35,6 +37,8 @@ class FaultInjection:
     signal_step: int | None = None
     signal_name: str = "TERM"
     slow_collectives: float = 0.0
+    slow_step_s: float = 0.0
+    slow_from_step: int = 1
 
     @classmethod
     def from_env(cls, rank: int, environ: Mapping[str, str] | None = None) -> "FaultInjection":
@@ -49,6 +53,7 @@ class FaultInjection:
         once = env.get("D9D_TEST_RAISE_ONCE")
         slow_rank = env.get("D9D_TEST_SLOW_RANK", "0")
         slow = float(env.get("D9D_TEST_SLOW_COLLECTIVES_S", "0") or 0)
+        slow_step = float(env.get("D9D_TEST_SLOW_STEP_S", "0") or 0)
         return cls(
             rank=rank,
             hang_step=step_for("HANG"),
@@ -58,10 +63,14 @@ class FaultInjection:
             signal_step=step_for("SIGNAL"),
             signal_name=env.get("D9D_TEST_SIGNAL", "TERM"),
             slow_collectives=slow if slow_rank == "any" or int(slow_rank) == rank else 0.0,
+            slow_step_s=slow_step if slow_rank == "any" or int(slow_rank) == rank else 0.0,
+            slow_from_step=int(env.get("D9D_TEST_SLOW_FROM_STEP", "1")),
         )
 
     def before_step(self, step: int) -> None:
         """Inject this rank's fault for `step`, if any."""
+        if self.slow_step_s and step >= self.slow_from_step:
+            time.sleep(self.slow_step_s)
         if step == self.signal_step:
             os.kill(os.getpid(), getattr(signal, f"SIG{self.signal_name}"))
         if step == self.hang_step:

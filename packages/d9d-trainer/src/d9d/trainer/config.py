@@ -44,6 +44,7 @@ __all__ = [
     "ProvidersConfig",
     "RunConfig",
     "ScheduleConfig",
+    "StragglersConfig",
     "TimeoutsConfig",
     "TrackingConfig",
     "TrainerConfig",
@@ -212,14 +213,33 @@ class ResumeConfig(_Section):
     reset_optimizer: bool = False
 
 
+class StragglersConfig(_Section):
+    """`trainer.logging.stragglers`: warn when one rank's busy time per step (its time outside
+    collective waits, `d9d.trainer.stragglers`) stays above `ratio` × the median rank's for `steps`
+    steps in a row."""
+
+    ratio: float = 1.25
+    steps: int = 20
+
+    def __post_init__(self) -> None:
+        if not (self.ratio > 1 and math.isfinite(self.ratio)):
+            raise ValueError(
+                f"trainer.logging.stragglers.ratio must be > 1 (1.25: 25% busier than the median rank), got {self.ratio}"
+            )
+        if self.steps < 1:
+            raise ValueError(f"trainer.logging.stragglers.steps must be >= 1, got {self.steps}")
+
+
 class LoggingConfig(_Section):
-    """Metric logging (rank 0) and the log output of every rank."""
+    """Metric logging (rank 0) and the log output of every rank. `stragglers`: the slow-rank
+    warning of a run of several ranks (null: none; the records still name each step's busiest rank)."""
 
     period_steps: int = 10
     log_dir: str | None = None
     format: Literal["console", "json"] = "console"
     level: str = "INFO"
     progress_bar: bool = True
+    stragglers: StragglersConfig | None = StragglersConfig()
 
     def __post_init__(self) -> None:
         if self.period_steps < 1:

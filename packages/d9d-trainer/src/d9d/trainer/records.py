@@ -13,6 +13,11 @@ peak is known, the peak memory so far (`peak_mem_gib` on CUDA, `peak_rss_gib` on
 step is added, a host-side counter, no sync) and the step-time breakdown of `d9d.trainer.timing`
 (`time_data_s`, `time_forward_backward_s`, `time_optimizer_s`, `time_checkpoint_s`), read at flush.
 
+On several ranks a record also names the step's busiest rank (`straggler_rank`, `straggler_time_s`,
+`straggler_ratio` over the median rank: `d9d.trainer.stragglers`), gathered in the step's own sync
+and read with the rest; a rank that stays the busiest by `trainer.logging.stragglers.ratio` for its
+`steps` gets one warning.
+
 The experiment trackers (`d9d.trainer.tracking`: TensorBoard, W&B, MLflow) get the same records,
 when the file does.
 """
@@ -32,6 +37,7 @@ from d9d.mesh import get_logger
 from d9d.trainer.evaluation import EvalResult
 from d9d.trainer.metrics import ProgressLine, mfu
 from d9d.trainer.step import StepOutput
+from d9d.trainer.stragglers import StragglerWatch, straggler_fields
 from d9d.trainer.timing import StepPhases, read_phases
 from d9d.trainer.tracking import Trackers
 
@@ -73,6 +79,7 @@ class StepRecords:
         trackers: experiment trackers that get every record too (`d9d.trainer.tracking`; rank 0's).
         on_records: called with the records once they are written (on every rank: the callbacks'
             `on_step`).
+        stragglers: warns about a rank that stays the busiest (rank 0's; None: no warning).
     """
 
     def __init__(
@@ -90,6 +97,7 @@ class StepRecords:
         progress: ProgressLine | None = None,
         trackers: Trackers | None = None,
         on_records: Callable[[list[dict[str, Any]]], None] | None = None,
+        stragglers: StragglerWatch | None = None,
     ) -> None:
         self._path = path
         self._writer = writer
@@ -103,6 +111,7 @@ class StepRecords:
         self._progress = progress
         self._trackers = trackers
         self._on_records = on_records
+        self._stragglers = stragglers
         self._pending: list[_Pending] = []
         self._last_log = time.perf_counter()
         self._last_loss: float | None = None
@@ -152,10 +161,16 @@ class StepRecords:
             columns = [
                 torch.cat([c, p.output.expert_load.double()]) for c, p in zip(columns, pending, strict=True)
             ]  # type: ignore[union-attr]
+        busy = all(p.output.rank_busy is not None for p in pending)
+        if busy:  # every rank's busy time of each step: world-size more columns of the same read
+            columns = [
+                torch.cat([c, p.output.rank_busy.double()]) for c, p in zip(columns, pending, strict=True)
+            ]  # type: ignore[union-attr]
         values = torch.stack(columns).tolist()
         times = read_phases([p.phases for p in pending])  # after the sync above: no wait
         records = []
-        for p, (loss, norm, weight, *load), phases in zip(pending, values, times, strict=True):
+        for p, (loss, norm, weight, *rest), phases in zip(pending, values, times, strict=True):
+            load, ranks = (rest[:3], rest[3:]) if moe else ([], rest)
             tokens_per_s = weight / max(p.step_time_s, 1e-9)
             records.append(
                 {
@@ -170,6 +185,7 @@ class StepRecords:
                     **(p.memory or {}),
                     **phases,
                     **(dict(zip(_MOE_LOAD_FIELDS, load, strict=True)) if moe else {}),
+                    **(straggler_fields(ranks) if busy else {}),
                     **{f"tokens_seen/{name}": n for name, n in (p.source_tokens or {}).items()},
                     "skipped": not p.output.applied,
                     "launch": self._launch,
@@ -187,6 +203,9 @@ class StepRecords:
                 self._trackers.log(records)
             if log:
                 self._log_line(records)
+            if self._stragglers is not None and busy:
+                for record in records:
+                    self._stragglers.observe(record)
             for p in pending:
                 if p.evaluation is not None:
                     _log_eval(p.evaluation)

@@ -20,7 +20,7 @@ import torch
 
 from d9d.ckpt import CheckpointInfo, CheckpointManager, KeepBest
 from d9d.data import DeclaresStepsLeft
-from d9d.mesh import DistributedContext, configure_logging, get_logger
+from d9d.mesh import DistributedContext, configure_logging, get_logger, rank_tag
 from d9d.parallel import (
     ContextParallel,
     context_parallel_of,
@@ -32,6 +32,7 @@ from d9d.parallel import (
 from d9d.trainer._fault_injection import FaultInjection
 from d9d.trainer.build import materialize_model, shape_model
 from d9d.trainer.callbacks import Callback, Callbacks, RunControl
+from d9d.trainer.config import StragglersConfig
 from d9d.trainer.early_stopping import EarlyStopping
 from d9d.trainer.errors import TrainingError, is_out_of_memory, step_out_of_memory
 from d9d.trainer.evaluation import EvalResult, EvalSet, Evaluator, load_eval_set
@@ -57,6 +58,7 @@ from d9d.trainer.run_lock import RunLock
 from d9d.trainer.signals import StopRequests
 from d9d.trainer.starting_weights import StartingWeights
 from d9d.trainer.step import MicrobatchStep, PipelineStep, StepSettings, TrainStep, token_group
+from d9d.trainer.stragglers import BusyClock, StragglerWatch
 from d9d.trainer.timing import StepTimer, read_phases
 from d9d.trainer.tracking import Trackers, check_trackers, open_trackers
 from d9d.trainer.train_result import TrainResult
@@ -216,6 +218,7 @@ class Trainer:
         tcfg = job.config.trainer
         pipeline = plan.pipeline
         self._timer = StepTimer.for_device(ctx.device)  # the step-time breakdown, read when records flush
+        self._busy = BusyClock()  # each rank's time outside collective waits, gathered in the step's sync
         self._stops = StopRequests()
         settings = StepSettings(
             device=ctx.device,
@@ -228,6 +231,7 @@ class Trainer:
             save_requested=self._save_requested,
             context_parallel=context_parallel_of(model) or ContextParallel(),
             timer=self._timer,
+            busy_time=None if ctx.is_local else self._busy.busy,
         )
         self._evaluator = Evaluator(eval_set, model, job.task, settings)
         self._train_step: TrainStep
@@ -480,6 +484,7 @@ class Trainer:
             progress=ProgressLine(total, start) if ctx.is_main_process and cfg.logging.progress_bar else None,
             trackers=trackers,
             on_records=self._callbacks.steps if self._callbacks else None,
+            stragglers=_straggler_watch(ctx, cfg.logging.stragglers),
         )
         data_iter = iter(self._data)
         source_tokens = getattr(self._data, "source_tokens", lambda: None)  # a mixture's, per source
@@ -488,7 +493,7 @@ class Trainer:
         early_stopped = None
         began = time.perf_counter()
         flops_unknown = True
-        with self._stops:
+        with self._stops, self._busy.watching():
             try:
                 trackers.take(
                     open_trackers(
@@ -498,6 +503,7 @@ class Trainer:
                 self._callbacks.start(control)
                 while self._step < end:
                     step_start = time.perf_counter()
+                    self._busy.start_step()
                     # a profiled step's trace holds the timer's d9d.* ranges, its checkpoint's too
                     with self._profiler.step(self._step + 1):
                         self._timer.begin()
@@ -669,6 +675,13 @@ def _local_numel(param: torch.Tensor) -> int:
     from torch.distributed.tensor import DTensor
 
     return (param.to_local() if isinstance(param, DTensor) else param).numel()
+
+
+def _straggler_watch(ctx: DistributedContext, config: StragglersConfig | None) -> StragglerWatch | None:
+    """The slow-rank warning of a run of several ranks, on rank 0 (which writes the records)."""
+    if config is None or ctx.is_local or not ctx.is_main_process:
+        return None
+    return StragglerWatch(config.ratio, config.steps, describe=lambda rank: rank_tag(ctx.config, rank))
 
 
 def _seconds(value: float) -> datetime.timedelta:

@@ -45,6 +45,9 @@ class StepOutput:
         expert_load: for a model with MoE layers, [min / mean, max / mean, std / mean] of the
             step's tokens per expert, worst layer each (`d9d.parallel.expert_load_summary`); None
             without MoE.
+        rank_busy: every rank's busy time of the step up to its sync (`StepSettings.busy_time`;
+            index: global rank), float64 on the device, gathered in the step's sync; None on one
+            process or without a busy clock.
     """
 
     loss: torch.Tensor
@@ -54,6 +57,7 @@ class StepOutput:
     stop: bool = False
     expert_load: torch.Tensor | None = None
     save: bool = False
+    rank_busy: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,9 @@ class StepSettings:
     """The cp group: each microbatch's sequences are split over it before the forward (disabled: none)."""
     timer: StepTimer | None = None
     """Where the step marks the end of its forward+backward and optimizer phases (None: nowhere)."""
+    busy_time: Callable[[], float] | None = None
+    """This rank's seconds of the step so far not spent waiting in collectives (`d9d.trainer.stragglers`),
+    read at the sync and gathered there with the requests."""
 
     def local_batch(self, batch: Any) -> Any:
         """This rank's part of a microbatch: its share of every sequence under context parallelism
@@ -187,11 +194,12 @@ class StepBase:
             norm = clip_grad_norm_(params, settings.max_norm, pp_group=settings.pp_group)
         else:
             norm = grad_norm(params, pp_group=settings.pp_group)
-        finite, stop, save = self._read_flags(torch.isfinite(loss) & torch.isfinite(norm))
+        finite, stop, save, busy = self._read_flags(torch.isfinite(loss) & torch.isfinite(norm))
         if finite:
             self.optimizer.step()
             self.scheduler.step()
-            return StepOutput(loss=loss, grad_norm=norm, weight=weight, applied=True, stop=stop, save=save)
+            return StepOutput(loss=loss, grad_norm=norm, weight=weight, applied=True, stop=stop, save=save,
+                              rank_busy=busy)  # fmt: skip
         if float(weight) <= 0:
             raise TrainingError(f"step {step} has no labelled tokens in the whole global batch")
         if settings.on_nonfinite == "stop":
@@ -203,18 +211,32 @@ class StepBase:
         _log.warning("skipping step with a non-finite loss or grad norm", step=step, loss=float(loss))
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return StepOutput(loss=loss, grad_norm=norm, weight=weight, applied=False, stop=stop, save=save)
+        return StepOutput(loss=loss, grad_norm=norm, weight=weight, applied=False, stop=stop, save=save,
+                          rank_busy=busy)  # fmt: skip
 
-    def _read_flags(self, finite: torch.Tensor) -> tuple[bool, bool, bool]:
-        """(finite, stop, save) in one host sync; with several ranks the requests are agreed (MAX over
-        all ranks, one all-reduce of both)."""
-        stop_source, save_source = self.settings.stop_requested, self.settings.save_requested
+    def _read_flags(self, finite: torch.Tensor) -> tuple[bool, bool, bool, torch.Tensor | None]:
+        """(finite, stop, save, every rank's busy time) in one host sync; with several ranks the
+        requests are agreed (MAX over all ranks) and the busy times gathered, in one all-gather of
+        [stop, save, busy] from every rank. The busy times stay on the device (read when the records
+        flush)."""
+        settings = self.settings
+        stop_source, save_source = settings.stop_requested, settings.save_requested
         if stop_source is None and save_source is None:
-            return bool(finite), False, False
+            return bool(finite), False, False, None
         asked = [stop_source is not None and stop_source(), save_source is not None and save_source()]
-        requests = torch.tensor([1.0 if flag else 0.0 for flag in asked], device=self.settings.device)
+        busy = settings.busy_time() if settings.busy_time is not None else 0.0
+        mine = torch.tensor([1.0 if flag else 0.0 for flag in asked] + [busy], dtype=torch.float64)
+        mine = mine.to(settings.device)
+        rank_busy = None
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(requests, op=dist.ReduceOp.MAX)
+            world = dist.get_world_size()
+            every = torch.empty(world * 3, dtype=torch.float64, device=settings.device)
+            dist.all_gather_into_tensor(every, mine)
+            table = every.view(world, 3)
+            requests = table[:, :2].amax(dim=0)
+            rank_busy = table[:, 2] if settings.busy_time is not None else None
+        else:
+            requests = mine[:2]
         flags = finite.reshape(1).to(requests.dtype) + 2 * requests[0] + 4 * requests[1]
         packed = int(flags.item())  # every flag, one read
-        return bool(packed & 1), bool(packed & 2), bool(packed & 4)
+        return bool(packed & 1), bool(packed & 2), bool(packed & 4), rank_busy
