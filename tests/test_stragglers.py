@@ -4,6 +4,7 @@ step 3 on) is the busiest rank of each of those steps in the records, and after
 of the same run without the slowdown. The busy times travel in the step's one existing sync."""
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -32,6 +33,10 @@ def test_a_slowed_rank_is_recorded_as_the_straggler_and_warned_about_once(tmp_pa
     (warning,) = warnings
     assert warning["event"] == "straggler" and warning["where"] == "rank 1 dps1"
     assert warning["step"] == 5 and warning["steps"] == 3 and warning["level"] == "warning"
+    summary = subprocess.run([sys.executable, "-m", "d9d.cli", "metrics", str(tmp_path / "slowed")],
+                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+    (line,) = [x for x in summary.splitlines() if x.startswith("busiest rank: ")]
+    assert line.startswith("busiest rank: rank 1 in ") and " of 8 steps (median " in line, line
     healthy, quiet = _run(tmp_path, "healthy", {})
     assert quiet == [] and all(r["straggler_time_s"] < 0.3 for r in healthy)
     for ours, theirs in zip(slowed, healthy, strict=True):  # a slow rank changes no number

@@ -1,7 +1,7 @@
 """Stopping on a signal: SIGTERM (pre-emption by SLURM or Kubernetes, torchrun's shutdown) or Ctrl-C.
 
 While a job trains, the first SIGTERM or SIGINT only asks for a stop. Every rank finishes its step;
-the ranks agree on the stop inside the step (one tiny all-reduce read with the step's one host
+the ranks agree on the stop inside the step (one tiny all-gather read with the step's one host
 sync), so they all stop after the same step, save a checkpoint (`trainer.checkpointing.
 save_on_signal`), and exit with `EXIT_PREEMPTED`. A second Ctrl-C stops at once (KeyboardInterrupt).
 """

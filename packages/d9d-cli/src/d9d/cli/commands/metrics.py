@@ -6,8 +6,10 @@ a step that does not follow the previous one (the trainer rewinds to the checkpo
 from), or, when the records carry a `launch` field, as a change of its value.
 """
 
+import collections
 import itertools
 import math
+import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +71,9 @@ class MetricsSummary:
     """`sparkline` of the loss over the steps."""
     last_eval: tuple[int, float] | None = None
     """(step, eval_loss) of the last record with a validation loss (None: no eval ran)."""
+    busiest: tuple[int, int, int, float] | None = None
+    """(rank, steps it was the busiest, steps that record it, the median `straggler_ratio` of its
+    steps) of the rank most often the busiest (`straggler_rank`); None on one process."""
 
 
 def read_metrics(path: Path) -> tuple[list[dict[str, Any]], int]:
@@ -117,6 +122,7 @@ def summarize(records: Sequence[dict[str, Any]]) -> MetricsSummary:
         breakdown=_breakdown([by_step[s] for s in steps]),
         checkpoint_stall_s=sum(float(by_step[s].get("time_checkpoint_s", 0.0)) for s in steps),
         loss_trend=sparkline([loss for loss, _ in finite]),
+        busiest=_busiest([by_step[s] for s in steps]),
         last_eval=next(
             (
                 (s, float(by_step[s]["eval_loss"]))
@@ -155,6 +161,18 @@ def _breakdown(records: Sequence[dict[str, Any]]) -> dict[str, float] | None:
     return {name: sum(r[key] for r in timed) / total for key, name in _STEP_PHASES.items()}
 
 
+def _busiest(records: Sequence[dict[str, Any]]) -> tuple[int, int, int, float] | None:
+    ranked = [
+        r for r in records if isinstance(r.get("straggler_rank"), int) and _finite(r.get("straggler_ratio"))
+    ]
+    if not ranked:
+        return None
+    counts = collections.Counter(r["straggler_rank"] for r in ranked)
+    rank, count = counts.most_common(1)[0]
+    ratio = statistics.median(float(r["straggler_ratio"]) for r in ranked if r["straggler_rank"] == rank)
+    return rank, count, len(ranked), ratio
+
+
 def _finite(value: Any) -> bool:
     return isinstance(value, int | float) and math.isfinite(value)
 
@@ -176,6 +194,14 @@ def _format(summary: MetricsSummary, path: Path, bad: int) -> str:
             else "unknown"
         ),
         *_breakdown_lines(s),
+        *(
+            [
+                f"busiest rank: rank {s.busiest[0]} in {s.busiest[1]} of {s.busiest[2]} steps "
+                f"(median {s.busiest[3]:.2f}x the median rank's busy time)"
+            ]
+            if s.busiest is not None
+            else []
+        ),
         f"skipped steps: {s.skipped}",
         f"restarts: {len(s.restarts)}"
         + (" (" + ", ".join(f"step {a} → {b}" for a, b in s.restarts) + ")" if s.restarts else ""),
