@@ -16,7 +16,7 @@ stays above `trainer.logging.stragglers.ratio` for `steps` steps in a row, and o
 On CUDA the host does not wait for NCCL (a collective's wait is a stream dependency), so busy time is
 the host's: it catches a slow data loader, a busy CPU or a node's Python overhead, not a slow GPU
 (`d9d preflight` compares the GPUs' matmul speed). Compiled regions' waits are inside their graphs
-and count as busy.
+and count as busy (the timing steps aside while dynamo traces), as do other threads' waits.
 """
 
 import contextlib
@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed import _functional_collectives as funcol
 
@@ -46,13 +47,17 @@ _originals: dict[str, Any] = {}
 
 def _timed(original: Callable[..., Any]) -> Callable[..., Any]:
     def wait(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # traced into a graph: the plain wait, nothing timed
+            return original(*args, **kwargs)
         start = time.perf_counter()
         try:
             return original(*args, **kwargs)
         finally:
             blocked = time.perf_counter() - start
+            thread = threading.get_ident()
             for clock in _clocks:
-                clock._waited += blocked
+                if clock._thread == thread:  # the loop's own waits (not a background save's)
+                    clock._waited += blocked
 
     return wait
 
@@ -84,6 +89,7 @@ class BusyClock:
         self._waited = 0.0
         self._start = time.perf_counter()
         self._waited_at_start = 0.0
+        self._thread = threading.get_ident()
 
     @contextlib.contextmanager
     def watching(self) -> Iterator["BusyClock"]:
@@ -95,7 +101,8 @@ class BusyClock:
             _uninstall(self)
 
     def start_step(self) -> None:
-        """The step begins now."""
+        """The step begins now (on this thread: the waits of other threads do not count)."""
+        self._thread = threading.get_ident()
         self._start = time.perf_counter()
         self._waited_at_start = self._waited
 
