@@ -84,6 +84,11 @@ def run_page(tmp_path_factory):
 def test_a_docs_page_runs_as_printed(page, run_page):
     runner = run_page(page)
     assert [r.command for r in runner.ran] == _runnable(page)
+    if page == "docs/fine-tune.md":  # its FSDP-2 command trains a run of its own, not the one before it
+        (fsdp2,) = [r for r in runner.ran if "trainer.run.name=finetune-fsdp2" in r.command.text]
+        assert "run is already complete" not in fsdp2.output and "checkpoint committed" in fsdp2.output
+        run_dir = runner.root / "examples" / "finetune" / "runs" / "finetune-fsdp2"
+        assert sorted(run_dir.glob("save-*")) and (run_dir.parent.parent / "export-fsdp2").is_dir()
 
 
 def test_the_parser_finds_every_command_a_page_can_hold(tmp_path):

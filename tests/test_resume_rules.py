@@ -103,6 +103,10 @@ def test_relative_paths_of_a_config_are_taken_from_its_directory_wherever_the_jo
     assert "resumed" in second.stdout
     assert [r["step"] for r in records(run_dir)] == [1, 2, 3, 4]
     assert (job / "logs" / "rank-0.log").is_file() and any((job / "exported").glob("*.safetensors"))
+    (exported,) = [
+        x for x in second.stdout.splitlines() if "d9d.trainer: exported" in x
+    ]  # the files it wrote
+    assert f"weights={sorted(p.name for p in (job / 'exported').glob('*.safetensors'))}" in exported, exported
     # the file starts once the job did (after its first step), with the lines logged before it
     log = (job / "logs" / "rank-0.log").read_text(encoding="utf-8")
     assert log.count("d9d.trainer: job built") == 2, log[-3000:]

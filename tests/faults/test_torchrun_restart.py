@@ -3,6 +3,7 @@ ends bit-identical to an uninterrupted run on the same mesh (losses, grad norms,
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -59,6 +60,11 @@ def test_torchrun_restart_resumes_from_the_last_checkpoint_and_finishes(tmp_path
         "(D9D_TEST_RAISE_AT_STEP) (traceback in rank 1's log)"
     ], errors
     assert "d9d.trainer: resumed" in output and "checkpoint=" in output
+    lines = output.splitlines()
+    committed = [re.search(r"step=(\d+)", x).group(1) for x in lines if "d9d.ckpt: checkpoint committed" in x]
+    assert committed and len(committed) == len(set(committed)), committed  # one line a save, not a rank
+    assert sum("d9d.trainer: exported" in x for x in lines) == 1  # rank 0's, once for the job
+    assert sum("d9d.trainer: run summary" in x for x in lines) == 1, [x for x in lines if "run summary" in x]
     resumed = [line for line in output.splitlines() if "d9d.trainer: resumed" in line]
     assert all("step=4" in line for line in resumed) and len(resumed) == 2, resumed  # both ranks
     run = tmp_path / "run"

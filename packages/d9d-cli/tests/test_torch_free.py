@@ -167,3 +167,26 @@ def test_checkpoints_marks_the_best_by_the_recorded_eval_loss_and_export_best_re
     rows = {line.split()[0]: line for line in stdout.splitlines()[2:]}
     assert rows["2"].endswith("1.5  best 1") and rows["4"].endswith("2.5")
     assert "torch" not in heavy
+
+
+def test_a_finished_run_whose_export_is_in_place_is_not_rebuilt(tiny_run, tmp_path):
+    """With `export.dir`, the first restart of a finished run exports (building the model, once); the
+    next one finds the export recorded for the latest step and builds nothing; without the folder it
+    exports again."""
+    run = tmp_path / "runs" / "tiny"
+    shutil.copytree(tiny_run.run_dir, run)
+    sets = [
+        "--set",
+        f"trainer.checkpointing.save_dir={run.parent}",
+        "--set",
+        f"export.dir={tmp_path / 'out'}",
+    ]
+    code, heavy, stdout, err = _d9d("train", str(tiny_run.config), *sets)
+    assert code == 0 and "exported" in stdout and "torch" in heavy, err
+    assert json.loads((run / "exported.json").read_text()) == {"step": 4, "dir": str(tmp_path / "out")}
+    code, heavy, stdout, err = _d9d("train", str(tiny_run.config), *sets)
+    assert code == 0 and "run is already complete" in stdout and f"export={tmp_path / 'out'}" in stdout, err
+    assert "torch" not in heavy and "exported" not in stdout.replace("exported.json", "")
+    shutil.rmtree(tmp_path / "out")
+    code, heavy, stdout, err = _d9d("train", str(tiny_run.config), *sets)
+    assert code == 0 and "exported" in stdout and (tmp_path / "out").is_dir(), err

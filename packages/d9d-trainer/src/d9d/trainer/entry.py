@@ -7,6 +7,7 @@ checkpoint reached `total_steps` says so from that checkpoint's commit record (`
 without building the model or loading the checkpoint.
 """
 
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -44,7 +45,9 @@ def run_job(config_path: str | Path, overrides: Sequence[str] = ()) -> TrainResu
         with trainer:
             result = trainer.train()
             if result.stopped_by is None and loaded.config.export.dir is not None:
-                trainer.export()  # a run stopped by a signal is unfinished: no export
+                out = trainer.export()  # a run stopped by a signal is unfinished: no export
+                if trainer.context.is_main_process:
+                    _record_export(trainer.run_dir, trainer.step, out)
         return result
     except Exception as exc:
         _agree(exc)
@@ -58,28 +61,61 @@ def finished_run(loaded: LoadedJob) -> TrainResult | None:
     Then this logs "run is already complete" (as `Trainer.train()` does after a resume) and returns a
     result with no steps; nothing is built, imported or loaded. None when the run must be built: it is
     not complete, its directory holds a `save-<step>` that is not committed (the resume reports it),
-    or `export.dir` is set (exporting needs the model with the checkpoint's weights).
+    or `export.dir` is set and does not hold that checkpoint's export yet (`run_job` records each
+    export it writes in the run's `exported.json`: the step and the folder).
 
     Every rank reads the same (shared) run directory, as a resume does, so all ranks decide alike.
     """
     config = loaded.config
-    if config.export.dir is not None:
-        return None
     tcfg = config.trainer
     run_dir = loaded.resolve_path(tcfg.checkpointing.save_dir) / tcfg.run.name
     found = list_checkpoints(run_dir)
     total = tcfg.schedule.total_steps
     if not found or found[-1].step < total or uncommitted_step_dirs(run_dir):
         return None
+    if config.export.dir is not None and not _exported(
+        run_dir, found[-1].step, loaded.resolve_path(config.export.dir)
+    ):
+        return None
     from d9d.mesh import configure_logging, get_logger  # structlog: only to say it
 
     latest = found[-1]
     log_dir = loaded.resolve_path(tcfg.logging.log_dir) if tcfg.logging.log_dir is not None else None
     configure_logging(format=tcfg.logging.format, level=tcfg.logging.level, log_dir=log_dir)
+    exported = (
+        {"export": str(loaded.resolve_path(config.export.dir))} if config.export.dir is not None else {}
+    )
     get_logger("d9d.trainer").info(
-        "run is already complete", step=latest.step, total_steps=total, checkpoint=str(latest.path)
+        "run is already complete",
+        step=latest.step,
+        total_steps=total,
+        checkpoint=str(latest.path),
+        **exported,
     )
     return TrainResult(start_step=latest.step, final_step=latest.step, losses=[])
+
+
+#: In a run directory: what the last finished launch exported (step, folder), so a restart of the
+#: finished run knows its export is there.
+EXPORT_RECORD = "exported.json"
+
+
+def _record_export(run_dir: Path, step: int, out: Path) -> None:
+    record = run_dir / EXPORT_RECORD
+    tmp = record.with_name(record.name + ".tmp")
+    tmp.write_text(json.dumps({"step": step, "dir": str(Path(out).resolve())}) + "\n", encoding="utf-8")
+    tmp.replace(record)
+
+
+def _exported(run_dir: Path, step: int, export_dir: Path) -> bool:
+    """Whether the run's export record says `export_dir` holds the export of checkpoint `step`."""
+    try:
+        record = json.loads((run_dir / EXPORT_RECORD).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    exported = isinstance(record, dict) and record.get("step") == step
+    same_dir = isinstance(record, dict) and record.get("dir") == str(export_dir.resolve())
+    return exported and same_dir and export_dir.is_dir() and any(export_dir.iterdir())
 
 
 def run_command(config_path: str | Path, overrides: Sequence[str] = ()) -> None:
