@@ -2,7 +2,8 @@
 a model folder without config.json, context parallelism with its packed rows (2 ranks), a chat
 role the template would render silently, and folders neither path trains (t5, an unknown model_type)
 or the reference path refuses (an unknown RoPE type, a sliding window shorter than the sequence, a
-missing or stray shard, weights config.json does not describe)."""
+missing or stray shard, weights config.json does not describe), and data whose vocabulary
+exceeds the model's embedding on either path."""
 
 import json
 import os
@@ -149,7 +150,9 @@ def _run_forked(tmp_path: Path, model: dict) -> tuple[int, list[str]]:
     return os.waitstatus_to_exitcode(status), [line for line in err.read_text().splitlines() if line.strip()]
 
 
-def _llama_folder(folder: Path, *, max_shard_size: str | None = None, **config: object) -> Path:
+def _llama_folder(
+    folder: Path, *, max_shard_size: str | None = None, vocab_size: int = 257, **config: object
+) -> Path:
     """A tiny random Llama saved by transformers (config.json keys in `config` then overridden)."""
     import json
 
@@ -158,7 +161,7 @@ def _llama_folder(folder: Path, *, max_shard_size: str | None = None, **config: 
 
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
-        transformers.LlamaConfig(vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     )  # fmt: skip
     model.save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
@@ -202,6 +205,21 @@ _FOLDER_CASES = {
         "reference",
         ["model-00001-of-00099.safetensors is not named by", "remove the files"],
     ),
+    # the byte corpus (ids up to 256) for a model of 200 tokens, on each path: the fix names the folder
+    **{
+        f"vocabulary-beyond-the-embedding-{backend}": (
+            lambda f: _llama_folder(f, vocab_size=200),
+            backend,
+            [
+                "token ids go up to 256",
+                "input embedding has 200 rows",
+                "vocab_size in",
+                "model/config.json",
+                "dataset.tokenizer",
+            ],
+        )
+        for backend in ("reference", "hf")
+    },
     "shape-mismatch": (
         lambda f: _llama_folder(f, intermediate_size=48),
         "reference",

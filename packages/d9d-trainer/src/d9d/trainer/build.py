@@ -192,7 +192,12 @@ def shape_model(
             InitializeModelStageContext(context=context, precision=precision, **where)
         ).model
     if data_vocab_size is not None:
-        check_vocabulary(model, data_vocab_size)
+        check_vocabulary(
+            model,
+            data_vocab_size,
+            model_section=job.sections.get("model"),
+            dataset_section=job.sections.get("dataset"),
+        )
     if tcfg.precision.float8 is not None:
         _apply_float8(model, tcfg.precision.float8, job, context)
     try:
@@ -247,11 +252,16 @@ def shape_model(
     return model
 
 
-def check_vocabulary(model: nn.Module, data_vocab_size: int) -> None:
+def check_vocabulary(
+    model: nn.Module, data_vocab_size: int, *, model_section: Any = None, dataset_section: Any = None
+) -> None:
     """The model's input embedding must have a row for every id of the data's vocabulary.
 
     The embedding is `model.get_input_embeddings()` when the model has that method (Hugging Face's
     convention), else its first `nn.Embedding`; a stage without one (a later pipeline stage) passes.
+    The sections (the job's `model:` and `dataset:`, as constructed) shape the fix the error gives: a
+    `vocab_size` key to raise, or the folder whose config.json sets it and the `dataset.tokenizer`
+    that made the data.
 
     Raises:
         TrainingError: naming both sizes and the fix.
@@ -264,10 +274,25 @@ def check_vocabulary(model: nn.Module, data_vocab_size: int) -> None:
         embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
     if embedding is None or embedding.num_embeddings >= data_vocab_size:
         return
+    rows = embedding.num_embeddings
+    tokenizer = getattr(dataset_section, "tokenizer", None)
+    source = f" (dataset.tokenizer: {tokenizer})" if isinstance(tokenizer, str) else ""
+    folder = next(
+        (v for k in ("hf_folder", "folder") if isinstance(v := getattr(model_section, k, None), str)), None
+    )
+    if hasattr(model_section, "vocab_size") or folder is None:
+        fix = (
+            f"raise the model's vocabulary size (e.g. model.vocab_size: {data_vocab_size}) or use data "
+            "tokenized for this model"
+        )
+    else:
+        fix = (
+            f"the model's vocabulary is vocab_size in {folder}/config.json; use the tokenizer that came "
+            "with that model (dataset.tokenizer) or a model folder whose vocabulary covers this tokenizer's"
+        )
     raise TrainingError(
-        f"the data's token ids go up to {data_vocab_size - 1} (a vocabulary of {data_vocab_size}) but the "
-        f"model's input embedding has {embedding.num_embeddings} rows; raise the model's vocabulary size "
-        f"(e.g. model.vocab_size: {data_vocab_size}) or use data tokenized for this model"
+        f"the data's token ids go up to {data_vocab_size - 1} (a vocabulary of {data_vocab_size}{source}) "
+        f"but the model's input embedding has {rows} rows; {fix}"
     )
 
 
