@@ -3,6 +3,7 @@ steps on one process equal FSDP 2 with activation checkpointing (real gloo proce
 norms and weights, and both exports load in transformers with the trained logits; a LoRA run's
 adapters load in PEFT likewise."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -125,3 +126,63 @@ def test_lora_fsdp2_adapters_load_in_peft_with_the_trained_logits(tmp_path, fold
     torch.testing.assert_close(with_adapters, run["trained"], rtol=0, atol=LOGITS_ATOL)
     torch.testing.assert_close(hf_logits(tmp_path / "export" / "merged"), run["trained"], rtol=0, atol=1e-5)
     assert not torch.allclose(with_adapters, hf_logits(folder))  # the adapters trained
+
+
+class _MatmulDtypes(torch.utils._python_dispatch.TorchDispatchMode):
+    """The input dtypes of every matmul (and attention) that runs inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[torch.dtype] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = func._overloadpacket.__name__
+        # attention: its first two inputs (q, k; grad_out, q in backward), not the float32 logsumexp
+        inputs = args[:2] if "scaled_dot_product" in name else args
+        if name in ("mm", "addmm", "bmm", "matmul", "linear") or "scaled_dot_product" in name:
+            self.seen |= {a.dtype for a in inputs if isinstance(a, torch.Tensor) and a.is_floating_point()}
+        return func(*args, **(kwargs or {}))
+
+
+def _bf16_run(config: dict) -> dict:
+    """Train (one process or one rank), recording the input dtypes of the run's matmuls and attention."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from d9d.trainer import Trainer
+
+    with Trainer.from_config(config) as trainer:
+        with _MatmulDtypes() as recorder:
+            result = trainer.train()
+        state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
+        metrics = (trainer.run_dir / "metrics.jsonl").read_text().splitlines()
+        return {
+            "losses": result.losses,
+            "grad_norms": [json.loads(line)["grad_norm"] for line in metrics],
+            "weights": {name: t.detach().cpu().clone() for name, t in state.items()},
+            "matmul_dtypes": recorder.seen,
+        }
+
+
+def test_llama_in_bfloat16_computes_in_bfloat16_and_fsdp2_follows_one_process(tmp_path, folders):
+    """`trainer.precision.param_dtype: bfloat16` on the HF backend: every matmul and attention of the
+    forward and backward takes bfloat16 inputs (on 1 process and FSDP 2), the master weights stay
+    float32, and FSDP 2 follows one process within bfloat16's rounding."""
+    folder = folders["llama"]
+    bf16 = {"precision": {"param_dtype": "bfloat16"}}
+    one = _bf16_run(hf_job(folder, tmp_path / "runs", name="one", trainer=bf16))
+    fsdp = run_distributed(
+        _bf16_run,
+        2,
+        hf_job(folder, tmp_path / "runs", name="fsdp2", mesh={"data_parallel_shard": 2}, trainer=bf16),
+        timeout=180,
+    )[0]
+    for run in (one, fsdp):
+        assert run["matmul_dtypes"] == {torch.bfloat16}, run["matmul_dtypes"]
+        assert {t.dtype for t in run["weights"].values()} == {torch.float32}  # master weights
+    assert one["losses"][-1] < one["losses"][0]
+    # bf16 rounding differs with the reduction order (FSDP's reduce-scatter vs one process's sums)
+    assert max_rel(fsdp["losses"], one["losses"]) <= 2e-2
+    assert max_rel(fsdp["grad_norms"], one["grad_norms"]) <= 5e-2
+    fp32 = _bf16_run(hf_job(folder, tmp_path / "runs", name="fp32"))
+    assert fp32["matmul_dtypes"] == {torch.float32}
+    assert max_rel(one["losses"], fp32["losses"]) <= 2e-2 and one["losses"] != fp32["losses"]  # bf16 ran
