@@ -50,7 +50,15 @@ def test_what_context_parallelism_cannot_split_is_one_line_naming_the_key_and_th
     (line,) = str(refused.value).splitlines()
     assert line.startswith("mesh.context_parallel=2: the Hugging Face backend")
     assert "sliding window" in line and "soft-caps the logits (attn_logit_softcapping=" in line
-    assert line.endswith("set mesh.context_parallel: 1")
+    assert line.endswith("set mesh.context_parallel: 1")  # gemma2: no reference path to name
+    mistral = save_tiny("mistral", tmp_path / "mistral", config={"sliding_window": 8})  # the reference has it
+    provider = HFCausalLMProvider(HFCausalLMConfig(folder=str(mistral)))
+    with pytest.raises(HFModelError) as refused:
+        provider.check_mesh(MeshConfig(context_parallel=2))
+    (line,) = str(refused.value).splitlines()
+    assert "sliding window (sliding_window=8)" in line
+    assert line.endswith("set mesh.context_parallel: 1, or train it with the reference model, which splits its "
+                         "sequences (model.backend: reference, examples/finetune)")  # fmt: skip
     import transformers
 
     from d9d.trainer.hf.context_parallel import context_parallel_problem

@@ -57,6 +57,8 @@ __all__ = ["HFCausalLMProvider", "context_parallel_refusal", "mesh_refusal", "te
 
 _SPEC = "d9d.trainer.hf:HFCausalLMProvider"
 _DENSE_AND_MOE = "llama, qwen2, qwen3, mistral, mixtral and qwen3_moe"
+#: The model types the reference model (examples/finetune) also trains, with every parallelism.
+_REFERENCE_TYPES = frozenset(("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe"))
 #: Mesh degree → (what the backend lacks, the families whose reference model has it).
 _UNSUPPORTED: dict[str, tuple[str, str]] = {
     "pipeline_parallel": (
@@ -90,9 +92,15 @@ def context_parallel_refusal(folder: HFFolder, cp: int) -> str | None:
     problem = context_parallel_problem(folder.model_class, folder.config)
     if problem is None:
         return None
+    reference = (
+        ", or train it with the reference model, which splits its sequences (model.backend: reference, "
+        "examples/finetune)"
+        if folder.model_type in _REFERENCE_TYPES
+        else ""
+    )
     return (
         f"mesh.context_parallel={cp}: the Hugging Face backend ({_SPEC}) cannot split the sequence of "
-        f"{folder.path / CONFIG_FILE}'s model: {problem}; set mesh.context_parallel: 1"
+        f"{folder.path / CONFIG_FILE}'s model: {problem}; set mesh.context_parallel: 1{reference}"
     )
 
 
