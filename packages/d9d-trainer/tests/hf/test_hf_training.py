@@ -11,7 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _tiny_hf import ARCHITECTURES, hf_job, hf_logits, load_hf, max_rel, save_tiny, train
+from _tiny_hf import ARCHITECTURES, MORE_ARCHITECTURES, hf_job, hf_logits, load_hf, max_rel, save_tiny, train
 
 from d9d.ckpt import safetensors_shapes
 from d9d.mesh.testing import run_distributed
@@ -186,3 +186,23 @@ def test_llama_in_bfloat16_computes_in_bfloat16_and_fsdp2_follows_one_process(tm
     fp32 = _bf16_run(hf_job(folder, tmp_path / "runs", name="fp32"))
     assert fp32["matmul_dtypes"] == {torch.float32}
     assert max_rel(one["losses"], fp32["losses"]) <= 2e-2 and one["losses"] != fp32["losses"]  # bf16 ran
+
+
+@pytest.mark.parametrize("model_type", [*ARCHITECTURES, *MORE_ARCHITECTURES])
+def test_a_packed_row_computes_each_document_as_if_it_were_alone(tmp_path, model_type):
+    """Packing on the HF backend rests on transformers keeping documents apart by their restarting
+    position ids: a row of two packed documents gives each document's logits alone (float32, 1e-6),
+    and the same tokens with continuing positions differ (the second document saw the first)."""
+    from _tiny_hf import probe_batch
+
+    from d9d.trainer.hf.model import HFCausalLM
+
+    model = HFCausalLM(load_hf(save_tiny(model_type, tmp_path / model_type))).eval()
+    ids, positions = probe_batch()  # documents of 10 and SEQ - 10 tokens
+    with torch.no_grad():
+        packed = model(ids, position_ids=positions)
+        alone = torch.cat([model(ids[:, :10], position_ids=positions[:, :10]),
+                           model(ids[:, 10:], position_ids=positions[:, 10:])], dim=1)  # fmt: skip
+        continued = model(ids, position_ids=torch.arange(ids.shape[1]).expand_as(ids))
+    torch.testing.assert_close(packed, alone, rtol=0, atol=1e-6)
+    assert (continued[:, 10:] - alone[:, 10:]).abs().max() > 1e-2
