@@ -111,7 +111,8 @@ def test_an_unknown_chat_role_is_refused_with_its_file_and_line(tmp_path, finetu
 
 def _run_forked(tmp_path: Path, model: dict) -> tuple[int, list[str]]:
     """`python finetune.py config.yaml` as `_run` writes it, in a process forked from this one (torch
-    and transformers already imported: ~1 s instead of ~15 s here): (exit status, stderr lines)."""
+    and transformers already imported: ~1 s instead of ~15 s here): (exit status, stderr lines); its
+    stdout is in tmp_path/stdout.txt."""
     import runpy
     import traceback
 
@@ -124,7 +125,7 @@ def _run_forked(tmp_path: Path, model: dict) -> tuple[int, list[str]]:
         code = 3
         try:
             os.dup2(os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
-            os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+            os.dup2(os.open(tmp_path / "stdout.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 1)
             sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115  # the fds, not pytest's capture
             sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
             for name in (
@@ -237,3 +238,15 @@ def test_a_folder_neither_path_trains_or_the_reference_path_refuses_is_one_line_
     assert code == 2 and len(errors) == 1 and errors[0].startswith("error: "), errors
     assert all(word in errors[0] for word in words), errors[0]
     assert not (tmp_path / "runs").exists()
+
+
+def test_auto_trains_transformers_model_where_the_sliding_window_would_matter(tmp_path):
+    """The reference model refuses sequences longer than a window; `model.backend: auto` then trains
+    transformers' own model, which applies the window, and the job built line says why."""
+    pytest.importorskip("transformers")
+    _llama_folder(tmp_path / "model", model_type="mistral", sliding_window=8)
+    code, errors = _run_forked(tmp_path, {"hf_folder": "model", "backend": "auto"})
+    assert code == 0, errors
+    (built,) = [x for x in (tmp_path / "stdout.txt").read_text().splitlines() if "job built" in x]
+    assert "backend=hf" in built and "sliding_window=8" in built, built
+    assert (tmp_path / "runs" / "bad" / "save-1").is_dir()

@@ -26,6 +26,7 @@ from reference_model import (
     HFConversionError,
     ReferenceForCausalLM,
     ReferenceModelConfig,
+    SlidingWindowError,
     apply_expert_parallel,
     apply_tensor_parallel,
     check_mesh,
@@ -75,8 +76,8 @@ class HFModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         backend: "reference" (the reference model: every parallelism d9d has; qwen3, llama, qwen2,
             mistral, qwen3_moe, mixtral), "hf" (transformers' own model class, `d9d.trainer.hf`: any
             causal LM, FSDP/HSDP, tensor parallel where it is verified) or "auto" (the reference
-            model when it can hold the folder's config.json exactly, else transformers'; the "job
-            built" line says which and why).
+            model when it can hold the folder's config.json exactly and the sequences fit its sliding
+            window, else transformers'; the "job built" line says which and why).
         fp32_logits: return float32 logits whatever the parameter dtype.
     """
 
@@ -102,6 +103,7 @@ class HFModelProvider:
         self.reason = ""  # why "auto" chose transformers' model
         self.model_config: ReferenceModelConfig | None = None
         self.hf: Any = None  # d9d.trainer.hf.HFCausalLMProvider when the backend is "hf"
+        self._mesh: MeshConfig | None = None  # the mesh check_mesh saw
         if config.backend != "hf":
             try:
                 self.model_config = read_hf_config(self.folder, fp32_logits=config.fp32_logits)
@@ -129,6 +131,7 @@ class HFModelProvider:
         return described
 
     def check_mesh(self, mesh: MeshConfig) -> None:
+        self._mesh = mesh  # checked again should "auto" move to transformers' model for the sequences
         if self.hf is not None:
             self.hf.check_mesh(mesh)  # pp/cp/ep, and tp it cannot split: the message names the reference path
         else:
@@ -136,9 +139,19 @@ class HFModelProvider:
 
     def check_sequence_length(self, context: CheckSequenceLengthContext) -> None:
         """The reference model attends to the whole sequence: longer than a sliding window is refused
-        (transformers' models apply their windows themselves)."""
-        if self.model_config is not None:
+        with `model.backend: reference`; "auto" then trains transformers' model, which applies its
+        windows itself (the plan asks before anything is built), after checking the mesh on it."""
+        if self.model_config is None:
+            return
+        try:
             check_sequence_length(self.model_config, context.seq_len)
+        except SlidingWindowError as error:
+            if self.config.backend == "reference":
+                raise
+            self.model_config, self.reason = None, str(error)
+            self.hf = _hf_provider(self.folder, self.config.fp32_logits, self.reason)
+            if self._mesh is not None:
+                self.hf.check_mesh(self._mesh)
 
     def pipeline_num_layers(self) -> int:
         return self._reference().num_layers
