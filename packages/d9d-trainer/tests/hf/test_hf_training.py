@@ -206,3 +206,32 @@ def test_a_packed_row_computes_each_document_as_if_it_were_alone(tmp_path, model
         continued = model(ids, position_ids=torch.arange(ids.shape[1]).expand_as(ids))
     torch.testing.assert_close(packed, alone, rtol=0, atol=1e-6)
     assert (continued[:, 10:] - alone[:, 10:]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("layout", ["per-expert", "fused"])
+def test_mixtral_from_either_expert_layout_trains_fsdp2_like_one_process_and_exports_its_layout(
+    tmp_path, layout
+):
+    """An MoE folder on the HF backend, as the Hub holds it (one weight per expert) or as transformers
+    keeps it in memory (fused `gate_up_proj`/`down_proj`): the import gives transformers' logits,
+    FSDP 2 follows one process, and the export has the folder's own layout and loads in transformers."""
+    import transformers
+
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(MORE_ARCHITECTURES["mixtral"]())
+    folder = tmp_path / layout
+    hf.save_pretrained(folder, **({"save_original_format": False} if layout == "fused" else {}))
+    expected = hf_logits(folder)
+    one = train(hf_job(folder, tmp_path / "runs", name="one"), tmp_path / "export-one")
+    fsdp = run_distributed(train, 2, hf_job(folder, tmp_path / "runs", name="fsdp2", mesh={"data_parallel_shard": 2}),
+                           tmp_path / "export-fsdp2", timeout=180)[0]  # fmt: skip
+    for run in (one, fsdp):
+        torch.testing.assert_close(run["imported"], expected, rtol=0, atol=LOGITS_ATOL)
+    assert one["losses"][-1] < one["losses"][0]
+    assert max_rel(fsdp["losses"], one["losses"]) <= RUN_REL
+    assert max_rel(fsdp["grad_norms"], one["grad_norms"]) <= RUN_REL
+    for name, value in one["weights"].items():
+        torch.testing.assert_close(fsdp["weights"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+    for run, export in ((one, "export-one"), (fsdp, "export-fsdp2")):
+        assert safetensors_shapes(tmp_path / export) == safetensors_shapes(folder)  # the folder's layout
+        torch.testing.assert_close(hf_logits(tmp_path / export), run["trained"], rtol=0, atol=LOGITS_ATOL)
