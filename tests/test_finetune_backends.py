@@ -263,12 +263,22 @@ _ONE_PROCESS: dict[str, tuple[Any, ...]] = {}
     ("model_type", "mesh"),
     [
         ("llama", {"data_parallel_shard": 2}),
+        ("llama", {"tensor_parallel": 2}),
         ("qwen2", {"data_parallel_shard": 2}),
         ("qwen2", {"tensor_parallel": 2}),
         ("mistral", {"data_parallel_shard": 2}),
+        ("mistral", {"tensor_parallel": 2}),
         ("mixtral", {"data_parallel_shard": 2, "expert_parallel": 2}),
     ],
-    ids=["llama-fsdp2", "qwen2-fsdp2", "qwen2-tp2", "mistral-fsdp2", "mixtral-ep2"],
+    ids=[
+        "llama-fsdp2",
+        "llama-tp2",
+        "qwen2-fsdp2",
+        "qwen2-tp2",
+        "mistral-fsdp2",
+        "mistral-tp2",
+        "mixtral-ep2",
+    ],
 )
 def test_transformers_folders_of_the_other_families_train_on_the_reference_path_like_one_process(
     folders, model_type, mesh
@@ -295,3 +305,33 @@ def test_transformers_folders_of_the_other_families_train_on_the_reference_path_
     assert sorted(exported_weights(root / f"export-{name}")) == sorted(exported_weights(root / model_type))
     with torch.no_grad():
         torch.testing.assert_close(exported.eval()(_probe()).logits, logits, rtol=0, atol=1e-4)
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft's call
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral", "mixtral"])
+def test_lora_on_the_reference_path_of_a_transformers_folder_loads_in_peft_with_the_trained_logits(
+    tmp_path, model_type
+):
+    """LoRA through the reference model on a folder transformers wrote (llama3 RoPE scaling, q/k/v
+    biases, mistral, mixtral): both exports (PEFT's adapter on the folder, and the merged model) give
+    the trained model's logits in PEFT and transformers."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    folder = _save_transformers_folder(tmp_path / model_type, model_type)
+    model = {"hf_folder": str(folder), "backend": "reference"}
+    config = _config(tmp_path, f"{model_type}-lora", model, lora=True)
+    job = yaml.safe_load(config.read_text())
+    job["export"]["lora"] = "both"  # adapter/ in PEFT's layout and merged/
+    if model_type == "mixtral":  # PEFT reads the regex as leaf names: `down_proj` would hit the fused experts
+        job["peft"]["lora"]["target_modules"] = [r".*\.(q_proj|v_proj)"]
+    config.write_text(yaml.safe_dump(job), encoding="utf-8")
+    _, logits = run_forked(_train_with_logits, str(config))
+    export = tmp_path / f"export-{model_type}-lora"
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    adapted = peft.PeftModel.from_pretrained(base, export / "adapter").eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(export / "merged", dtype=torch.float32).eval()
+    untrained = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for loaded in (adapted, merged):
+            torch.testing.assert_close(loaded(_probe()).logits.float(), logits, rtol=0, atol=1e-5)
+        assert not torch.allclose(untrained(_probe()).logits, logits, atol=1e-4)  # the adapters trained
