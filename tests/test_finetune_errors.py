@@ -191,6 +191,11 @@ _FOLDER_CASES = {
         "reference",
         ["rope", "no-such-rope", "model.backend: hf"],
     ),
+    "unknown-rope-auto": (  # neither path: the reference model refuses it, then transformers
+        lambda f: _llama_folder(f, rope_scaling={"rope_type": "no-such-rope", "factor": 2.0}),
+        "auto",
+        ["no-such-rope"],
+    ),
     "sliding-window": (
         lambda f: _llama_folder(f, model_type="mistral", sliding_window=8),
         "reference",

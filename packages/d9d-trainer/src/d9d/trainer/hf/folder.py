@@ -4,8 +4,10 @@ Every refusal names the file and the fix in one line, before any model, process-
 of the job exists. Nothing is downloaded: the folder is read as it is (`local_files_only`).
 """
 
+import contextlib
 import copy
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -17,7 +19,14 @@ from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, PretrainedConf
 from d9d.trainer.errors import first_line
 from d9d.trainer.hf.errors import HFModelError
 
-__all__ = ["CONFIG_FILE", "HFFolder", "attention_implementation", "exported_config", "read_folder"]
+__all__ = [
+    "CONFIG_FILE",
+    "HFFolder",
+    "attention_implementation",
+    "exported_config",
+    "quiet_transformers",
+    "read_folder",
+]
 
 CONFIG_FILE = "config.json"
 #: Files besides the weights that an export copies as they are, so the folder stays a whole HF model.
@@ -77,7 +86,8 @@ def read_folder(path: Path) -> HFFolder:
             "d9d does not run; use a model whose architecture transformers ships"
         )
     try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        with quiet_transformers():  # its warnings about the file would be lines beside our one
+            config = AutoConfig.from_pretrained(path, local_files_only=True)
     except (ValueError, KeyError, TypeError, OSError) as exc:
         raise HFModelError(
             f"{config_file}: transformers {transformers.__version__} cannot read it (model_type "
@@ -90,6 +100,20 @@ def read_folder(path: Path) -> HFFolder:
             "trains causal LMs only"
         )
     return HFFolder(path=path, config=config, model_class=MODEL_FOR_CAUSAL_LM_MAPPING[type(config)])
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' own log output at error level while the block runs (its warnings about a config,
+    e.g. an unknown rope_type, would print beside the one line d9d gives for the same problem)."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def attention_implementation(folder: HFFolder, asked: Literal["auto", "sdpa", "eager"]) -> str:

@@ -34,6 +34,7 @@ from d9d.trainer.hf.folder import (
     HFFolder,
     attention_implementation,
     exported_config,
+    quiet_transformers,
     read_folder,
 )
 from d9d.trainer.hf.model import HFCausalLM, base_model_path, unwrap
@@ -166,9 +167,10 @@ class HFCausalLMProvider:
         folder = read_folder((Path(context.base_dir) / self.config.folder).resolve())
         attention = attention_implementation(folder, self.config.attention)
         try:
-            hf_model = AutoModelForCausalLM.from_config(
-                folder.config, dtype=torch.float32, attn_implementation=attention
-            )
+            with quiet_transformers():
+                hf_model = AutoModelForCausalLM.from_config(
+                    folder.config, dtype=torch.float32, attn_implementation=attention
+                )
         except (ValueError, TypeError, KeyError, AssertionError) as exc:
             raise HFModelError(
                 f"{folder.path / CONFIG_FILE}: transformers cannot build {folder.model_class.__name__} "
