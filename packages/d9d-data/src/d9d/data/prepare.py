@@ -37,6 +37,7 @@ import numpy as np
 from d9d.data.datasets.packed import token_dtype
 from d9d.data.datasets.tokenizer import Tokenizer, resolve_tokenizer
 from d9d.data.errors import DatasetError
+from d9d.mesh import first_line
 
 __all__ = [
     "INDEX_FILE",
@@ -491,11 +492,6 @@ def _saved_dataset_documents(path: Path, text_key: str) -> Iterator[str]:
             row += 1
             if value:
                 yield value
-
-
-def first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:200] if text else type(exc).__name__
 
 
 def _parquet_documents(path: Path, text_key: str) -> Iterator[str]:

@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports t
         rank_tag,
     )
     from d9d.mesh.log import LogFormat, configure_logging, get_logger, rank_log_path
+    from d9d.mesh.text import first_line, format_size
 
 #: Module → the public names it defines (the run-time twin of the imports above; a test keeps them equal).
 _EXPORTS: dict[str, tuple[str, ...]] = {
@@ -71,6 +72,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "rank_tag",
     ),
     "log": ("LogFormat", "configure_logging", "get_logger", "rank_log_path"),
+    "text": ("first_line", "format_size"),
 }
 _MODULE_OF, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())  # PEP 562
 
@@ -98,7 +100,9 @@ __all__ = [
     "cuda_problem",
     "device_name",
     "domain_layout",
+    "first_line",
     "format_layout",
+    "format_size",
     "get_logger",
     "measure_axes",
     "rank_coordinates",

@@ -52,8 +52,7 @@ class FaultInjection:
 
         once = env.get("D9D_TEST_RAISE_ONCE")
         slow_rank = env.get("D9D_TEST_SLOW_RANK", "0")
-        slow = float(env.get("D9D_TEST_SLOW_COLLECTIVES_S", "0") or 0)
-        slow_step = float(env.get("D9D_TEST_SLOW_STEP_S", "0") or 0)
+        slowed = slow_rank == "any" or int(slow_rank) == rank
         return cls(
             rank=rank,
             hang_step=step_for("HANG"),
@@ -62,8 +61,8 @@ class FaultInjection:
             raise_once=Path(once) if once else None,
             signal_step=step_for("SIGNAL"),
             signal_name=env.get("D9D_TEST_SIGNAL", "TERM"),
-            slow_collectives=slow if slow_rank == "any" or int(slow_rank) == rank else 0.0,
-            slow_step_s=slow_step if slow_rank == "any" or int(slow_rank) == rank else 0.0,
+            slow_collectives=float(env.get("D9D_TEST_SLOW_COLLECTIVES_S") or 0) if slowed else 0.0,
+            slow_step_s=float(env.get("D9D_TEST_SLOW_STEP_S") or 0) if slowed else 0.0,
             slow_from_step=int(env.get("D9D_TEST_SLOW_FROM_STEP", "1")),
         )
 

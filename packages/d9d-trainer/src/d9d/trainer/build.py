@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from d9d.mesh import D9dError, DistributedContext
+from d9d.mesh import D9dError, DistributedContext, first_line
 from d9d.parallel import (
     Float8Config,
     LoraConfig,
@@ -20,7 +20,7 @@ from d9d.parallel import (
     fsdp_parameters,
     lora_parameters,
 )
-from d9d.trainer.errors import OutOfMemoryError, TrainingError, first_line, is_out_of_memory
+from d9d.trainer.errors import OutOfMemoryError, TrainingError, is_out_of_memory
 from d9d.trainer.job import ResolvedJob
 from d9d.trainer.loading import shards_parameters
 from d9d.trainer.materialize import materialize_and_initialize

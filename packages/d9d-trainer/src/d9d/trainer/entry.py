@@ -73,18 +73,15 @@ def finished_run(loaded: LoadedJob) -> TrainResult | None:
     total = tcfg.schedule.total_steps
     if not found or found[-1].step < total or uncommitted_step_dirs(run_dir):
         return None
-    if config.export.dir is not None and not _exported(
-        run_dir, found[-1].step, loaded.resolve_path(config.export.dir)
-    ):
+    export_dir = loaded.resolve_path(config.export.dir) if config.export.dir is not None else None
+    if export_dir is not None and not _exported(run_dir, found[-1].step, export_dir):
         return None
     from d9d.mesh import configure_logging, get_logger  # structlog: only to say it
 
     latest = found[-1]
     log_dir = loaded.resolve_path(tcfg.logging.log_dir) if tcfg.logging.log_dir is not None else None
     configure_logging(format=tcfg.logging.format, level=tcfg.logging.level, log_dir=log_dir)
-    exported = (
-        {"export": str(loaded.resolve_path(config.export.dir))} if config.export.dir is not None else {}
-    )
+    exported = {"export": str(export_dir)} if export_dir is not None else {}
     get_logger("d9d.trainer").info(
         "run is already complete",
         step=latest.step,
@@ -113,9 +110,11 @@ def _exported(run_dir: Path, step: int, export_dir: Path) -> bool:
         record = json.loads((run_dir / EXPORT_RECORD).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    exported = isinstance(record, dict) and record.get("step") == step
-    same_dir = isinstance(record, dict) and record.get("dir") == str(export_dir.resolve())
-    return exported and same_dir and export_dir.is_dir() and any(export_dir.iterdir())
+    if not isinstance(record, dict) or record.get("step") != step:
+        return False
+    return (
+        record.get("dir") == str(export_dir.resolve()) and export_dir.is_dir() and any(export_dir.iterdir())
+    )
 
 
 def run_command(config_path: str | Path, overrides: Sequence[str] = ()) -> None:

@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 from typing import Literal
 
-from d9d.mesh import D9dError
+from d9d.mesh import D9dError, first_line
 
 __all__ = [
     "ErrorVerdict",
@@ -63,12 +63,6 @@ def step_out_of_memory(
         f"out of {device} memory in step {step} ({first_line(exc)}); lower data.microbatch_size, set "
         "trainer.activation_checkpointing.mode: full, or shard the model over more ranks" + seen
     )
-
-
-def first_line(exc: BaseException) -> str:
-    """The first line of the message (allocator errors are long)."""
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:200]
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,14 @@ import torch
 import torch.distributed as dist
 
 from d9d.ckpt import list_checkpoints
-from d9d.mesh import CollectiveTiming, DistributedContext, measure_axes, slow_groups, suspect_ranks
+from d9d.mesh import (
+    CollectiveTiming,
+    DistributedContext,
+    format_size,
+    measure_axes,
+    slow_groups,
+    suspect_ranks,
+)
 from d9d.trainer._fault_injection import FaultInjection
 from d9d.trainer.job import resolve_job
 from d9d.trainer.loading import LoadedJob, check_job_settings
@@ -142,12 +149,13 @@ def run_preflight(
             memory.param_bytes + memory.state.optimizer_state_bytes * memory.state.optimizer_states
         )
         faults = FaultInjection.from_env(ctx.rank, env)
-        facts = _gather(ctx, _facts(ctx, loaded, nbytes, iters, faults.slow_collectives))
+        probe_dir = _probe_dir(loaded)
+        facts = _gather(ctx, _facts(ctx, loaded, probe_dir, nbytes, iters, faults.slow_collectives))
         rank0 = facts[0]
         checks = [
             _hash_check("code", facts, rank0.code),
             _hash_check("config", facts, rank0.config),
-            _shared_check(facts, _probe_dir(loaded)),
+            _shared_check(facts, probe_dir),
             _room_check(loaded, rank0.free_bytes, checkpoint_bytes),
             *_bandwidth_checks(facts, threshold),
         ]
@@ -174,11 +182,11 @@ def _gather(ctx: DistributedContext, mine: _RankFacts) -> list[_RankFacts]:
 def _facts(
     ctx: DistributedContext,
     loaded: LoadedJob,
+    probe_dir: Path,
     nbytes: int | None,
     iters: int,
     slow_collectives: float,
 ) -> _RankFacts:
-    probe_dir = _probe_dir(loaded)
     sees, probe_error = _probe(ctx, probe_dir)
     cuda = ctx.device.type == "cuda"
     size = nbytes if nbytes is not None else (64 if cuda else 4) * 2**20
@@ -344,7 +352,7 @@ def _room_check(loaded: LoadedJob, free: int, estimate: int) -> PreflightCheck:
     else:
         size, source, held = estimate, "the plan's estimate", 0
     need = max(0, copies * size - held)
-    detail = f"{_size(free)} free, {copies} checkpoints of {_size(size)} ({source}) need {_size(need)} more"
+    detail = f"{format_size(free)} free, {copies} checkpoints of {format_size(size)} ({source}) need {format_size(need)} more"
     if free >= need:
         return PreflightCheck("save_dir room", True, detail)
     return PreflightCheck(
@@ -408,7 +416,7 @@ def _cuda_checks(facts: Sequence[_RankFacts], need: int, threshold: float) -> li
     checks = []
     short = [f.rank for f in facts if f.device_free is not None and f.device_free < need]
     least = min(facts, key=lambda f: f.device_free or 0)
-    detail = f"least free {_size(least.device_free or 0)} of {_size(least.device_total or 0)} on rank {least.rank}; the plan needs {_size(need)}"
+    detail = f"least free {format_size(least.device_free or 0)} of {format_size(least.device_total or 0)} on rank {least.rank}; the plan needs {format_size(need)}"
     if short:
         detail = f"{_where(facts, short)} short: {detail}; free the devices or see `d9d plan` for levers"
     checks.append(PreflightCheck("device memory", not short, detail))
@@ -457,14 +465,6 @@ def _median_check(
     if not low:
         return PreflightCheck(name, True, summary)
     return PreflightCheck(name, False, f"{_where(facts, low)} below the median: {summary}")
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def _rate(bytes_per_s: float) -> str:

@@ -136,15 +136,13 @@ class StragglerWatch:
     def observe(self, record: dict[str, Any]) -> None:
         """Count the step of `record` (its `STRAGGLER_FIELDS`); log when a streak reaches `steps`."""
         rank, ratio = record["straggler_rank"], record["straggler_ratio"]
-        if ratio < self.ratio:
+        slow = rank if ratio >= self.ratio else None  # the rank this step counts for, if any
+        if slow != self._rank:  # the streak ends (or another rank's begins)
             if self._warned:
                 _log.info("straggler caught up", rank=self._rank, step=record["step"], ratio=round(ratio, 2))
-            self._rank, self._run, self._warned = None, 0, False
+            self._rank, self._run, self._warned = slow, 0, False
+        if slow is None:
             return
-        if rank != self._rank:
-            if self._warned:
-                _log.info("straggler caught up", rank=self._rank, step=record["step"])
-            self._rank, self._run, self._warned = rank, 0, False
         self._run += 1
         if self._run == self.steps and not self._warned:
             self._warned = True

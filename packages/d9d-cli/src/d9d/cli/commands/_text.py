@@ -3,6 +3,8 @@
 import re
 from decimal import Decimal
 
+from d9d.mesh import format_size  # the one writer of sizes, here for the commands
+
 __all__ = ["format_size", "parse_size"]
 
 #: Bytes per unit: binary (KiB = 1024) and decimal (KB = 1000), as disk and GPU vendors write them.
@@ -12,15 +14,6 @@ _UNITS = {
     **{f"{p}b": 1000 ** (i + 1) for i, p in enumerate("kmgtp")},
 }
 _SIZE = re.compile(r"^\s*(?P<number>[-+]?\d+(?:\.\d*)?|[-+]?\.\d+)\s*(?P<unit>[a-z]*)\s*$", re.IGNORECASE)
-
-
-def format_size(n: float) -> str:
-    """Bytes in binary units, one decimal above 1 KiB (`512 B`, `12.3 MiB`)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def parse_size(text: str) -> int:

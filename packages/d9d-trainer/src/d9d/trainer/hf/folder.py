@@ -16,7 +16,7 @@ import torch
 import transformers
 from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, PretrainedConfig, PreTrainedModel
 
-from d9d.trainer.errors import first_line
+from d9d.mesh import first_line
 from d9d.trainer.hf.errors import HFModelError
 
 __all__ = [

@@ -22,9 +22,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from d9d.ckpt import safetensors_shapes
-from d9d.mesh import MeshConfig
+from d9d.mesh import MeshConfig, first_line
 from d9d.parallel import apply_activation_checkpointing, apply_lora, compile_blocks, parallelize_hsdp
-from d9d.trainer.errors import first_line
 from d9d.trainer.hf.config import HFCausalLMConfig
 from d9d.trainer.hf.context_parallel import apply_context_parallel, context_parallel_problem
 from d9d.trainer.hf.conversion import SavedFormat
