@@ -100,7 +100,7 @@ def reference_model(
 
 
 def check_env() -> None:
-    from d9d.trainer.metrics import device_peak_flops  # the peak the trainer's MFU divides by
+    from d9d.trainer.observe.throughput import device_peak_flops  # the peak the trainer's MFU divides by
 
     info: dict[str, object] = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": str(DEVICE)}
     if CUDA:

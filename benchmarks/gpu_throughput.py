@@ -86,7 +86,7 @@ def _sync(device: torch.device) -> None:
 def _result(args: argparse.Namespace, times: list[float], build_s: float, device: torch.device) -> dict:
     from reference_model import ReferenceModelConfig
 
-    from d9d.trainer.metrics import device_peak_flops
+    from d9d.trainer.observe.throughput import device_peak_flops
 
     steady = times[args.warmup :] or times
     step_s = statistics.median(steady)

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 from _common import row, write_rows  # noqa: E402
 
 from d9d.trainer import Trainer  # noqa: E402
-from d9d.trainer.tracking import Trackers  # noqa: E402
+from d9d.trainer.observe.tracking import Trackers  # noqa: E402
 
 CONFIG = ROOT / "examples" / "quickstart" / "config.yaml"
 BACKENDS = ("tensorboard", "wandb", "mlflow")

@@ -54,7 +54,7 @@ def _state_bytes(trainer: Any, offloaded: bool) -> dict[str, int]:
 
 def _refusal(model: torch.nn.Module) -> str:
     """What the trainer's check of a provider's model says when `trainer.memory.cpu_offload` is set."""
-    from d9d.trainer.build import check_offload_applied
+    from d9d.trainer.build.model import check_offload_applied
 
     try:
         check_offload_applied(model, True)

@@ -5,7 +5,7 @@ sync on CUDA; a dispatch mode counts them on CPU. Runs of 4 and 8 steps that log
 their last step differ by 4 ordinary steps, so (syncs(8) - syncs(4)) / 4 is the cost of one.
 The optimizer runs its fused kernels, as `optimizer.implementation: auto` picks on CUDA (torch's
 foreach AdamW reads its CPU step counters with `.item()`: CPU tensors, no device sync there).
-The step-time breakdown (`d9d.trainer.timing`) is on in every run; with events that behave as
+The step-time breakdown (`d9d.trainer.observe.timing`) is on in every run; with events that behave as
 CUDA's (a read needs a wait that covers the event, the wait counts as a sync) it adds none per step.
 """
 

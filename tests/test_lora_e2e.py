@@ -130,7 +130,7 @@ def test_lora_trains_only_adapters_and_exports_what_peft_loads(tmp_path):
 
 def test_lora_configured_but_not_applied_is_refused():
     from d9d.parallel import LoraConfig, apply_lora
-    from d9d.trainer.build import check_lora_applied
+    from d9d.trainer.build.model import check_lora_applied
     from d9d.trainer.errors import TrainingError
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))

@@ -1,5 +1,5 @@
 """Every metrics.jsonl record carries tokens/s, peak memory and the step-time breakdown
-(`d9d.trainer.timing`): data wait, forward+backward and optimizer add up to the step time, a slow
+(`d9d.trainer.observe.timing`): data wait, forward+backward and optimizer add up to the step time, a slow
 dataset shows as data wait, a checkpoint's stall shows on the record after it, on one process, PP 2
 and FSDP 2. Timing events are read only when the records flush (the CUDA path, through a stand-in
 event class: no CUDA numbers are made up here)."""
@@ -16,9 +16,9 @@ from _quickstart import overrides, records, train
 from d9d.cli.commands.metrics import summarize
 from d9d.data import TextDataset
 from d9d.trainer import BuildDatasetContext, BuildDatasetResult
-from d9d.trainer.records import StepRecords
+from d9d.trainer.observe.records import StepRecords
+from d9d.trainer.observe.timing import PHASES, StepTimer
 from d9d.trainer.step import StepOutput
-from d9d.trainer.timing import PHASES, StepTimer
 
 #: The quickstart's 16-sample global batch loads 16 samples per step on one process.
 SAMPLES_PER_STEP = 16

@@ -21,7 +21,7 @@ import pytest
 from _quickstart import CONFIG, overrides, records, run_forked, train, train_and_gather
 
 from d9d.trainer import ConfigError, load_job_config
-from d9d.trainer.tracking import STATE_FILE, Trackers, numeric_fields
+from d9d.trainer.observe.tracking import STATE_FILE, Trackers, numeric_fields
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -20,7 +20,7 @@ from faults._harness import (
     start_ranks,
 )
 
-from d9d.trainer.signals import EXIT_PREEMPTED
+from d9d.trainer.run.signals import EXIT_PREEMPTED
 
 ROOT = Path(__file__).resolve().parents[2]
 FSDP2 = "mesh.data_parallel_shard=2"

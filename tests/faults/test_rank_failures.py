@@ -14,7 +14,7 @@ from faults._harness import (
     step_dirs,
 )
 
-from d9d.trainer.watchdog import EXIT_STEP_TIMEOUT
+from d9d.trainer.faults.watchdog import EXIT_STEP_TIMEOUT
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ from _cli_job import run_cli, write_job
 
 from d9d.cli import cli
 from d9d.cli.commands.export import find_config_dir, relative_provider_files
-from d9d.trainer.metrics_file import METRICS_FILE
+from d9d.trainer.observe.metrics_file import METRICS_FILE
 
 
 def _weights(directory: Path) -> dict:

@@ -11,7 +11,7 @@ from _cli_job import run_cli
 
 from d9d.cli import cli
 from d9d.cli.commands.metrics import PLOT_INSTALL_HINT, find_restarts, read_metrics, summarize
-from d9d.trainer.metrics_file import METRICS_FILE
+from d9d.trainer.observe.metrics_file import METRICS_FILE
 
 
 def _record(step, loss, tokens=100.0, time=0.5, **extra):
@@ -34,7 +34,7 @@ def _write(path: Path, records, tail: str = "") -> Path:
 
 
 def test_a_damaged_line_is_skipped_and_counted_as_the_trainer_reads_it(tmp_path):
-    from d9d.trainer.metrics_file import read_metrics_file
+    from d9d.trainer.observe.metrics_file import read_metrics_file
 
     run = _write(
         tmp_path / "run", [_record(1, 3.0)], tail='{"step": 2, "lo\n' + json.dumps(_record(3, 2.0)) + "\n"

@@ -6,7 +6,7 @@ import pytest
 
 from d9d.cli import cli
 from d9d.trainer import main
-from d9d.trainer.metrics_file import METRICS_FILE
+from d9d.trainer.observe.metrics_file import METRICS_FILE
 
 
 def _steps(run_dir) -> int:

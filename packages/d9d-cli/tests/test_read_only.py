@@ -7,7 +7,7 @@ from pathlib import Path
 
 from d9d.cli import cli
 from d9d.mesh import DistributedContext
-from d9d.trainer.run_lock import RunLock
+from d9d.trainer.faults.run_lock import RunLock
 
 
 def _snapshot(directory: Path) -> dict[str, str]:

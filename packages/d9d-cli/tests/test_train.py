@@ -11,7 +11,7 @@ from _cli_job import run_cli, write_job
 
 from d9d.cli import cli
 from d9d.mesh.testing import run_torchrun
-from d9d.trainer.metrics_file import METRICS_FILE
+from d9d.trainer.observe.metrics_file import METRICS_FILE
 
 
 def _losses(run_dir: Path) -> list[float]:

@@ -64,7 +64,7 @@ class _Tiny(TinyTransformer):
 
 
 def _materialize(model: nn.Module, seed: int = 0) -> None:
-    materialize = pytest.importorskip("d9d.trainer.materialize")
+    materialize = pytest.importorskip("d9d.trainer.build.materialize")
     materialize.materialize_and_initialize(model, torch.device("cpu"), seed)
 
 

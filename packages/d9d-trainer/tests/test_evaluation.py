@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _job import job_config
 
 from d9d.trainer import ConfigError, Trainer, read_metrics
-from d9d.trainer.evaluation import eval_microbatches
+from d9d.trainer.run.evaluation import eval_microbatches
 
 EVAL_DATASET = {"samples": 20, "seq_len": 8, "seed": 7}
 

@@ -2,7 +2,7 @@ import io
 
 import torch
 
-from d9d.trainer.metrics import ProgressLine, device_peak_flops, mfu, model_flops_per_token
+from d9d.trainer.observe.throughput import ProgressLine, device_peak_flops, mfu, model_flops_per_token
 
 
 class _Config:
@@ -62,7 +62,7 @@ def test_a_log_line_clears_the_progress_line_first():
 
 
 def test_the_progress_line_shows_a_logging_steps_own_loss_and_names_the_step_of_an_older_one(tmp_path):
-    from d9d.trainer.records import StepRecords
+    from d9d.trainer.observe.records import StepRecords
     from d9d.trainer.step.base import StepOutput
 
     tty = _Tty()

@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from d9d.trainer.metrics_file import METRICS_FILE, read_metrics_file, truncate_metrics
+from d9d.trainer.observe.metrics_file import METRICS_FILE, read_metrics_file, truncate_metrics
 
 
 def _lines(*steps: int) -> list[str]:
@@ -32,6 +32,6 @@ def test_truncate_keeps_the_records_up_to_the_step_and_drops_damage(tmp_path):
 
 
 def test_the_reader_imports_no_torch():
-    code = "import sys; import d9d.trainer.metrics_file; from d9d.trainer import read_metrics; print('torch' in sys.modules)"
+    code = "import sys; import d9d.trainer.observe.metrics_file; from d9d.trainer import read_metrics; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -2,7 +2,13 @@
 plan, ECC, clocks, matmul speed) name the ranks and nodes that fail them; a healthy fleet passes.
 (The checks that need several processes run in tests/test_preflight.py.)"""
 
-from d9d.trainer.preflight import PreflightReport, _cuda_checks, _RankFacts, format_preflight, slow_ranks
+from d9d.trainer.planning.preflight import (
+    PreflightReport,
+    _cuda_checks,
+    _RankFacts,
+    format_preflight,
+    slow_ranks,
+)
 
 GIB = 2**30
 

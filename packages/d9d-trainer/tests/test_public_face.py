@@ -37,7 +37,7 @@ def test_what_type_checkers_see_is_what_runs():
 
 def test_an_unknown_name_is_an_attribute_error():
     try:
-        trainer.RunLock  # noqa: B018 - internal to the trainer now: imported from d9d.trainer.run_lock
+        trainer.RunLock  # noqa: B018 - internal to the trainer now: imported from d9d.trainer.faults.run_lock
     except AttributeError as exc:
         assert "RunLock" in str(exc)
     else:

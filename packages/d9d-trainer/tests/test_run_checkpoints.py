@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _job import job_config
 
 from d9d.trainer import Trainer
-from d9d.trainer.run_checkpoints import _reapply_schedule, config_changes
+from d9d.trainer.run.checkpoints import _reapply_schedule, config_changes
 
 
 def test_config_changes_lists_each_changed_leaf_of_the_watched_sections():

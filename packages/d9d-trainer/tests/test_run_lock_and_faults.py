@@ -6,10 +6,10 @@ import pytest
 
 from d9d.mesh import DistributedContext
 from d9d.trainer import TrainingError
-from d9d.trainer._fault_injection import FaultInjection
 from d9d.trainer.errors import RunLockedError
-from d9d.trainer.run_lock import LOCK_FILE, RunLock
-from d9d.trainer.watchdog import _message
+from d9d.trainer.faults.injection import FaultInjection
+from d9d.trainer.faults.run_lock import LOCK_FILE, RunLock
+from d9d.trainer.faults.watchdog import _message
 
 
 def test_run_lock_is_exclusive_and_released(tmp_path: Path) -> None:

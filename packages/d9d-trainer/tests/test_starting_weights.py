@@ -6,7 +6,7 @@ from types import SimpleNamespace
 from torch import nn
 
 from d9d.trainer import ImportsModelWeights, PrepareImportModelStageResult
-from d9d.trainer.starting_weights import StartingWeights
+from d9d.trainer.build.starting_weights import StartingWeights
 
 
 class _Exports:

@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _job import job_config
 
 from d9d.trainer import Trainer
-from d9d.trainer.metrics_file import METRICS_FILE
+from d9d.trainer.observe.metrics_file import METRICS_FILE
 
 
 def _train(config, overrides=()):

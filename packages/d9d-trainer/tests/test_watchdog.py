@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from d9d.trainer.failures import FailureBoard
-from d9d.trainer.watchdog import EXIT_STEP_TIMEOUT, _message, _stuck_ranks
+from d9d.trainer.faults.failures import FailureBoard
+from d9d.trainer.faults.watchdog import EXIT_STEP_TIMEOUT, _message, _stuck_ranks
 
 
 def _nccl_report(where: str, counts: dict[str, int]) -> dict:
@@ -62,7 +62,7 @@ def _rank_main(rank: int, world: int, tmp: str, mode: str) -> None:
     sys.stdout = sys.stderr = out
     try:
         from d9d.mesh import configure_logging
-        from d9d.trainer.watchdog import StepWatchdog
+        from d9d.trainer.faults.watchdog import StepWatchdog
 
         configure_logging(stream=out)  # earlier tests in this process may have logged to another stream
 

@@ -14,8 +14,8 @@ from _tiny_hf import ARCHITECTURES, MORE_ARCHITECTURES, VOCAB, hf_job, load_hf, 
 
 from d9d.mesh import DistributedContext, MeshConfig
 from d9d.trainer import InitializeModelStageContext, TrainingError, load_job_config, resolve_job
+from d9d.trainer.build.materialize import materialize_and_initialize
 from d9d.trainer.hf import HFCausalLM, HFCausalLMConfig, HFCausalLMProvider, HFModelError
-from d9d.trainer.materialize import materialize_and_initialize
 from d9d.trainer.planning import check_model_mesh
 
 

@@ -54,7 +54,7 @@ def reports_errors(func: Callable[_P, _R]) -> Callable[_P, _R]:
             if "d9d.trainer" in sys.modules and not isinstance(exc, CliError):
                 # A job's error: the ranks agreed on who reports it, as `python train.py` does, so
                 # a rank-specific error is printed by its rank (a bug keeps its traceback).
-                from d9d.trainer.reporting import report_job_error
+                from d9d.trainer.faults.reporting import report_job_error
 
                 if not report_job_error(exc):
                     raise

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from d9d.mesh.lazy import lazy_exports
 
 if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports these on first use
+    from d9d.trainer.build.materialize import materialize_and_initialize
     from d9d.trainer.builtins import (
         AutoDataProviderFactory,
         BuiltinLRSchedulerProvider,
@@ -28,12 +29,10 @@ if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports t
     from d9d.trainer.config import JobConfig
     from d9d.trainer.entry import main, run_job
     from d9d.trainer.errors import TrainingError
-    from d9d.trainer.evaluation import EvalResult
     from d9d.trainer.generation import SamplingConfig, generate
-    from d9d.trainer.job import ResolvedJob, resolve_job
-    from d9d.trainer.loading import ConfigError, ConfigPath, LoadedJob, load_job_config
-    from d9d.trainer.materialize import materialize_and_initialize
-    from d9d.trainer.metrics_file import read_metrics
+    from d9d.trainer.job.load import ConfigError, ConfigPath, LoadedJob, load_job_config
+    from d9d.trainer.job.resolve import ResolvedJob, resolve_job
+    from d9d.trainer.observe.metrics_file import read_metrics
     from d9d.trainer.planning import (
         FIT_HEADROOM,
         FitPlan,
@@ -78,7 +77,8 @@ if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports t
         SupportsClose,
         Task,
     )
-    from d9d.trainer.train_result import TrainResult
+    from d9d.trainer.results import TrainResult
+    from d9d.trainer.run.evaluation import EvalResult
     from d9d.trainer.trainer import Trainer
 
 #: Module → the public names it defines (the run-time twin of the imports above; a test keeps them equal).
@@ -93,12 +93,12 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "config": ("JobConfig",),
     "entry": ("main", "run_job"),
     "errors": ("TrainingError",),
-    "evaluation": ("EvalResult",),
+    "run.evaluation": ("EvalResult",),
     "generation": ("SamplingConfig", "generate"),
-    "job": ("ResolvedJob", "resolve_job"),
-    "loading": ("ConfigError", "ConfigPath", "LoadedJob", "load_job_config"),
-    "materialize": ("materialize_and_initialize",),
-    "metrics_file": ("read_metrics",),
+    "job.resolve": ("ResolvedJob", "resolve_job"),
+    "job.load": ("ConfigError", "ConfigPath", "LoadedJob", "load_job_config"),
+    "build.materialize": ("materialize_and_initialize",),
+    "observe.metrics_file": ("read_metrics",),
     "planning": (
         "FIT_HEADROOM",
         "FitPlan",
@@ -143,7 +143,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "SupportsClose",
         "Task",
     ),
-    "train_result": ("TrainResult",),
+    "results": ("TrainResult",),
     "trainer": ("Trainer",),
 }
 _MODULE_OF, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())  # PEP 562

@@ -158,7 +158,7 @@ def optimizer_kernels(implementation: str, params: list[torch.Tensor]) -> dict[s
     Raises:
         ConfigError: `fused` or `foreach` was asked for parameters that cannot use it.
     """
-    from d9d.trainer.loading import ConfigError
+    from d9d.trainer.job.load import ConfigError
 
     kinds = {type(p.data).__name__ == "DTensor" for p in params}
     mixed = len(kinds) > 1

@@ -40,9 +40,9 @@ from d9d.mesh import get_logger
 if TYPE_CHECKING:
     import torch
 
-    from d9d.trainer.evaluation import EvalResult
     from d9d.trainer.planning import JobPlan
-    from d9d.trainer.train_result import TrainResult
+    from d9d.trainer.results import TrainResult
+    from d9d.trainer.run.evaluation import EvalResult
 
 __all__ = ["Callback", "RunControl"]
 

@@ -173,7 +173,7 @@ class ProfilingConfig(_Section):
 
 
 class TrackingConfig(_Section):
-    """`trainer.tracking`: experiment trackers that receive every metrics.jsonl record (`d9d.trainer.tracking`).
+    """`trainer.tracking`: experiment trackers that receive every metrics.jsonl record (`d9d.trainer.observe.tracking`).
 
     `backends`: any of `jsonl` (metrics.jsonl, always written, listed or not), `tensorboard`, `wandb`
     and `mlflow`; each of the last three is an extra of d9d-trainer (`d9d-trainer[wandb]`). Rank 0
@@ -215,7 +215,7 @@ class ResumeConfig(_Section):
 
 class StragglersConfig(_Section):
     """`trainer.logging.stragglers`: warn when one rank's busy time per step (its time outside
-    collective waits, `d9d.trainer.stragglers`) stays above `ratio` × the median rank's for `steps`
+    collective waits, `d9d.trainer.observe.stragglers`) stays above `ratio` × the median rank's for `steps`
     steps in a row."""
 
     ratio: float = 1.25
@@ -277,7 +277,7 @@ class TimeoutsConfig(_Section):
 
     `init_s` bounds start-up collectives (rendezvous, loading a checkpoint). `step_s` bounds one
     training step (data, forward/backward, optimizer) on a distributed run: past it, the step
-    watchdog stops every rank and names the ranks that are stuck (see `d9d.trainer.watchdog`).
+    watchdog stops every rank and names the ranks that are stuck (see `d9d.trainer.faults.watchdog`).
     Checkpoint saves are not part of a step; they wait up to `init_s`.
     """
 
@@ -437,7 +437,7 @@ class ExportConfig(_Section):
 
 class EarlyStoppingConfig(_Section):
     """`eval.early_stopping`: stop (and save) once `eval_loss` has not improved by more than `min_delta` on
-    the best so far for `patience` evals in a row (`d9d.trainer.early_stopping`)."""
+    the best so far for `patience` evals in a row (`d9d.trainer.run.early_stopping`)."""
 
     patience: int
     min_delta: float = 0.0
@@ -452,7 +452,7 @@ class EarlyStoppingConfig(_Section):
 
 
 class EvalConfig(_Section):
-    """The validation loop: the mean token loss over `providers.eval_dataset`'s set (`d9d.trainer.evaluation`).
+    """The validation loop: the mean token loss over `providers.eval_dataset`'s set (`d9d.trainer.run.evaluation`).
 
     `period_steps`: evaluate every N steps, and always after the last one (0: only after the last).
     `steps`: evaluate the first K microbatches of the set, in order (null: the whole set).

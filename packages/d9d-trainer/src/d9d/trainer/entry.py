@@ -16,9 +16,9 @@ from pathlib import Path
 from d9d.ckpt import list_checkpoints, uncommitted_step_dirs
 from d9d.mesh import RendezvousError, check_launch
 from d9d.trainer.errors import verdict_of
-from d9d.trainer.loading import LoadedJob, check_job_settings, load_job_config
-from d9d.trainer.reporting import report_job_error
-from d9d.trainer.train_result import TrainResult
+from d9d.trainer.faults.reporting import report_job_error
+from d9d.trainer.job.load import LoadedJob, check_job_settings, load_job_config
+from d9d.trainer.results import TrainResult
 
 __all__ = ["finished_run", "main", "run_command", "run_job"]
 
@@ -28,7 +28,7 @@ def run_job(config_path: str | Path, overrides: Sequence[str] = ()) -> TrainResu
 
     A run that is already complete (`finished_run`) returns before anything is built.
     On a failure under a multi-process launch, the ranks first agree on who reports it (see
-    `d9d.trainer.reporting`); the exception carries the verdict.
+    `d9d.trainer.faults.reporting`); the exception carries the verdict.
     """
     try:
         # A bad config, or a launch that does not fit the mesh, fails here, before torch is imported
@@ -126,12 +126,12 @@ def run_command(config_path: str | Path, overrides: Sequence[str] = ()) -> None:
     try:
         result = run_job(config_path, overrides)
     except KeyboardInterrupt:
-        from d9d.trainer.signals import EXIT_INTERRUPTED, INTERRUPTED_MESSAGE
+        from d9d.trainer.run.signals import EXIT_INTERRUPTED, INTERRUPTED_MESSAGE
 
         print(INTERRUPTED_MESSAGE, file=sys.stderr, flush=True)
         sys.exit(EXIT_INTERRUPTED)
     if result.stopped_by is not None:  # saved after SIGTERM / Ctrl-C: run the same command to resume
-        from d9d.trainer.signals import EXIT_PREEMPTED
+        from d9d.trainer.run.signals import EXIT_PREEMPTED
 
         sys.exit(EXIT_PREEMPTED)
 
@@ -140,7 +140,7 @@ def _agree(exc: Exception) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world_size <= 1 or "RANK" not in os.environ or verdict_of(exc) is not None:
         return  # one process, or the ranks agreed already (a failed step: see FailureBoard)
-    from d9d.trainer.failures import agree_on_error, error_store, mark_own_error  # torch.distributed
+    from d9d.trainer.faults.failures import agree_on_error, error_store, mark_own_error  # torch.distributed
 
     store = error_store()
     if store is not None:

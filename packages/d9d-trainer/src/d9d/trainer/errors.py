@@ -69,7 +69,7 @@ def step_out_of_memory(
 class ErrorVerdict:
     """Who reports a failed rank's error: `shared` (every rank raised the same text: rank 0 says it),
     `mine` (this rank's own error: it says it, with its rank) or `peer` (another rank's error came
-    first: this rank stays quiet). The ranks agree on it in `d9d.trainer.failures`; it lives here,
+    first: this rank stays quiet). The ranks agree on it in `d9d.trainer.faults.failures`; it lives here,
     without torch, for the reporting of errors raised before torch is imported (a bad config)."""
 
     kind: Literal["shared", "mine", "peer"]

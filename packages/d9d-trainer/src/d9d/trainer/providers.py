@@ -513,7 +513,7 @@ def undeclared_methods(instance: object, ability: type) -> list[str]:
 
     `isinstance(instance, ability)` only sees that the names exist; an attribute that happens to
     share a name (`self.batching = {...}`) is no declaration, and the trainer refuses it rather than
-    call it (`d9d.trainer.job.resolve_job`).
+    call it (`d9d.trainer.job.resolve.resolve_job`).
     """
     if not isinstance(instance, ability):
         return []

@@ -29,21 +29,26 @@ from d9d.parallel import (
     merge_stage_modules,
     select_float8_linears,
 )
-from d9d.trainer._fault_injection import FaultInjection
-from d9d.trainer.build import materialize_model, shape_model
+from d9d.trainer.build.export import Exporter
+from d9d.trainer.build.model import materialize_model, shape_model
+from d9d.trainer.build.starting_weights import StartingWeights
 from d9d.trainer.callbacks import Callback, Callbacks, RunControl
 from d9d.trainer.config import StragglersConfig
-from d9d.trainer.early_stopping import EarlyStopping
 from d9d.trainer.errors import TrainingError, is_out_of_memory, step_out_of_memory
-from d9d.trainer.evaluation import EvalResult, EvalSet, Evaluator, load_eval_set
-from d9d.trainer.export import Exporter
-from d9d.trainer.failures import FailureBoard, job_store
-from d9d.trainer.job import ResolvedJob, resolve_job
-from d9d.trainer.loading import LoadedJob, load_job_config
-from d9d.trainer.metrics import ProgressLine, batch_flops_per_token, device_peak_flops
-from d9d.trainer.metrics_file import METRICS_FILE, truncate_metrics
+from d9d.trainer.faults.failures import FailureBoard, job_store
+from d9d.trainer.faults.injection import FaultInjection
+from d9d.trainer.faults.run_lock import RunLock
+from d9d.trainer.faults.watchdog import REPORT_GRACE_S, StepWatchdog
+from d9d.trainer.job.load import LoadedJob, load_job_config
+from d9d.trainer.job.resolve import ResolvedJob, resolve_job
+from d9d.trainer.observe.metrics_file import METRICS_FILE, truncate_metrics
+from d9d.trainer.observe.profiling import StepProfiler
+from d9d.trainer.observe.records import StepRecords
+from d9d.trainer.observe.stragglers import BusyClock, StragglerWatch
+from d9d.trainer.observe.throughput import ProgressLine, batch_flops_per_token, device_peak_flops
+from d9d.trainer.observe.timing import StepTimer, read_phases
+from d9d.trainer.observe.tracking import Trackers, check_trackers, open_trackers
 from d9d.trainer.planning import JobPlan, check_model_mesh, plan_job
-from d9d.trainer.profiling import StepProfiler
 from d9d.trainer.providers import (
     BuildDataProviderContext,
     BuildDatasetContext,
@@ -52,17 +57,12 @@ from d9d.trainer.providers import (
     SupportsClose,
     undeclared_methods,
 )
-from d9d.trainer.records import StepRecords
-from d9d.trainer.run_checkpoints import RunCheckpoints
-from d9d.trainer.run_lock import RunLock
-from d9d.trainer.signals import StopRequests
-from d9d.trainer.starting_weights import StartingWeights
+from d9d.trainer.results import TrainResult
+from d9d.trainer.run.checkpoints import RunCheckpoints
+from d9d.trainer.run.early_stopping import EarlyStopping
+from d9d.trainer.run.evaluation import EvalResult, EvalSet, Evaluator, load_eval_set
+from d9d.trainer.run.signals import StopRequests
 from d9d.trainer.step import MicrobatchStep, PipelineStep, StepSettings, TrainStep, token_group
-from d9d.trainer.stragglers import BusyClock, StragglerWatch
-from d9d.trainer.timing import StepTimer, read_phases
-from d9d.trainer.tracking import Trackers, check_trackers, open_trackers
-from d9d.trainer.train_result import TrainResult
-from d9d.trainer.watchdog import REPORT_GRACE_S, StepWatchdog
 
 __all__ = ["TrainResult", "Trainer"]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from d9d.cli.errors import CliError
-from d9d.trainer.metrics_file import METRICS_FILE  # torch-free, like this module
+from d9d.trainer.observe.metrics_file import METRICS_FILE  # torch-free, like this module
 
 __all__ = ["RunScan", "Stray", "check_run_dir", "scan_run_dir"]
 

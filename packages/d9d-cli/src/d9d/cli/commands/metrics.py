@@ -1,7 +1,7 @@
 """`d9d metrics`: a summary of a run's per-step metrics file, and optionally a plot of it.
 
 Reads only the JSON-lines file the trainer writes, with the trainer's reader
-(`d9d.trainer.metrics_file`, no torch import): a damaged line is skipped and counted. A restart shows in the file as
+(`d9d.trainer.observe.metrics_file`, no torch import): a damaged line is skipped and counted. A restart shows in the file as
 a step that does not follow the previous one (the trainer rewinds to the checkpoint it resumed
 from), or, when the records carry a `launch` field, as a change of its value.
 """
@@ -19,7 +19,7 @@ import click
 
 from d9d.cli.commands._runs import check_run_dir
 from d9d.cli.errors import CliError, reports_errors
-from d9d.trainer.metrics_file import METRICS_FILE, read_metrics_file
+from d9d.trainer.observe.metrics_file import METRICS_FILE, read_metrics_file
 
 __all__ = [
     "PLOT_INSTALL_HINT",
@@ -41,7 +41,7 @@ PLOT_INSTALL_HINT = (
     "(--inexact keeps the extras you have) or `pip install 'd9d-cli[plot]'`"
 )
 
-#: The step phases of a record's step-time breakdown (d9d.trainer.timing), as the summary names them.
+#: The step phases of a record's step-time breakdown (d9d.trainer.observe.timing), as the summary names them.
 _STEP_PHASES = {
     "time_data_s": "data",
     "time_forward_backward_s": "forward+backward",

@@ -1,6 +1,6 @@
 """`d9d preflight`: check the fleet under the job's own launch before the job runs on it.
 
-Every rank runs the checks of `d9d.trainer.preflight.run_preflight` (same code and config, a shared
+Every rank runs the checks of `d9d.trainer.planning.preflight.run_preflight` (same code and config, a shared
 save_dir with room, collective bandwidth over each mesh axis, on CUDA device memory, ECC, clocks and
 compute); rank 0 prints one table. Exit status 0 when every check passes, 1 when one fails, 2 for a
 config or launch the job itself would refuse.
@@ -64,8 +64,8 @@ def preflight(
       torchrun --nproc-per-node 4 -m d9d.cli preflight config.yaml --set mesh.data_parallel_shard=4
     """
     check_config_path(config)
-    from d9d.trainer.loading import load_job_config
-    from d9d.trainer.preflight import format_preflight, run_preflight
+    from d9d.trainer.job.load import load_job_config
+    from d9d.trainer.planning.preflight import format_preflight, run_preflight
 
     loaded = load_job_config(config, list(overrides))
     nbytes = int(size_mb * 2**20) if size_mb is not None else None

@@ -31,8 +31,8 @@ from transformers import PretrainedConfig
 
 from d9d.mesh import DistributedContext
 from d9d.parallel import ReplicateParallel, TensorParallelPlan, parallelize_tensor_parallel
+from d9d.trainer.build.materialize import shared_parameters
 from d9d.trainer.hf.errors import HFModelError
-from d9d.trainer.materialize import shared_parameters
 
 __all__ = [
     "STYLES",

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 
 from d9d.mesh import D9dError
 from d9d.trainer.builtins import AutoDataProviderFactory
-from d9d.trainer.job import ResolvedJob, resolve_job
-from d9d.trainer.loading import LoadedJob
+from d9d.trainer.job.load import LoadedJob
+from d9d.trainer.job.resolve import ResolvedJob, resolve_job
 
 if TYPE_CHECKING:
     from d9d.trainer.planning.job_plan import JobPlan

@@ -28,8 +28,8 @@ from d9d.parallel import (
     resolve_precision,
 )
 from d9d.trainer.errors import TrainingError
-from d9d.trainer.job import ResolvedJob, resolve_job
-from d9d.trainer.loading import LoadedJob
+from d9d.trainer.job.load import LoadedJob
+from d9d.trainer.job.resolve import ResolvedJob, resolve_job
 from d9d.trainer.planning.memory import MemoryPlan, plan_memory
 from d9d.trainer.providers import (
     Batching,

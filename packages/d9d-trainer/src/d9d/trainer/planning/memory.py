@@ -5,7 +5,7 @@ The state figure is a deliberately simple estimate (no temporary buffers, no all
 compute dtype, with and without activation checkpointing (`estimate_activations`). Under context
 parallelism that forward runs one rank's share of the sequence with the planned cp group, as the
 trainer will. Building the model for it runs the model provider and the trainer's checks of what it
-built (`d9d.trainer.build.shape_model`), so a job the trainer would refuse is refused here too.
+built (`d9d.trainer.build.model.shape_model`), so a job the trainer would refuse is refused here too.
 """
 
 import copy
@@ -29,8 +29,8 @@ from d9d.parallel import (
     saved_activation_bytes,
     select_float8_linears,
 )
-from d9d.trainer.build import shape_model, shards_parameters
-from d9d.trainer.job import ResolvedJob
+from d9d.trainer.build.model import shape_model, shards_parameters
+from d9d.trainer.job.resolve import ResolvedJob
 from d9d.trainer.providers import (
     InitializeModelStageContext,
     LossContext,

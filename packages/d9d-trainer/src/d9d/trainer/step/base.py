@@ -23,8 +23,8 @@ from d9d.parallel import (
     update_expert_biases,
 )
 from d9d.trainer.errors import TrainingError
+from d9d.trainer.observe.timing import StepTimer
 from d9d.trainer.providers import Task
-from d9d.trainer.timing import StepTimer
 
 __all__ = ["StepOutput", "StepSettings", "TrainStep", "token_group"]
 
@@ -80,7 +80,7 @@ class StepSettings:
     timer: StepTimer | None = None
     """Where the step marks the end of its forward+backward and optimizer phases (None: nowhere)."""
     busy_time: Callable[[], float] | None = None
-    """This rank's seconds of the step so far not spent waiting in collectives (`d9d.trainer.stragglers`),
+    """This rank's seconds of the step so far not spent waiting in collectives (`d9d.trainer.observe.stragglers`),
     read at the sync and gathered there with the requests."""
 
     def local_batch(self, batch: Any) -> Any:
@@ -147,7 +147,7 @@ class StepBase:
         return value
 
     def mark(self, phase: str) -> None:
-        """End the step's `phase` (see `d9d.trainer.timing`) on the settings' timer, if any; never syncs."""
+        """End the step's `phase` (see `d9d.trainer.observe.timing`) on the settings' timer, if any; never syncs."""
         if self.settings.timer is not None:
             self.settings.timer.mark(phase)
 

@@ -15,12 +15,12 @@ from torch import nn
 
 from d9d.ckpt import CheckpointInfo, CheckpointManager, capture_rng_state, restore_rng_state
 from d9d.mesh import get_logger
+from d9d.trainer.build.starting_weights import StartingWeights
 from d9d.trainer.config import EVAL_METRICS, OptimizerConfig, ProvidersConfig
-from d9d.trainer.early_stopping import EarlyStopping
 from d9d.trainer.errors import TrainingError
-from d9d.trainer.evaluation import EvalResult
-from d9d.trainer.job import ResolvedJob
-from d9d.trainer.starting_weights import StartingWeights
+from d9d.trainer.job.resolve import ResolvedJob
+from d9d.trainer.run.early_stopping import EarlyStopping
+from d9d.trainer.run.evaluation import EvalResult
 
 __all__ = ["RunCheckpoints", "config_changes", "optimizer_change"]
 

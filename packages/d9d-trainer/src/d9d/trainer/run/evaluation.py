@@ -28,8 +28,8 @@ from d9d.mesh import DistributedContext
 from d9d.parallel import check_sequence_length, precision_autocast
 from d9d.trainer.config import EvalConfig
 from d9d.trainer.errors import TrainingError
-from d9d.trainer.job import ResolvedJob
-from d9d.trainer.loading import ConfigError
+from d9d.trainer.job.load import ConfigError
+from d9d.trainer.job.resolve import ResolvedJob
 from d9d.trainer.planning.job_plan import EVAL_LENGTH
 from d9d.trainer.providers import BuildDatasetContext, LossContext, Task
 from d9d.trainer.step import StepSettings

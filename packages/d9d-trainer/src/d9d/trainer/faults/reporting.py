@@ -2,7 +2,7 @@
 
 Used by `python train.py` (`d9d.trainer.main`) and `d9d train`. Who prints is decided by agreement,
 never by the error's type: the failed ranks compare their error text through the launch's store
-(`d9d.trainer.failures.agree_on_error`). An error every rank raised alike (a bad config, a launch that
+(`d9d.trainer.faults.failures.agree_on_error`). An error every rank raised alike (a bad config, a launch that
 does not fit the mesh, the same missing file everywhere) is printed by rank 0, while the other ranks
 wait a moment before they exit (under torchrun the first rank to exit gets the others killed, and
 rank 0 must get to print first). An error of one rank (a path that only one node lacks) is printed

@@ -54,7 +54,7 @@ def materialize_and_initialize(
 
     Args:
         init_device: where the unsharded copies are initialized; default `device`.
-        loaded: state-dict keys of `model` that a load fills next (e.g. `d9d.trainer.starting_weights.
+        loaded: state-dict keys of `model` that a load fills next (e.g. `d9d.trainer.build.starting_weights.
             imported_keys`): allocated and zeroed, not initialized. A module holding some of them and
             other tensors is initialized whole, as without a load, and keeps only the others' values.
     """

@@ -51,9 +51,9 @@ from d9d.mesh import (
     slow_groups,
     suspect_ranks,
 )
-from d9d.trainer._fault_injection import FaultInjection
-from d9d.trainer.job import resolve_job
-from d9d.trainer.loading import LoadedJob, check_job_settings
+from d9d.trainer.faults.injection import FaultInjection
+from d9d.trainer.job.load import LoadedJob, check_job_settings
+from d9d.trainer.job.resolve import resolve_job
 from d9d.trainer.planning import plan_job
 
 __all__ = ["PreflightCheck", "PreflightReport", "format_preflight", "run_preflight", "slow_ranks"]

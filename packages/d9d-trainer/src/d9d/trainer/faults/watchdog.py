@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from d9d.mesh import get_logger
 from d9d.trainer._torch_compat import dump_fr_trace
-from d9d.trainer.failures import FailureBoard
+from d9d.trainer.faults.failures import FailureBoard
 
 __all__ = ["EXIT_STEP_TIMEOUT", "FLIGHT_RECORDER_DIR", "REPORT_GRACE_S", "StepWatchdog", "issued_collectives"]
 

@@ -1,7 +1,7 @@
 """Resolve a loaded job config into provider instances, each built from its own config section.
 
 Also the checks that need the providers, still before any process group, file or model exists: a
-declared batching against the mesh. Those that need none (`d9d.trainer.loading.check_job_settings`)
+declared batching against the mesh. Those that need none (`d9d.trainer.job.load.check_job_settings`)
 run first.
 """
 
@@ -16,7 +16,7 @@ from d9d.data import DataError
 from d9d.mesh import D9dError
 from d9d.trainer.callbacks import Callback
 from d9d.trainer.config import CallbackConfig, JobConfig
-from d9d.trainer.loading import (
+from d9d.trainer.job.load import (
     ConfigError,
     LoadedJob,
     check_job_settings,

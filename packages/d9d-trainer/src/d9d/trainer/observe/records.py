@@ -5,20 +5,20 @@ records are flushed: at logging steps, before a checkpoint and at the end. So a 
 the records since the last log line, never those of a committed checkpoint, and an ordinary step
 never waits for the device to report its loss. Rank 0 writes; every rank flushes at the same steps.
 
-A step that ran an eval (`d9d.trainer.evaluation`) carries its numbers as `eval_loss`,
+A step that ran an eval (`d9d.trainer.run.evaluation`) carries its numbers as `eval_loss`,
 `eval_perplexity` and `eval_tokens` on its record, is flushed at once and logs an `eval` line.
 
 Each record also carries its step's `tokens_per_s` (tokens / step_time_s), `mfu` where the device's
 peak is known, the peak memory so far (`peak_mem_gib` on CUDA, `peak_rss_gib` on CPU; read when the
-step is added, a host-side counter, no sync) and the step-time breakdown of `d9d.trainer.timing`
+step is added, a host-side counter, no sync) and the step-time breakdown of `d9d.trainer.observe.timing`
 (`time_data_s`, `time_forward_backward_s`, `time_optimizer_s`, `time_checkpoint_s`), read at flush.
 
 On several ranks a record also names the step's busiest rank (`straggler_rank`, `straggler_time_s`,
-`straggler_ratio` over the median rank: `d9d.trainer.stragglers`), gathered in the step's own sync
+`straggler_ratio` over the median rank: `d9d.trainer.observe.stragglers`), gathered in the step's own sync
 and read with the rest; a rank that stays the busiest by `trainer.logging.stragglers.ratio` for its
 `steps` gets one warning.
 
-The experiment trackers (`d9d.trainer.tracking`: TensorBoard, W&B, MLflow) get the same records,
+The experiment trackers (`d9d.trainer.observe.tracking`: TensorBoard, W&B, MLflow) get the same records,
 when the file does.
 """
 
@@ -34,12 +34,12 @@ from typing import Any
 import torch
 
 from d9d.mesh import get_logger
-from d9d.trainer.evaluation import EvalResult
-from d9d.trainer.metrics import ProgressLine, mfu
+from d9d.trainer.observe.stragglers import StragglerWatch, straggler_fields
+from d9d.trainer.observe.throughput import ProgressLine, mfu
+from d9d.trainer.observe.timing import StepPhases, read_phases
+from d9d.trainer.observe.tracking import Trackers
+from d9d.trainer.run.evaluation import EvalResult
 from d9d.trainer.step import StepOutput
-from d9d.trainer.stragglers import StragglerWatch, straggler_fields
-from d9d.trainer.timing import StepPhases, read_phases
-from d9d.trainer.tracking import Trackers
 
 __all__ = ["StepRecords"]
 
@@ -76,7 +76,7 @@ class StepRecords:
         world_size: ranks sharing the throughput.
         device: the device whose peak memory is reported.
         progress: a progress line to update each step (None: none).
-        trackers: experiment trackers that get every record too (`d9d.trainer.tracking`; rank 0's).
+        trackers: experiment trackers that get every record too (`d9d.trainer.observe.tracking`; rank 0's).
         on_records: called with the records once they are written (on every rank: the callbacks'
             `on_step`).
         stragglers: warns about a rank that stays the busiest (rank 0's; None: no warning).

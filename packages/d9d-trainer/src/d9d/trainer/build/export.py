@@ -14,10 +14,10 @@ from torch import nn
 from d9d.ckpt import MappingError, Parallel, StateMapper, save_safetensors
 from d9d.mesh import DistributedContext, get_logger
 from d9d.parallel import lora_state_dict, merged_state_dict, peft_adapter_config, peft_key
+from d9d.trainer.build.starting_weights import StartingWeights
 from d9d.trainer.errors import TrainingError
-from d9d.trainer.job import ResolvedJob
+from d9d.trainer.job.resolve import ResolvedJob
 from d9d.trainer.providers import PrepareExportModelStageContext
-from d9d.trainer.starting_weights import StartingWeights
 
 __all__ = ["Exporter"]
 

@@ -1,6 +1,6 @@
 """`metrics.jsonl`: a run's per-step records, one JSON object per line, and the one way to read it.
 
-The trainer appends the records (`d9d.trainer.records`), resume cuts them back to the checkpoint's
+The trainer appends the records (`d9d.trainer.observe.records`), resume cuts them back to the checkpoint's
 step (`truncate_metrics`) and `d9d metrics` summarizes them; all read with `read_metrics_file`, so
 one damage rule holds everywhere: a line that is not a JSON object with an integer `step` (a write
 cut short by a crash or a full disk, garbage) is damaged, skipped and counted, and every other line

@@ -2,7 +2,7 @@
 
 `trainer.tracking.backends` picks them (`jsonl`, the metrics file, is always written). Each record's
 numeric fields go to every tracker as one series per field, against the record's step: whatever
-`d9d.trainer.records` puts on a record (loss, grad_norm, lr, tokens, step_time_s, eval_loss, the
+`d9d.trainer.observe.records` puts on a record (loss, grad_norm, lr, tokens, step_time_s, eval_loss, the
 step-time breakdown...) needs no change here; booleans (`skipped`) and text (`launch`) stay in the
 file only. Rank 0 writes; the other ranks create nothing. A tracker gets the records when the metrics
 file does (at logging steps, before a checkpoint, at the end), so it costs nothing on other steps.
@@ -38,8 +38,8 @@ import msgspec
 from d9d.mesh import get_logger
 from d9d.trainer.config import TrackingConfig
 from d9d.trainer.errors import TrainingError
-from d9d.trainer.job import one_line_text
-from d9d.trainer.loading import ConfigError, LoadedJob
+from d9d.trainer.job.load import ConfigError, LoadedJob
+from d9d.trainer.job.resolve import one_line_text
 
 __all__ = [
     "STATE_FILE",

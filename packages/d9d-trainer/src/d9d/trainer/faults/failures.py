@@ -3,7 +3,7 @@
 Every rank of a job shares the key-value store of the default process group. The first rank that
 fails writes its error there (`compare_set`: the first writer wins) and logs its traceback. The
 other ranks are usually blocked in a collective with it: their step watchdog threads poll the record
-and stop them (see `d9d.trainer.watchdog`); a rank whose collective breaks first finds the record too
+and stop them (see `d9d.trainer.faults.watchdog`); a rank whose collective breaks first finds the record too
 and raises a `PeerFailedError` with the same message. Either way rank 0 prints that message (the
 CLI's rule), so the `error:` line appears once instead of N copies of a collective error. In local
 mode there is nothing to coordinate and errors pass unchanged.

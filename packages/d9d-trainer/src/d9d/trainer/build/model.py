@@ -20,12 +20,12 @@ from d9d.parallel import (
     fsdp_parameters,
     lora_parameters,
 )
+from d9d.trainer.build.materialize import materialize_and_initialize
+from d9d.trainer.build.starting_weights import imported_keys
 from d9d.trainer.errors import OutOfMemoryError, TrainingError, is_out_of_memory
-from d9d.trainer.job import ResolvedJob
-from d9d.trainer.loading import shards_parameters
-from d9d.trainer.materialize import materialize_and_initialize
+from d9d.trainer.job.load import shards_parameters
+from d9d.trainer.job.resolve import ResolvedJob
 from d9d.trainer.providers import InitializeModelStageContext, ParallelizeModelStageContext
-from d9d.trainer.starting_weights import imported_keys
 
 __all__ = [
     "check_lora_applied",

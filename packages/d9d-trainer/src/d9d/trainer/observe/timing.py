@@ -1,7 +1,7 @@
 """The step-time breakdown: where each step's time went (data wait, forward+backward, optimizer, checkpoint).
 
 The loop and the step strategies only mark phase boundaries on a `StepTimer`; nothing is read until
-the records are flushed (`d9d.trainer.records`), which has synced with the device anyway. On CUDA a
+the records are flushed (`d9d.trainer.observe.records`), which has synced with the device anyway. On CUDA a
 mark records a `torch.cuda.Event(enable_timing=True)` on the current stream, so the times are those
 of the device timeline and marking costs no host sync. On CPU ops run synchronously, so a mark is
 `time.perf_counter()` and exact.

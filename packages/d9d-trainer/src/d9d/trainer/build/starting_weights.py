@@ -20,7 +20,7 @@ from d9d.ckpt import (
 from d9d.mesh import DistributedContext, get_logger
 from d9d.parallel import lora_parameter_names, moe_score_bias_names
 from d9d.trainer.errors import TrainingError
-from d9d.trainer.job import ResolvedJob
+from d9d.trainer.job.resolve import ResolvedJob
 from d9d.trainer.providers import (
     ImportsModelWeights,
     PrepareImportModelStageContext,

@@ -1,0 +1,1 @@
+"""When something goes wrong: one report per failure, the step watchdog, the run lock, error lines."""
