@@ -5,7 +5,7 @@ from typing import Any
 import msgspec
 import torch
 
-from d9d.trainer import BuildDatasetResult
+from d9d.trainer.providers import BuildDatasetResult
 
 
 class SyntheticConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

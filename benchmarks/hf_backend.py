@@ -164,7 +164,8 @@ def _import_rank(folder: str, ranks: int, save_dir: str) -> dict[str, float]:
     import torch
 
     from d9d.mesh import DistributedContext, MeshConfig
-    from d9d.trainer import InitializeModelStageContext, Trainer, load_job_config, resolve_job
+    from d9d.trainer import Trainer, load_job_config, resolve_job
+    from d9d.trainer.providers import InitializeModelStageContext
 
     job = resolve_job(load_job_config(_import_job(folder, ranks, save_dir)))  # providers imported, built
     context = DistributedContext.from_env(MeshConfig(data_parallel_shard=ranks))

@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 uv run python benchmarks/moe.py [--experts 8 64] [--tokens 4096] [--hidden 256]
     OMP_NUM_THREADS=1 uv run python benchmarks/moe.py --tiny      # seconds: the smoke test's size
 
-One CPU process: a `d9d.parallel.MoE` layer (top-2, SwiGLU experts of width `--ffn`), forward and
+One CPU process: a `d9d.parallel.expert.MoE` layer (top-2, SwiGLU experts of width `--ffn`), forward and
 backward of a fixed batch of `--tokens` tokens, median of `--repeats` after a warm-up, once with the
 bank as grouped GEMMs (`torch.nn.functional.grouped_mm`, offsets on the device) and once as the
 per-expert loop it replaces (the fallback, forced). The ratio grouped / loop is measured in the same

@@ -35,7 +35,8 @@ from _common import row, write_rows  # noqa: E402
 from d9d.mesh import DistributedContext  # noqa: E402
 from d9d.mesh.testing import run_distributed  # noqa: E402
 from d9d.parallel import optimizer_state_bytes  # noqa: E402
-from d9d.trainer import Trainer, load_job_config, plan_job, resolve_job  # noqa: E402
+from d9d.trainer import Trainer, load_job_config, resolve_job  # noqa: E402
+from d9d.trainer.planning import plan_job  # noqa: E402
 
 CONFIG = ROOT / "examples" / "quickstart" / "config.yaml"
 TINY = ["model.hidden_size=64", "model.intermediate_size=128", "model.num_layers=2", "dataset.seq_len=32"]

@@ -4,7 +4,7 @@
         [--through runtime|trainer|both]
 
 Each schedule trains an MLP-block language model for a few steps on `--pp` forked CPU ranks (gloo)
-through the bare `d9d.parallel.Pipeline`, and (`--through trainer`) the quickstart job through the
+through the bare `d9d.parallel.pipeline.Pipeline`, and (`--through trainer`) the quickstart job through the
 d9d Trainer's whole step (`Trainer.train_step.run`: forward, backward, clipping, optimizer).
 "theory" is the idle fraction of the schedule's own action order (torch's for the multi-stage
 schedules, torch's warm-up rule for gpipe/1f1b) replayed with unit costs F = 1, I = W = 1 (B = 2) and
@@ -253,7 +253,7 @@ def main() -> None:
         "--through",
         choices=["runtime", "trainer", "both"],
         default="both",
-        help="time the bare d9d.parallel.Pipeline on an MLP model, the d9d Trainer's step on the quickstart, or both",
+        help="time the bare d9d.parallel.pipeline.Pipeline on an MLP model, the d9d Trainer's step on the quickstart, or both",
     )
     parser.add_argument(
         "--trainer-hidden", type=int, default=128, help="the quickstart's hidden size (--through trainer)"

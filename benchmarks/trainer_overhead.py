@@ -27,7 +27,7 @@ from reference_model import ReferenceForCausalLM, ReferenceModelConfig  # noqa: 
 
 from d9d.data import AutoDataConfig, AutoDataProvider, TextDataset  # noqa: E402
 from d9d.trainer import Trainer, load_job_config  # noqa: E402
-from d9d.trainer.builtins import lr_multiplier  # noqa: E402
+from d9d.trainer.builtins.optim import lr_multiplier  # noqa: E402
 
 CONFIG = ROOT / "examples" / "quickstart" / "config.yaml"
 WARMUP = 5

@@ -8,7 +8,7 @@ Named in a job as `providers.model=<this file>:MeanReductionModelProvider`; data
 from _quickstart import quickstart_train_module
 
 from d9d.parallel import parallelize_hsdp
-from d9d.trainer import ParallelizeModelStageContext
+from d9d.trainer.providers import ParallelizeModelStageContext
 
 
 class MeanReductionModelProvider(quickstart_train_module().QuickstartModelProvider):

@@ -14,7 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from reference_model import ReferenceForCausalLM, ReferenceModelConfig
 
 from d9d.data import TextDataset
-from d9d.trainer import CausalLMTask, LossContext, TrainingError
+from d9d.trainer import CausalLMTask, TrainingError
+from d9d.trainer.providers import LossContext
 
 CORPUS = Path(__file__).resolve().parents[1] / "examples" / "data"
 

@@ -22,7 +22,8 @@ from _dispatch import OpRecorder
 from _job import job_config
 
 from d9d.mesh.testing import run_distributed
-from d9d.trainer import Trainer, timing
+from d9d.trainer import Trainer
+from d9d.trainer.observe import timing
 
 
 def _syncs(steps: int, mesh: dict | None, save_root: str) -> int:

@@ -18,7 +18,7 @@ import torch
 from _storage_peak import StoragePeak
 
 from d9d.mesh.testing import run_distributed
-from d9d.trainer import BuildDatasetResult
+from d9d.trainer.providers import BuildDatasetResult
 
 ROOT = Path(__file__).resolve().parents[1]
 FINETUNE = ROOT / "examples" / "finetune" / "finetune.py"

@@ -130,8 +130,8 @@ def test_lora_trains_only_adapters_and_exports_what_peft_loads(tmp_path):
 
 def test_lora_configured_but_not_applied_is_refused():
     from d9d.parallel import LoraConfig, apply_lora
+    from d9d.trainer import TrainingError
     from d9d.trainer.build.model import check_lora_applied
-    from d9d.trainer.errors import TrainingError
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     check_lora_applied(model, None)
@@ -149,7 +149,7 @@ from pathlib import Path
 sys.path.insert(0, {quickstart!r})
 from train import QuickstartModelProvider
 from reference_model import hf_checkpoint_keys, hf_import_mapper
-from d9d.trainer import PrepareImportModelStageResult
+from d9d.trainer.providers import PrepareImportModelStageResult
 
 class ImportingProvider(QuickstartModelProvider):
     def prepare_import_model_stage(self, context):

@@ -23,7 +23,7 @@ def _compiled_run(
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from d9d.parallel import MoE
+    from d9d.parallel.expert import MoE
     from d9d.trainer import Trainer
 
     torch._dynamo.reset()

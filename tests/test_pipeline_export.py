@@ -16,7 +16,7 @@ from _quickstart import MOE, overrides, quickstart_train_module, run_forked, tra
 
 from d9d.ckpt.io._gather import merge_key_orders
 from d9d.mesh.testing import run_distributed
-from d9d.parallel import StageSpec
+from d9d.parallel.pipeline import StageSpec
 
 _EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -45,7 +45,7 @@ class StageMapperProvider(quickstart_train_module().QuickstartModelProvider):
 
     @staticmethod
     def _result(mapper):
-        from d9d.trainer import PrepareExportModelStageResult
+        from d9d.trainer.providers import PrepareExportModelStageResult
 
         return PrepareExportModelStageResult(mapper=mapper)
 

@@ -1,7 +1,7 @@
 """Tied embeddings (`model.tie_word_embeddings: true`) under pipeline parallelism equal one process.
 
 The first stage holds the embedding, the last stage the head (on the V schedules both on one rank):
-`d9d.parallel.Pipeline` keeps the copies one parameter (summed gradients, the norm counted once),
+`d9d.parallel.pipeline.Pipeline` keeps the copies one parameter (summed gradients, the norm counted once),
 the checkpoint holds the one-process keys (so it resumes across pp 2 ↔ 1) and the export writes the
 table once, as one process does. Ranks are forked from this process (`_quickstart.train`); SGD
 without clipping, fp32, 4 layers, 4 microbatches of 2.

@@ -105,7 +105,8 @@ def _measured(args: list[str]) -> int:
 def _planned(args: list[str], world: int) -> list[int]:
     """Every rank's planned activation bytes (plan_job on a planning context of each rank)."""
     from d9d.mesh import DistributedContext
-    from d9d.trainer import load_job_config, plan_job, resolve_job
+    from d9d.trainer import load_job_config, resolve_job
+    from d9d.trainer.planning import plan_job
 
     job = resolve_job(load_job_config(CONFIG, args))
     figures = []
@@ -139,7 +140,8 @@ def test_a_schedule_without_a_closed_form_is_planned_as_an_upper_bound_and_says_
 
 def _plan_of_rank_0(args: list[str]) -> Any:
     from d9d.mesh import DistributedContext
-    from d9d.trainer import load_job_config, plan_job, resolve_job
+    from d9d.trainer import load_job_config, resolve_job
+    from d9d.trainer.planning import plan_job
 
     job = resolve_job(load_job_config(CONFIG, args))
     with DistributedContext.for_planning(job.config.mesh) as ctx:

@@ -12,8 +12,8 @@ from click.testing import CliRunner
 
 from d9d.cli import cli
 from d9d.cli.commands._text import format_size
-from d9d.trainer import FIT_HEADROOM, load_job_config, plan_fit
-from d9d.trainer.planning import plan_config
+from d9d.trainer import load_job_config
+from d9d.trainer.planning import FIT_HEADROOM, plan_config, plan_fit
 
 CONFIG = str(Path(__file__).resolve().parents[1] / "examples" / "quickstart" / "config.yaml")
 #: A lever as `d9d plan` prints it: whether it fits, its total per rank, its --set arguments.

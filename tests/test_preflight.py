@@ -21,7 +21,7 @@ MESH = ["mesh.data_parallel_shard=2", "mesh.tensor_parallel=2"]
 
 
 def _preflight_rank(sets: list[str], threshold: float) -> list[str] | None:
-    from d9d.trainer.job.load import load_job_config
+    from d9d.trainer import load_job_config
     from d9d.trainer.planning.preflight import format_preflight, run_preflight
 
     report = run_preflight(load_job_config(CONFIG, sets), nbytes=2**20, iters=7, threshold=threshold)

@@ -15,10 +15,10 @@ from _quickstart import overrides, records, train
 
 from d9d.cli.commands.metrics import summarize
 from d9d.data import TextDataset
-from d9d.trainer import BuildDatasetContext, BuildDatasetResult
 from d9d.trainer.observe.records import StepRecords
 from d9d.trainer.observe.timing import PHASES, StepTimer
-from d9d.trainer.step import StepOutput
+from d9d.trainer.providers import BuildDatasetContext, BuildDatasetResult
+from d9d.trainer.step.base import StepOutput
 
 #: The quickstart's 16-sample global batch loads 16 samples per step on one process.
 SAMPLES_PER_STEP = 16

@@ -52,11 +52,11 @@ from d9d.parallel import (
     parallelize_context_parallel,
     parallelize_hsdp,
 )
-from d9d.trainer import (
+from d9d.trainer import ConfigPath, main
+from d9d.trainer.providers import (
     BuildDatasetContext,
     BuildDatasetResult,
     CheckSequenceLengthContext,
-    ConfigPath,
     InitializeModelStageContext,
     InitializeModelStageResult,
     ParallelizeModelStageContext,
@@ -64,7 +64,6 @@ from d9d.trainer import (
     PrepareExportModelStageResult,
     PrepareImportModelStageContext,
     PrepareImportModelStageResult,
-    main,
 )
 
 

@@ -37,7 +37,8 @@ from d9d.parallel import (
     parallelize_context_parallel,
     parallelize_hsdp,
 )
-from d9d.trainer import (
+from d9d.trainer import main
+from d9d.trainer.providers import (
     BuildDatasetContext,
     BuildDatasetResult,
     CheckSequenceLengthContext,
@@ -46,7 +47,6 @@ from d9d.trainer import (
     ParallelizeModelStageContext,
     PrepareExportModelStageContext,
     PrepareExportModelStageResult,
-    main,
 )
 
 

@@ -10,20 +10,18 @@ from torch.distributed.tensor import Shard
 from d9d.mesh import DistributedContext, MeshConfig
 from d9d.parallel import (
     MixedPrecision,
-    MoE,
     ReplicateParallel,
     ShardUnit,
-    StageSpec,
     TensorParallelPlan,
     attention_plan,
     embedding_plan,
-    keep_stage_layers,
     lm_head_plan,
     mlp_plan,
     norm_plan,
-    parallelize_expert_parallel,
     parallelize_tensor_parallel,
 )
+from d9d.parallel.expert import MoE, parallelize_expert_parallel
+from d9d.parallel.pipeline import StageSpec, keep_stage_layers
 
 from .config import ReferenceModelConfig
 from .model import ReferenceForCausalLM
@@ -161,7 +159,7 @@ def trim_to_stage(model: ReferenceForCausalLM, stage: StageSpec) -> None:
 
     With tied embeddings the last stage keeps `model.embed_tokens` too, unused in its forward, as the
     owner of the table its head shares (as in one process): its checkpoint and optimizer keys are then
-    the whole model's, and `d9d.parallel.Pipeline` keeps the stages' copies one parameter
+    the whole model's, and `d9d.parallel.pipeline.Pipeline` keeps the stages' copies one parameter
     (`model.tied_parameters()`).
     """
     keep_stage_layers(model.model.layers, stage)

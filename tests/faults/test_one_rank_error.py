@@ -21,7 +21,7 @@ from pathlib import Path
 import msgspec
 
 from d9d.data import TextDataset
-from d9d.trainer import BuildDatasetResult
+from d9d.trainer.providers import BuildDatasetResult
 
 
 class RankCorpusConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -25,7 +25,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 from d9d.parallel import parallelize_hsdp, parallelize_tensor_parallel
-from d9d.trainer import BuildDatasetResult, InitializeModelStageResult, PrepareExportModelStageResult
+from d9d.trainer.providers import BuildDatasetResult, InitializeModelStageResult, PrepareExportModelStageResult
 
 
 class TinyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -38,7 +38,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 from d9d.parallel import parallelize_context_parallel, parallelize_hsdp, parallelize_tensor_parallel
-from d9d.trainer import BuildDatasetResult, InitializeModelStageResult, PrepareExportModelStageResult
+from d9d.trainer.providers import BuildDatasetResult, InitializeModelStageResult, PrepareExportModelStageResult
 
 
 class AttentionLMConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -445,7 +445,8 @@ def test_the_plan_refuses_a_length_with_the_trainers_message(cp_config):
     """`d9d plan` (config only) and the trainer (the built dataset) plan with the same function: the
     dataset's length is refused with the same words whichever way it is known."""
     from d9d.parallel import SequenceLengthError
-    from d9d.trainer import BuildDatasetResult, plan_job
+    from d9d.trainer.planning import plan_job
+    from d9d.trainer.providers import BuildDatasetResult
 
     job = _resolved(cp_config, "dataset.seq_len=18", "mesh.context_parallel=2")
     built = BuildDatasetResult(dataset=[], seq_len=18)
@@ -612,7 +613,7 @@ def _pp_plan(runner, config: Path, schedule: str, *args: str):
 
 def _trainer_layout_error(config: Path, *overrides: str) -> str:
     """The message the trainer's own plan (`plan_job` on rank 0 of the job's mesh) refuses this job with."""
-    from d9d.trainer import plan_job
+    from d9d.trainer.planning import plan_job
 
     job = _resolved(config, *overrides)
     with DistributedContext.for_planning(job.config.mesh) as ctx, pytest.raises(Exception) as refused:
@@ -634,7 +635,7 @@ def test_interleaved_1f1b_gives_each_pp_rank_two_looped_chunks_on_world_2(runner
         "pp rank 0 (ranks [0]): stage 0: embedding; stage 2: layers 1..2",
         "pp rank 1 (ranks [1]): stage 1: layer 0; stage 3: layer 3 + head",
     ]
-    from d9d.parallel import PipelineConfig, plan_pipeline
+    from d9d.parallel.pipeline import PipelineConfig, plan_pipeline
 
     layout = plan_pipeline(4, 2, PipelineConfig("interleaved_1f1b"), n_microbatches=4)
     assert [[s.index for s in layout.stages_of_rank(r)] for r in (0, 1)] == [[0, 2], [1, 3]]
@@ -788,7 +789,7 @@ def test_a_copy_of_the_builtin_providers_gets_the_builtins_plan(runner, pp_confi
     assert copied == builtin
     assert any(line.startswith("data: global batch") for line in copied)  # declared, not assumed
     assert not any("assumed AdamW-like" in line for line in copied)
-    from d9d.trainer import plan_job
+    from d9d.trainer.planning import plan_job
 
     jobs = [_resolved(config, *sets), _resolved(config, *sets, *copies)]
     with DistributedContext.for_planning(jobs[0].config.mesh) as ctx:

@@ -11,14 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from d9d.parallel import (
-    TensorParallelPlan,
-    attention_plan,
-    embedding_plan,
-    lm_head_plan,
-    mlp_plan,
-    norm_plan,
-)
+from d9d.parallel import TensorParallelPlan, attention_plan, embedding_plan, lm_head_plan, mlp_plan, norm_plan
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from d9d.parallel import apply_activation_checkpointing, compile_blocks, parallelize_hsdp
-from d9d.trainer import (
+from d9d.trainer.providers import (
     BuildDatasetResult,
     InitializeModelStageResult,
     PrepareExportModelStageResult,
@@ -142,7 +142,7 @@ class NaNAtStepTask:
         return self._inner.batch_weight(batch)
 
     def compute_loss(self, context: Any) -> Any:
-        from d9d.trainer import LossResult
+        from d9d.trainer.providers import LossResult
 
         self._calls += 1
         result = self._inner.compute_loss(context)

@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _job import job_config
 
 from d9d.trainer import ConfigError, Trainer, load_job_config
-from d9d.trainer.builtins import lr_multiplier
+from d9d.trainer.builtins.optim import lr_multiplier
 
 
 def _set(config, path, value):

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from d9d.parallel import LoraConfig, apply_lora, lora_parameter_names
-from d9d.trainer.build.materialize import ModelInitError, materialize_and_initialize
+from d9d.trainer import materialize_and_initialize
+from d9d.trainer.build.materialize import ModelInitError
 
 
 class _Mixed(nn.Module):

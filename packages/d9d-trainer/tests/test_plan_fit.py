@@ -9,8 +9,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from _job import job_config
 
-from d9d.trainer import FIT_HEADROOM, ConfigError, load_job_config, plan_fit, plan_job
-from d9d.trainer.planning import plan_config
+from d9d.trainer import ConfigError, load_job_config
+from d9d.trainer.planning import FIT_HEADROOM, plan_config, plan_fit, plan_job
 
 AC_FULL = "trainer.activation_checkpointing.mode=full"
 MICROBATCH_OF_ONE = "data.microbatch_size=1"

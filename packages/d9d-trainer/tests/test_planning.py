@@ -12,16 +12,9 @@ from _job import job_config
 from d9d.data import BatchSizeError, TextDataset
 from d9d.mesh import DistributedContext
 from d9d.parallel import SequenceLengthError
-from d9d.trainer import (
-    BuildDatasetResult,
-    ConfigError,
-    Trainer,
-    TrainingError,
-    load_job_config,
-    plan_job,
-    resolve_job,
-)
-from d9d.trainer.planning import estimate_memory
+from d9d.trainer import ConfigError, Trainer, TrainingError, load_job_config, resolve_job
+from d9d.trainer.planning import estimate_memory, plan_job
+from d9d.trainer.providers import BuildDatasetResult
 
 
 def _job(tmp_path, **sections):

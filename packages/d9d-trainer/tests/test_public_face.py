@@ -1,38 +1,24 @@
 """The public face of d9d.trainer: what a user needs, each name loaded on first use."""
 
-import ast
 import subprocess
 import sys
 from pathlib import Path
 
 import d9d.trainer as trainer
+from d9d.mesh.lazy import face_table
 
 
-def test_every_public_name_resolves_from_the_module_that_defines_it():
-    # what a user of the trainer needs, not the CLI's internals (59: with the built-in prepared-data
-    # provider, its config and mixture entry; 63: with plan_fit, its FitPlan and Lever, FIT_HEADROOM;
-    # 65: with Callback and the RunControl its events get; run_command and report_job_error left for the
-    # CLI, which imports them from their modules, as generate and SamplingConfig came)
-    assert len(trainer.__all__) <= 65
-    assert sorted(trainer.__all__) == sorted(trainer._MODULE_OF)
+def test_the_face_is_what_a_user_of_the_trainer_needs():
+    """At most 45 names: running a job, its config and errors, callbacks, generation, the built-in
+    providers; the provider contract (`d9d.trainer.providers`) and the plan (`d9d.trainer.planning`)
+    are faces of their own (each name is listed once: tests/test_lazy_exports.py checks every face)."""
+    assert len(trainer.__all__) <= 45
+    table = face_table(trainer.__file__)
     for name in trainer.__all__:
         value = getattr(trainer, name)
-        module = f"d9d.trainer.{trainer._MODULE_OF[name]}"
-        assert getattr(sys.modules[module], name) is value, name
-        assert name in dir(trainer)
-
-
-def test_what_type_checkers_see_is_what_runs():
-    """The `if TYPE_CHECKING:` imports of `__init__.py` name exactly the run-time exports."""
-    tree = ast.parse(Path(trainer.__file__).read_text(encoding="utf-8"))
-    guarded = next(node for node in tree.body if isinstance(node, ast.If))
-    seen = {
-        alias.name: node.module.removeprefix("d9d.trainer.")
-        for node in guarded.body
-        if isinstance(node, ast.ImportFrom) and node.module
-        for alias in node.names
-    }
-    assert seen == trainer._MODULE_OF
+        assert getattr(sys.modules[table[name]], name) is value, name
+    for sub in ("planning", "providers"):
+        assert not set(trainer.__all__) & set(face_table(Path(trainer.__file__).parent / sub / "__init__.py"))
 
 
 def test_an_unknown_name_is_an_attribute_error():

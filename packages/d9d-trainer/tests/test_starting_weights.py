@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 from torch import nn
 
-from d9d.trainer import ImportsModelWeights, PrepareImportModelStageResult
 from d9d.trainer.build.starting_weights import StartingWeights
+from d9d.trainer.providers import ImportsModelWeights, PrepareImportModelStageResult
 
 
 class _Exports:

@@ -4,9 +4,10 @@ the z-loss and the regularization sum; a step's load summary."""
 import pytest
 import torch
 
-from d9d.parallel import (
+from d9d.parallel.expert import (
     MoE,
     MoEBalancing,
+    TopKRouter,
     expert_load_summary,
     expert_loads,
     moe_layers,
@@ -14,7 +15,6 @@ from d9d.parallel import (
     moe_score_bias_names,
     update_expert_biases,
 )
-from d9d.parallel.expert import TopKRouter
 
 HIDDEN, FFN, EXPERTS = 32, 48, 8
 

@@ -78,6 +78,6 @@ def test_parallelize_in_local_mode_changes_nothing():
 def test_parallelize_rejects_a_module_without_moe():
     with (
         DistributedContext.from_env(MeshConfig(), environ={}) as ctx,
-        pytest.raises(ExpertParallelError, match=r"no d9d\.parallel\.MoE"),
+        pytest.raises(ExpertParallelError, match=r"no d9d\.parallel\.expert\.MoE"),
     ):
         parallelize_expert_parallel(nn.Linear(2, 2), ctx)

@@ -4,7 +4,7 @@ from fractions import Fraction
 
 import pytest
 
-from d9d.parallel import pipeline_bubble
+from d9d.parallel.pipeline import pipeline_bubble
 
 
 def test_bubble_of_gpipe_1f1b_and_interleaved_1f1b():

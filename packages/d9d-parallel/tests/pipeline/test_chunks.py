@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from d9d.parallel import PipelineError, StageChunks, merge_stage_modules
+from d9d.parallel.pipeline import PipelineError, StageChunks, merge_stage_modules
 
 
 class _Rope(nn.Module):

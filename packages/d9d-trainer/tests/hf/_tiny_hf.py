@@ -14,7 +14,7 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import transformers
 
-from d9d.trainer import BuildDatasetResult
+from d9d.trainer.providers import BuildDatasetResult
 
 transformers.logging.set_verbosity_error()
 transformers.utils.logging.disable_progress_bar()

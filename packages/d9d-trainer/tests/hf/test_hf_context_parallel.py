@@ -75,8 +75,8 @@ def _packed_forward_error(folder: Path) -> str:
     from _tiny_hf import load_hf, probe_batch
 
     from d9d.mesh import DistributedContext
+    from d9d.trainer.hf import HFCausalLM
     from d9d.trainer.hf.context_parallel import apply_context_parallel
-    from d9d.trainer.hf.model import HFCausalLM
 
     with DistributedContext.from_env(MeshConfig(context_parallel=2), device="cpu") as ctx:
         hf = load_hf(folder)

@@ -13,10 +13,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _tiny_hf import ARCHITECTURES, MORE_ARCHITECTURES, VOCAB, hf_job, load_hf, save_tiny
 
 from d9d.mesh import DistributedContext, MeshConfig
-from d9d.trainer import InitializeModelStageContext, TrainingError, load_job_config, resolve_job
-from d9d.trainer.build.materialize import materialize_and_initialize
+from d9d.trainer import TrainingError, load_job_config, materialize_and_initialize, resolve_job
 from d9d.trainer.hf import HFCausalLM, HFCausalLMConfig, HFCausalLMProvider, HFModelError
-from d9d.trainer.planning import check_model_mesh
+from d9d.trainer.planning.job_plan import check_model_mesh
+from d9d.trainer.providers import InitializeModelStageContext
 
 
 @pytest.fixture(scope="module")
@@ -167,8 +167,8 @@ def test_every_architecture_builds_under_hugging_face_names(tmp_path):
 
 def test_checkpointing_and_compile_act_on_each_decoder_layer_and_keep_the_names(llama, monkeypatch):
     from d9d.parallel import ActivationCheckpointingConfig, CompileConfig
-    from d9d.trainer import ParallelizeModelStageContext
     from d9d.trainer.hf import provider as provider_module
+    from d9d.trainer.providers import ParallelizeModelStageContext
 
     compiled = []  # torch.compile itself costs ~50 s cold here; what it is given is the backend's part
     monkeypatch.setattr(
@@ -253,8 +253,8 @@ GEMMA_2_9B = {
 def test_gemma_2_9b_config_builds_on_meta_with_its_shapes_and_the_mesh_verdicts(tmp_path):
     from transformers import AutoModelForCausalLM
 
+    from d9d.trainer.hf import HFCausalLM
     from d9d.trainer.hf.folder import read_folder
-    from d9d.trainer.hf.model import HFCausalLM
     from d9d.trainer.hf.provider import context_parallel_refusal
     from d9d.trainer.hf.tensor_parallel import tensor_parallel_problem
 

@@ -195,7 +195,7 @@ def test_a_packed_row_computes_each_document_as_if_it_were_alone(tmp_path, model
     and the same tokens with continuing positions differ (the second document saw the first)."""
     from _tiny_hf import probe_batch
 
-    from d9d.trainer.hf.model import HFCausalLM
+    from d9d.trainer.hf import HFCausalLM
 
     model = HFCausalLM(load_hf(save_tiny(model_type, tmp_path / model_type))).eval()
     ids, positions = probe_batch()  # documents of 10 and SEQ - 10 tokens

@@ -10,195 +10,52 @@ stays fast; the mappers, safetensors IO and `CheckpointManager` import it.
 
 from typing import TYPE_CHECKING
 
-from d9d.mesh.lazy import lazy_exports
+from d9d.mesh.lazy import lazy_face
 
-if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports these on first use
-    from d9d.ckpt.checkpoint import (
+if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
+    from d9d.ckpt.checkpoint.best import KeepBest, best_checkpoints, metric_of
+    from d9d.ckpt.checkpoint.errors import (
         CheckpointDamagedError,
         CheckpointDiskFullError,
         CheckpointError,
-        CheckpointInfo,
-        CheckpointManager,
-        CheckpointMeta,
+        SaveDirNotSharedError,
+    )
+    from d9d.ckpt.checkpoint.integrity import (
         CheckpointVerification,
         FileProblem,
         FileProblemKind,
-        KeepBest,
-        LoadedCheckpoint,
-        RunEntryKind,
-        SaveDirNotSharedError,
-        best_checkpoints,
-        capture_rng_state,
         check_checkpoint_files,
-        classify_run_entry,
-        list_checkpoints,
-        metric_of,
-        read_checkpoint_info,
-        restore_rng_state,
-        uncommitted_step_dirs,
         verify_checkpoint,
     )
-    from d9d.ckpt.io import (
-        SafetensorsIOError,
-        check_safetensors,
-        load_safetensors,
-        safetensors_fingerprint,
-        safetensors_shapes,
-        save_safetensors,
+    from d9d.ckpt.checkpoint.layout import (
+        CheckpointInfo,
+        CheckpointMeta,
+        RunEntryKind,
+        classify_run_entry,
+        list_checkpoints,
+        read_checkpoint_info,
+        uncommitted_step_dirs,
     )
-    from d9d.ckpt.mapper import (
-        Cast,
-        Chunk,
-        Concat,
+    from d9d.ckpt.checkpoint.manager import CheckpointManager, LoadedCheckpoint
+    from d9d.ckpt.checkpoint.rng import capture_rng_state, restore_rng_state
+    from d9d.ckpt.io._errors import SafetensorsIOError
+    from d9d.ckpt.io._fingerprint import safetensors_fingerprint
+    from d9d.ckpt.io._read import check_safetensors, load_safetensors, safetensors_shapes
+    from d9d.ckpt.io._write import save_safetensors
+    from d9d.ckpt.mapper._base import MappingGroup, StateMapper
+    from d9d.ckpt.mapper._check import OnUnused, apply_mapper, check_mapper
+    from d9d.ckpt.mapper._compose import Parallel, Prefix, SelectOutputs, Sequential
+    from d9d.ckpt.mapper._errors import MappingError, NotInvertibleError, UnusedKeysWarning
+    from d9d.ckpt.mapper._rename import (
         Deduplicate,
         Drop,
         Duplicate,
         Identity,
-        MappingError,
-        MappingGroup,
-        NotInvertibleError,
-        OnUnused,
-        Parallel,
-        Prefix,
         Rename,
-        Reshape,
-        RopePermute,
-        SelectOutputs,
-        Sequential,
-        Stack,
-        StateMapper,
-        Transpose,
-        Unstack,
-        UnusedKeysWarning,
-        apply_mapper,
-        check_mapper,
         identity_map,
         rename_pattern,
     )
+    from d9d.ckpt.mapper._split import Chunk, Concat, Stack, Unstack
+    from d9d.ckpt.mapper._tensor import Cast, Reshape, RopePermute, Transpose
 
-#: Subpackage → the public names it exports (the run-time twin of the imports above; a test keeps them
-#: equal).
-_EXPORTS: dict[str, tuple[str, ...]] = {
-    "checkpoint": (
-        "CheckpointDamagedError",
-        "CheckpointDiskFullError",
-        "CheckpointError",
-        "CheckpointInfo",
-        "CheckpointManager",
-        "CheckpointMeta",
-        "CheckpointVerification",
-        "FileProblem",
-        "FileProblemKind",
-        "KeepBest",
-        "LoadedCheckpoint",
-        "RunEntryKind",
-        "SaveDirNotSharedError",
-        "best_checkpoints",
-        "capture_rng_state",
-        "check_checkpoint_files",
-        "classify_run_entry",
-        "list_checkpoints",
-        "metric_of",
-        "read_checkpoint_info",
-        "restore_rng_state",
-        "uncommitted_step_dirs",
-        "verify_checkpoint",
-    ),
-    "io": (
-        "SafetensorsIOError",
-        "check_safetensors",
-        "load_safetensors",
-        "safetensors_fingerprint",
-        "safetensors_shapes",
-        "save_safetensors",
-    ),
-    "mapper": (
-        "Cast",
-        "Chunk",
-        "Concat",
-        "Deduplicate",
-        "Drop",
-        "Duplicate",
-        "Identity",
-        "MappingError",
-        "MappingGroup",
-        "NotInvertibleError",
-        "OnUnused",
-        "Parallel",
-        "Prefix",
-        "Rename",
-        "Reshape",
-        "RopePermute",
-        "SelectOutputs",
-        "Sequential",
-        "Stack",
-        "StateMapper",
-        "Transpose",
-        "Unstack",
-        "UnusedKeysWarning",
-        "apply_mapper",
-        "check_mapper",
-        "identity_map",
-        "rename_pattern",
-    ),
-}
-_MODULE_OF, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())  # PEP 562
-
-__all__: list[str] = [
-    "Cast",
-    "CheckpointDamagedError",
-    "CheckpointDiskFullError",
-    "CheckpointError",
-    "CheckpointInfo",
-    "CheckpointManager",
-    "CheckpointMeta",
-    "CheckpointVerification",
-    "Chunk",
-    "Concat",
-    "Deduplicate",
-    "Drop",
-    "Duplicate",
-    "FileProblem",
-    "FileProblemKind",
-    "Identity",
-    "KeepBest",
-    "LoadedCheckpoint",
-    "MappingError",
-    "MappingGroup",
-    "NotInvertibleError",
-    "OnUnused",
-    "Parallel",
-    "Prefix",
-    "Rename",
-    "Reshape",
-    "RopePermute",
-    "RunEntryKind",
-    "SafetensorsIOError",
-    "SaveDirNotSharedError",
-    "SelectOutputs",
-    "Sequential",
-    "Stack",
-    "StateMapper",
-    "Transpose",
-    "Unstack",
-    "UnusedKeysWarning",
-    "apply_mapper",
-    "best_checkpoints",
-    "capture_rng_state",
-    "check_checkpoint_files",
-    "check_mapper",
-    "check_safetensors",
-    "classify_run_entry",
-    "identity_map",
-    "list_checkpoints",
-    "load_safetensors",
-    "metric_of",
-    "read_checkpoint_info",
-    "rename_pattern",
-    "restore_rng_state",
-    "safetensors_fingerprint",
-    "safetensors_shapes",
-    "save_safetensors",
-    "uncommitted_step_dirs",
-    "verify_checkpoint",
-]
+__all__, __getattr__, __dir__ = lazy_face(__name__, globals())

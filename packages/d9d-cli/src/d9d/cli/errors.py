@@ -15,6 +15,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import click
 
+
 __all__ = ["EXIT_ERROR", "CliError", "reports_errors"]
 
 #: Exit status of every reported error (click's usage errors use 2 as well).
@@ -62,7 +63,9 @@ def reports_errors(func: Callable[_P, _R]) -> Callable[_P, _R]:
             if not _is_user_error(exc):
                 raise
             if os.environ.get("RANK", "0") == "0":  # every rank sees the same error; say it once
-                click.echo(f"error: {_one_line(exc)}", err=True)
+                from d9d.mesh import one_line  # torch-free; not at import, so `--help` stays lean
+
+                click.echo(f"error: {one_line(exc)}", err=True)
             elif _met_by_every_rank(exc):
                 # Under torchrun the first rank to exit gets the others killed: had this rank exited
                 # at once, rank 0 could be killed before it printed the error. Wait for it instead.
@@ -82,8 +85,3 @@ def _debug() -> bool:
     ctx = click.get_current_context(silent=True)
     obj: Any = ctx.find_root().obj if ctx is not None else None
     return bool(obj and obj.get("debug"))
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    return " ".join(part.strip() for part in text.splitlines() if part.strip())

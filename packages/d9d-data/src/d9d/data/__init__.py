@@ -11,111 +11,59 @@ rank computes the sample at any position in O(1) memory), and `state_dict()` /
 `load_state_dict()` resume with exactly the next global batch, also on another number of ranks.
 """
 
-from d9d.data.auto import AutoDataProvider, MapDataset, PipelineStages
-from d9d.data.batching import (
-    advance_position,
-    batch_size_choices,
-    check_batch_sizes,
-    check_dataset_size,
-    is_step_start,
-    microbatches_per_rank,
-    rank_slice,
-    step_sample_indices,
-    steps_per_epoch,
-)
-from d9d.data.config import AutoDataConfig
-from d9d.data.datasets.mixture import MixtureDataset
-from d9d.data.datasets.packed import IGNORE_INDEX, CausalLMSample, PackedTokens
-from d9d.data.datasets.prepared import PreparedDataset
-from d9d.data.datasets.sft import SFTDataset, SFTStats
-from d9d.data.datasets.text import TextDataset
-from d9d.data.datasets.token_file import TokenFileDataset, TokenFileInfo, write_token_file
-from d9d.data.datasets.tokenizer import ByteTokenizer, ChatTokenizer, Tokenizer, load_tokenizer
-from d9d.data.device import pin_memory_enabled, to_device
-from d9d.data.errors import (
-    BatchSizeError,
-    DataConfigError,
-    DataError,
-    DatasetError,
-    DataStateError,
-    TokenizerError,
-)
-from d9d.data.order import EpochOrder, epoch_order
-from d9d.data.packing import (
-    PADDING_DOCUMENT_ID,
-    block_causal_mask,
-    document_positions,
-    eos_document_ids,
-    pack_lengths,
-)
-from d9d.data.placement import DataPlacement
-from d9d.data.prepare import PreparedIndex, PreparedShard, prepare_dataset, read_index
-from d9d.data.protocol import (
-    DataProvider,
-    DeclaresDocumentMasking,
-    DeclaresSeqLen,
-    DeclaresSources,
-    DeclaresStepsLeft,
-    DeclaresVocabSize,
-    OrdersItself,
-    SizedDataProvider,
-)
+from typing import TYPE_CHECKING
 
-__all__ = [
-    "IGNORE_INDEX",
-    "PADDING_DOCUMENT_ID",
-    "AutoDataConfig",
-    "AutoDataProvider",
-    "BatchSizeError",
-    "ByteTokenizer",
-    "CausalLMSample",
-    "ChatTokenizer",
-    "DataConfigError",
-    "DataError",
-    "DataPlacement",
-    "DataProvider",
-    "DataStateError",
-    "DatasetError",
-    "DeclaresDocumentMasking",
-    "DeclaresSeqLen",
-    "DeclaresSources",
-    "DeclaresStepsLeft",
-    "DeclaresVocabSize",
-    "EpochOrder",
-    "MapDataset",
-    "MixtureDataset",
-    "OrdersItself",
-    "PackedTokens",
-    "PipelineStages",
-    "PreparedDataset",
-    "PreparedIndex",
-    "PreparedShard",
-    "SFTDataset",
-    "SFTStats",
-    "SizedDataProvider",
-    "TextDataset",
-    "TokenFileDataset",
-    "TokenFileInfo",
-    "Tokenizer",
-    "TokenizerError",
-    "advance_position",
-    "batch_size_choices",
-    "block_causal_mask",
-    "check_batch_sizes",
-    "check_dataset_size",
-    "document_positions",
-    "eos_document_ids",
-    "epoch_order",
-    "is_step_start",
-    "load_tokenizer",
-    "microbatches_per_rank",
-    "pack_lengths",
-    "pin_memory_enabled",
-    "prepare_dataset",
-    "rank_slice",
-    "read_index",
-    "step_sample_indices",
-    "steps_per_epoch",
-    "to_device",
-    "write_token_file",
-]
+from d9d.mesh.lazy import lazy_face
+
+if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
+    from d9d.data.auto import AutoDataProvider, MapDataset, PipelineStages
+    from d9d.data.batching import (
+        advance_position,
+        batch_size_choices,
+        check_batch_sizes,
+        check_dataset_size,
+        is_step_start,
+        microbatches_per_rank,
+        rank_slice,
+        step_sample_indices,
+        steps_per_epoch,
+    )
+    from d9d.data.config import AutoDataConfig
+    from d9d.data.datasets.mixture import MixtureDataset
+    from d9d.data.datasets.packed import IGNORE_INDEX, CausalLMSample, PackedTokens
+    from d9d.data.datasets.prepared import PreparedDataset
+    from d9d.data.datasets.sft import SFTDataset, SFTStats
+    from d9d.data.datasets.text import TextDataset
+    from d9d.data.datasets.token_file import TokenFileDataset, TokenFileInfo, write_token_file
+    from d9d.data.datasets.tokenizer import ByteTokenizer, ChatTokenizer, Tokenizer, load_tokenizer
+    from d9d.data.device import pin_memory_enabled, to_device
+    from d9d.data.errors import (
+        BatchSizeError,
+        DataConfigError,
+        DataError,
+        DatasetError,
+        DataStateError,
+        TokenizerError,
+    )
+    from d9d.data.order import EpochOrder, epoch_order
+    from d9d.data.packing import (
+        PADDING_DOCUMENT_ID,
+        block_causal_mask,
+        document_positions,
+        eos_document_ids,
+        pack_lengths,
+    )
+    from d9d.data.placement import DataPlacement
+    from d9d.data.prepare import PreparedIndex, PreparedShard, prepare_dataset, read_index
+    from d9d.data.protocol import (
+        DataProvider,
+        DeclaresDocumentMasking,
+        DeclaresSeqLen,
+        DeclaresSources,
+        DeclaresStepsLeft,
+        DeclaresVocabSize,
+        OrdersItself,
+        SizedDataProvider,
+    )
+
+__all__, __getattr__, __dir__ = lazy_face(__name__, globals())

@@ -16,12 +16,12 @@ machinery).
 
 from typing import TYPE_CHECKING
 
-from d9d.mesh.lazy import lazy_exports
+from d9d.mesh.lazy import lazy_face
 from d9d.mesh.quiet import quiet_library_notices
 
 quiet_library_notices()
 
-if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports these on first use
+if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
     from d9d.mesh.bandwidth import (
         COLLECTIVES,
         CollectiveTiming,
@@ -45,71 +45,6 @@ if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports t
         rank_tag,
     )
     from d9d.mesh.log import LogFormat, configure_logging, get_logger, rank_log_path
-    from d9d.mesh.text import first_line, format_size
+    from d9d.mesh.text import first_line, format_size, one_line
 
-#: Module → the public names it defines (the run-time twin of the imports above; a test keeps them equal).
-_EXPORTS: dict[str, tuple[str, ...]] = {
-    "bandwidth": (
-        "COLLECTIVES",
-        "CollectiveTiming",
-        "SlowGroup",
-        "measure_axes",
-        "slow_groups",
-        "suspect_ranks",
-    ),
-    "config": ("AUTO", "DEGREE_KEYS", "MeshConfig", "resolve_auto_degree"),
-    "context": ("DistributedContext", "Mode"),
-    "device": ("DEVICE_CHOICES", "DeviceChoice", "cuda_problem", "device_name", "resolve_device"),
-    "errors": ("D9dError", "LaunchError", "MeshConfigError", "RendezvousError"),
-    "launch": ("check_launch",),
-    "layout": (
-        "DOMAINS",
-        "DomainLayout",
-        "axis_groups",
-        "domain_layout",
-        "format_layout",
-        "rank_coordinates",
-        "rank_tag",
-    ),
-    "log": ("LogFormat", "configure_logging", "get_logger", "rank_log_path"),
-    "text": ("first_line", "format_size"),
-}
-_MODULE_OF, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())  # PEP 562
-
-__all__ = [
-    "AUTO",
-    "COLLECTIVES",
-    "DEGREE_KEYS",
-    "DEVICE_CHOICES",
-    "DOMAINS",
-    "CollectiveTiming",
-    "D9dError",
-    "DeviceChoice",
-    "DistributedContext",
-    "DomainLayout",
-    "LaunchError",
-    "LogFormat",
-    "MeshConfig",
-    "MeshConfigError",
-    "Mode",
-    "RendezvousError",
-    "SlowGroup",
-    "axis_groups",
-    "check_launch",
-    "configure_logging",
-    "cuda_problem",
-    "device_name",
-    "domain_layout",
-    "first_line",
-    "format_layout",
-    "format_size",
-    "get_logger",
-    "measure_axes",
-    "rank_coordinates",
-    "rank_log_path",
-    "rank_tag",
-    "resolve_auto_degree",
-    "resolve_device",
-    "slow_groups",
-    "suspect_ranks",
-]
+__all__, __getattr__, __dir__ = lazy_face(__name__, globals())

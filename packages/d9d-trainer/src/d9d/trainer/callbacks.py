@@ -40,9 +40,8 @@ from d9d.mesh import get_logger
 if TYPE_CHECKING:
     import torch
 
-    from d9d.trainer.planning import JobPlan
-    from d9d.trainer.results import TrainResult
-    from d9d.trainer.run.evaluation import EvalResult
+    from d9d.trainer.planning.plan import JobPlan
+    from d9d.trainer.results import EvalResult, TrainResult
 
 __all__ = ["Callback", "RunControl"]
 
@@ -56,7 +55,7 @@ class RunControl:
         run_dir: `save_dir/run.name`.
         rank: this process's global rank.
         is_main_process: rank 0.
-        plan: what the job built (`d9d.trainer.plan_job`'s `JobPlan`).
+        plan: what the job built (`d9d.trainer.planning.plan_job`'s `JobPlan`).
         model: this rank's (parallelized) model.
     """
 

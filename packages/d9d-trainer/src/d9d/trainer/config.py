@@ -7,7 +7,7 @@ unknown key and wrong type still fails before anything starts, with its key path
 """
 
 import math
-from typing import Any, Literal
+from typing import Any, Literal, NewType
 
 import msgspec
 
@@ -26,6 +26,7 @@ __all__ = [
     "CallbackConfig",
     "CheckpointingConfig",
     "CompileConfig",
+    "ConfigPath",
     "DeterminismConfig",
     "EarlyStoppingConfig",
     "EvalConfig",
@@ -49,6 +50,12 @@ __all__ = [
     "TrackingConfig",
     "TrainerConfig",
 ]
+
+
+#: A path in a provider's config section: declare a field `ConfigPath` (or `ConfigPath | None`) in
+#: the provider's `config_type` and the provider receives it absolute, taken from the config file's
+#: directory like every path of a job (`LoadedJob.resolve_path`), so it can read the file at once.
+ConfigPath = NewType("ConfigPath", str)
 
 
 class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -17,7 +17,7 @@ from d9d.ckpt import list_checkpoints, uncommitted_step_dirs
 from d9d.mesh import RendezvousError, check_launch
 from d9d.trainer.errors import verdict_of
 from d9d.trainer.faults.reporting import report_job_error
-from d9d.trainer.job.load import LoadedJob, check_job_settings, load_job_config
+from d9d.trainer.job.load import LoadedJob, load_job_config
 from d9d.trainer.results import TrainResult
 
 __all__ = ["finished_run", "main", "run_command", "run_job"]
@@ -34,7 +34,6 @@ def run_job(config_path: str | Path, overrides: Sequence[str] = ()) -> TrainResu
         # A bad config, or a launch that does not fit the mesh, fails here, before torch is imported
         # (in the order the build would find them: the settings first, then the launch).
         loaded = load_job_config(config_path, overrides)
-        check_job_settings(loaded)
         check_launch(loaded.config.mesh, os.environ)
         finished = finished_run(loaded)
         if finished is not None:
@@ -66,21 +65,18 @@ def finished_run(loaded: LoadedJob) -> TrainResult | None:
 
     Every rank reads the same (shared) run directory, as a resume does, so all ranks decide alike.
     """
-    config = loaded.config
-    tcfg = config.trainer
-    run_dir = loaded.resolve_path(tcfg.checkpointing.save_dir) / tcfg.run.name
+    tcfg, paths = loaded.config.trainer, loaded.paths
+    run_dir, export_dir = paths.run_dir, paths.export_dir
     found = list_checkpoints(run_dir)
     total = tcfg.schedule.total_steps
     if not found or found[-1].step < total or uncommitted_step_dirs(run_dir):
         return None
-    export_dir = loaded.resolve_path(config.export.dir) if config.export.dir is not None else None
     if export_dir is not None and not _exported(run_dir, found[-1].step, export_dir):
         return None
     from d9d.mesh import configure_logging, get_logger  # structlog: only to say it
 
     latest = found[-1]
-    log_dir = loaded.resolve_path(tcfg.logging.log_dir) if tcfg.logging.log_dir is not None else None
-    configure_logging(format=tcfg.logging.format, level=tcfg.logging.level, log_dir=log_dir)
+    configure_logging(format=tcfg.logging.format, level=tcfg.logging.level, log_dir=paths.log_dir)
     exported = {"export": str(export_dir)} if export_dir is not None else {}
     get_logger("d9d.trainer").info(
         "run is already complete",

@@ -6,6 +6,7 @@ from typing import Literal
 from d9d.mesh import D9dError, first_line
 
 __all__ = [
+    "ConfigError",
     "ErrorVerdict",
     "OutOfMemoryError",
     "PeerFailedError",
@@ -18,6 +19,10 @@ __all__ = [
 ]
 
 _OOM_TEXT = ("out of memory", "not enough memory", "can't allocate memory", "defaultcpuallocator")
+
+
+class ConfigError(D9dError, ValueError):
+    """A job config cannot be used as written; the message names the key path and the fix."""
 
 
 class TrainingError(D9dError, RuntimeError):

@@ -1,12 +1,13 @@
-"""`TrainResult`: what a run of `Trainer.train()` (or `run_job`) did.
+"""What a run reports back: `TrainResult` (what `Trainer.train()` or `run_job` did) and `EvalResult`
+(one eval's numbers).
 
 Torch-free, so that `run_job` can answer for a finished run from its checkpoint's commit record
-without importing the trainer.
+without importing the trainer, and callbacks can name them without importing the loop.
 """
 
 from dataclasses import dataclass
 
-__all__ = ["TrainResult"]
+__all__ = ["EvalResult", "TrainResult"]
 
 
 @dataclass(frozen=True)
@@ -23,3 +24,26 @@ class TrainResult:
     """Why `eval.early_stopping` ended the run (saved, and finished: it exports); None when it did not."""
     data_ended: bool = False
     """The data ran out (a mixture with `exhausted: stop`) before `total_steps`: the run ended, saved."""
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """One eval's numbers, the same on every rank.
+
+    Attributes:
+        step: the optimizer step after which it ran.
+        loss: mean token loss over the evaluated set (sum of token losses / tokens).
+        perplexity: exp(loss) (inf where that overflows).
+        tokens: labelled tokens evaluated.
+        wall_s: how long it took.
+    """
+
+    step: int
+    loss: float
+    perplexity: float
+    tokens: float
+    wall_s: float
+
+    def record(self) -> dict[str, float]:
+        """The keys it adds to its step's `metrics.jsonl` record."""
+        return {"eval_loss": self.loss, "eval_perplexity": self.perplexity, "eval_tokens": self.tokens}

@@ -26,9 +26,9 @@ from d9d.parallel import (
     context_parallel_of,
     enable_tf32,
     fsdp_parameters,
-    merge_stage_modules,
     select_float8_linears,
 )
+from d9d.parallel.pipeline import merge_stage_modules
 from d9d.trainer.build.export import Exporter
 from d9d.trainer.build.model import materialize_model, shape_model
 from d9d.trainer.build.starting_weights import StartingWeights
@@ -48,21 +48,20 @@ from d9d.trainer.observe.stragglers import BusyClock, StragglerWatch
 from d9d.trainer.observe.throughput import ProgressLine, batch_flops_per_token, device_peak_flops
 from d9d.trainer.observe.timing import StepTimer, read_phases
 from d9d.trainer.observe.tracking import Trackers, check_trackers, open_trackers
-from d9d.trainer.planning import JobPlan, check_model_mesh, plan_job
-from d9d.trainer.providers import (
-    BuildDataProviderContext,
-    BuildDatasetContext,
-    DescribesModel,
-    PipelineTask,
-    SupportsClose,
-    undeclared_methods,
-)
-from d9d.trainer.results import TrainResult
+from d9d.trainer.planning.job_plan import check_model_mesh, plan_job
+from d9d.trainer.planning.plan import JobPlan
+from d9d.trainer.providers.data import BuildDataProviderContext, BuildDatasetContext, SupportsClose
+from d9d.trainer.providers.declared import undeclared_methods
+from d9d.trainer.providers.model import DescribesModel
+from d9d.trainer.providers.task import PipelineTask
+from d9d.trainer.results import EvalResult, TrainResult
 from d9d.trainer.run.checkpoints import RunCheckpoints
 from d9d.trainer.run.early_stopping import EarlyStopping
-from d9d.trainer.run.evaluation import EvalResult, EvalSet, Evaluator, load_eval_set
+from d9d.trainer.run.evaluation import EvalSet, Evaluator, load_eval_set
 from d9d.trainer.run.signals import StopRequests
-from d9d.trainer.step import MicrobatchStep, PipelineStep, StepSettings, TrainStep, token_group
+from d9d.trainer.step.base import StepSettings, TrainStep, token_group
+from d9d.trainer.step.microbatches import MicrobatchStep
+from d9d.trainer.step.pipeline import PipelineStep
 
 __all__ = ["TrainResult", "Trainer"]
 
@@ -112,8 +111,9 @@ class Trainer:
             logging_options: dict[str, Any] = {"format": tcfg.logging.format, "level": tcfg.logging.level}
             configure_logging(self._context, **logging_options)
             self._build()
-            if tcfg.logging.log_dir is not None:
-                self._log_file = (job.loaded.resolve_path(tcfg.logging.log_dir), logging_options)
+            log_dir = job.loaded.paths.log_dir
+            if log_dir is not None:
+                self._log_file = (log_dir, logging_options)
         except BaseException:
             self.close()
             raise
@@ -168,7 +168,7 @@ class Trainer:
         ckpt = tcfg.checkpointing
         best = ckpt.keep_best
         checkpoints = CheckpointManager(
-            job.loaded.resolve_path(ckpt.save_dir),
+            job.loaded.paths.run_dir.parent,
             tcfg.run.name,
             num_to_keep=ckpt.num_to_keep,
             keep_best=KeepBest(best.metric, best.mode, best.count) if best is not None else None,
@@ -287,9 +287,8 @@ class Trainer:
             self._closers.append(self._watchdog.close)
         self._faults = FaultInjection.from_env(ctx.rank)
         prof = tcfg.profiling
-        resolve = self._job.loaded.resolve_path
-        profile_dir = resolve(prof.dir) if prof.dir is not None else self.run_dir / "profile"
-        self._profiler = StepProfiler(prof, profile_dir if prof.active_steps else None, ctx.rank, ctx.device)
+        profile_dir = self._job.loaded.paths.profile_dir if prof.active_steps else None
+        self._profiler = StepProfiler(prof, profile_dir, ctx.rank, ctx.device)
 
     def _log_built(self, plan: JobPlan) -> None:
         ctx, config, model = self._context, self._job.config, self._model
@@ -334,7 +333,7 @@ class Trainer:
 
     @property
     def plan(self) -> JobPlan:
-        """What this rank built, as `d9d.trainer.plan_job` decided it (`d9d plan` prints the same)."""
+        """What this rank built, as `d9d.trainer.planning.plan_job` decided it (`d9d plan` prints the same)."""
         return self._plan
 
     @property

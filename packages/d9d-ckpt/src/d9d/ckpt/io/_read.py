@@ -14,9 +14,9 @@ from d9d.ckpt.io._errors import SafetensorsIOError
 from d9d.ckpt.io._layout import DTYPES, SINGLE_FILE, read_layout
 from d9d.ckpt.io._placement import dtensor_local_slices, has_local_slice, local_part_of_full
 from d9d.ckpt.io._state import as_state, meta_like, resolve_mapper
-from d9d.ckpt.mapper import MappingError, MappingGroup, OnUnused, StateMapper, check_mapper
-from d9d.ckpt.mapper._check import _check_targets
-from d9d.ckpt.mapper._errors import format_keys
+from d9d.ckpt.mapper._base import MappingGroup, StateMapper
+from d9d.ckpt.mapper._check import OnUnused, _check_targets, check_mapper
+from d9d.ckpt.mapper._errors import MappingError, format_keys
 
 __all__ = ["check_safetensors", "load_safetensors", "safetensors_shapes"]
 

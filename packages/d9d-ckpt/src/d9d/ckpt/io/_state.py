@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from d9d.ckpt.mapper import StateMapper, identity_map
+from d9d.ckpt.mapper._base import StateMapper
+from d9d.ckpt.mapper._rename import identity_map
 
 __all__ = ["as_state", "is_writer", "meta_like", "resolve_mapper"]
 

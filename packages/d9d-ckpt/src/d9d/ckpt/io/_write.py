@@ -20,7 +20,8 @@ from d9d.ckpt.io._layout import (
     shard_file_name,
 )
 from d9d.ckpt.io._state import as_state, barrier, is_writer, meta_like, resolve_mapper
-from d9d.ckpt.mapper import OnUnused, StateMapper, check_mapper
+from d9d.ckpt.mapper._base import StateMapper
+from d9d.ckpt.mapper._check import OnUnused, check_mapper
 
 __all__ = ["save_safetensors"]
 

@@ -10,7 +10,6 @@ logging; the command's own last line is `d9d.cli: export finished`); errors are 
 """
 
 import copy
-import dataclasses
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -131,7 +130,7 @@ def with_values(loaded: "LoadedJob", values: dict[str, Any]) -> "LoadedJob":
             node[part] = child = child if isinstance(child, dict) else {}
             node = child
         node[leaf] = value
-    return dataclasses.replace(load_job_config(raw), path=loaded.path)
+    return load_job_config(raw, config_path=loaded.path)
 
 
 @click.command(short_help="Export a checkpoint as safetensors.")
@@ -192,8 +191,7 @@ def export(source: str, out_dir: str, step: int | None, best: bool, overrides: S
         loaded = loaded_from_run(run_dir, info, list(overrides))
     else:
         loaded = load_job_config(src, list(overrides))
-        ckpt = loaded.config.trainer.checkpointing
-        run_dir = loaded.resolve_path(ckpt.save_dir) / loaded.config.trainer.run.name
+        run_dir = loaded.paths.run_dir
         info = committed_checkpoint(run_dir, step, best=best)
     loaded = single_process_mesh(loaded)
 
@@ -277,7 +275,7 @@ def loaded_from_run(run_dir: Path, info: "CheckpointInfo", overrides: list[str])
     # (with no relative provider file to go by, the first place tried is the best guess for data paths)
     guess = base or (tried[0] if tried else Path.cwd())
     virtual = guess / f"<config stored in {run_dir.name} save-{info.step}>"
-    loaded = dataclasses.replace(load_job_config(raw, overrides), path=virtual)
+    loaded = load_job_config(raw, overrides, config_path=virtual)
     # Point the job at this run directory wherever it was trained.
     pinned = {
         "trainer.checkpointing.save_dir": str(run_dir.resolve().parent),

@@ -1,11 +1,11 @@
 """`d9d plan`: validate a job for a launch size without GPUs and print what it would run.
 
-The plan is the trainer's own (`d9d.trainer.plan_job` on a planning context of the launch's size, for
+The plan is the trainer's own (`d9d.trainer.planning.plan_job` on a planning context of the launch's size, for
 CUDA): this command only formats it, so it accepts and refuses what the trainer does, with its words.
 It prints the mesh layout, the batching, under context parallelism each rank's share of a sequence,
 under pipeline parallelism each pp rank's stages and the schedule's theoretical bubble, the precision
 and a per-rank memory estimate (`plan_job(..., memory=True)`), whether that fits a device's memory
-and, when it does not, which `--set` changes would make it fit (`d9d.trainer.plan_fit`), and the
+and, when it does not, which `--set` changes would make it fit (`d9d.trainer.planning.plan_fit`), and the
 launch command.
 """
 
@@ -24,9 +24,10 @@ from d9d.cli.errors import CliError, reports_errors
 
 if TYPE_CHECKING:  # the trainer imports torch: only inside the command at run time
     from d9d.mesh import MeshConfig
-    from d9d.parallel import StageSpec
-    from d9d.trainer import FitPlan, JobConfig, JobPlan, LoadedJob, PipelinePlan, SequencePlan
+    from d9d.parallel.pipeline import StageSpec
+    from d9d.trainer import JobConfig, LoadedJob
     from d9d.trainer.config import PipeliningConfig
+    from d9d.trainer.planning import FitPlan, JobPlan, PipelinePlan, SequencePlan
 
 __all__ = ["launch_command", "plan", "slurm_script"]
 
@@ -252,13 +253,13 @@ def _fit_lines(job_plan: "JobPlan", loaded: "LoadedJob", device_bytes: int | Non
         index = torch.cuda.current_device()
         device_bytes = torch.cuda.get_device_properties(index).total_memory
         source = f"the local GPU, {torch.cuda.get_device_name(index)}"
-    from d9d.trainer import plan_fit
+    from d9d.trainer.planning import plan_fit
 
     return _format_fit(plan_fit(job_plan, loaded, device_bytes), source)
 
 
 def _format_fit(fit: "FitPlan", source: str) -> list[str]:
-    from d9d.trainer import FIT_HEADROOM
+    from d9d.trainer.planning import FIT_HEADROOM
 
     budget = f"{format_size(fit.budget)} ({FIT_HEADROOM:.0%} of {format_size(fit.device_bytes)}, {source})"
     note = f"; {fit.activations_note}" if fit.activations_note else ""
@@ -466,7 +467,7 @@ def _format_ranks(ranks: list[int]) -> str:
 
 def _bubble_lines(pipeline: "PipelinePlan") -> list[str]:
     """The schedule's theoretical bubble for this layout, the formula and what it assumes."""
-    from d9d.parallel import ZERO_BUBBLE_SCHEDULES
+    from d9d.parallel.pipeline import ZERO_BUBBLE_SCHEDULES
 
     layout, bubble, m = pipeline.layout, pipeline.bubble, pipeline.microbatches_per_step
     p, v, n = layout.pp_size, layout.stages_per_rank, layout.num_stages

@@ -64,7 +64,7 @@ def preflight(
       torchrun --nproc-per-node 4 -m d9d.cli preflight config.yaml --set mesh.data_parallel_shard=4
     """
     check_config_path(config)
-    from d9d.trainer.job.load import load_job_config
+    from d9d.trainer import load_job_config
     from d9d.trainer.planning.preflight import format_preflight, run_preflight
 
     loaded = load_job_config(config, list(overrides))

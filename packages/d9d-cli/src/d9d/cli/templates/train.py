@@ -23,7 +23,8 @@ from d9d.parallel import (
     parallelize_hsdp,
     to_autocast_dtype,
 )
-from d9d.trainer import (
+from d9d.trainer import main
+from d9d.trainer.providers import (
     BuildDatasetContext,
     BuildDatasetResult,
     InitializeModelStageContext,
@@ -31,7 +32,6 @@ from d9d.trainer import (
     ParallelizeModelStageContext,
     PrepareExportModelStageContext,
     PrepareExportModelStageResult,
-    main,
 )
 
 

@@ -5,51 +5,31 @@ parallelize_expert_parallel(model, ctx)      # before data parallelism of the re
 loss = task_loss + 0.01 * moe_aux_loss(model)
 """
 
-from d9d.parallel.expert.balancing import (
-    expert_load_summary,
-    expert_loads,
-    moe_layers,
-    moe_regularization_loss,
-    moe_score_bias_names,
-    update_expert_biases,
-)
-from d9d.parallel.expert.dispatch import (
-    AllToAllDispatcher,
-    ExpertFn,
-    LocalDispatcher,
-    TokenDispatcher,
-    expert_major_order,
-)
-from d9d.parallel.expert.errors import ExpertParallelError
-from d9d.parallel.expert.experts import GroupedExperts, SwiGLU, grouped_mm_fits
-from d9d.parallel.expert.load_balance import LoadBalanceStats, expert_counts, load_balance_stats
-from d9d.parallel.expert.moe import MoE, MoEBalancing, moe_aux_loss
-from d9d.parallel.expert.parallelize import parallelize_expert_parallel
-from d9d.parallel.expert.router import RouterOutput, TopKRouter
+from typing import TYPE_CHECKING
 
-__all__ = [
-    "AllToAllDispatcher",
-    "ExpertFn",
-    "ExpertParallelError",
-    "GroupedExperts",
-    "LoadBalanceStats",
-    "LocalDispatcher",
-    "MoE",
-    "MoEBalancing",
-    "RouterOutput",
-    "SwiGLU",
-    "TokenDispatcher",
-    "TopKRouter",
-    "expert_counts",
-    "expert_load_summary",
-    "expert_loads",
-    "expert_major_order",
-    "grouped_mm_fits",
-    "load_balance_stats",
-    "moe_aux_loss",
-    "moe_layers",
-    "moe_regularization_loss",
-    "moe_score_bias_names",
-    "parallelize_expert_parallel",
-    "update_expert_biases",
-]
+from d9d.mesh.lazy import lazy_face
+
+if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
+    from d9d.parallel.expert.balancing import (
+        expert_load_summary,
+        expert_loads,
+        moe_layers,
+        moe_regularization_loss,
+        moe_score_bias_names,
+        update_expert_biases,
+    )
+    from d9d.parallel.expert.dispatch import (
+        AllToAllDispatcher,
+        ExpertFn,
+        LocalDispatcher,
+        TokenDispatcher,
+        expert_major_order,
+    )
+    from d9d.parallel.expert.errors import ExpertParallelError
+    from d9d.parallel.expert.experts import GroupedExperts, SwiGLU, grouped_mm_fits
+    from d9d.parallel.expert.load_balance import LoadBalanceStats, expert_counts, load_balance_stats
+    from d9d.parallel.expert.moe import MoE, MoEBalancing, moe_aux_loss
+    from d9d.parallel.expert.parallelize import parallelize_expert_parallel
+    from d9d.parallel.expert.router import RouterOutput, TopKRouter
+
+__all__, __getattr__, __dir__ = lazy_face(__name__, globals())

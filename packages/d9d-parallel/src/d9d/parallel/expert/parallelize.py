@@ -77,7 +77,7 @@ def parallelize_expert_parallel(
     moes = [m for m in module.modules() if isinstance(m, MoE)]
     if not moes:
         raise ExpertParallelError(
-            f"{type(module).__name__} contains no d9d.parallel.MoE layer to parallelize"
+            f"{type(module).__name__} contains no d9d.parallel.expert.MoE layer to parallelize"
         )
     if isinstance(mesh, DistributedContext):
         if mesh.is_local:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from d9d.parallel.grad_norm import register_tied_copy
+from d9d.parallel.gradient_norm import register_tied_copy
 from d9d.parallel.pipeline.errors import PipelineError
 
 __all__ = ["TiedParameters", "declared_ties", "find_parameter"]

@@ -17,7 +17,7 @@ from d9d.parallel import lora_state_dict, merged_state_dict, peft_adapter_config
 from d9d.trainer.build.starting_weights import StartingWeights
 from d9d.trainer.errors import TrainingError
 from d9d.trainer.job.resolve import ResolvedJob
-from d9d.trainer.providers import PrepareExportModelStageContext
+from d9d.trainer.providers.model import PrepareExportModelStageContext
 
 __all__ = ["Exporter"]
 
@@ -63,8 +63,7 @@ class Exporter:
         (`_export_lora`), the merged model (`merged_state_dict` through the provider's mapper), or both
         in `adapter/` and `merged/`.
         """
-        configured = self._job.config.export.dir
-        target = out_dir if out_dir is not None else configured and self._job.loaded.resolve_path(configured)
+        target = out_dir if out_dir is not None else self._job.loaded.paths.export_dir
         if target is None:
             raise TrainingError("no export directory: pass one or set export.dir in the config")
         target = Path(target)

@@ -13,19 +13,18 @@ from d9d.parallel import (
     Float8Config,
     LoraConfig,
     MixedPrecision,
-    PipelineLayout,
-    StageSpec,
     apply_float8,
     context_parallel_of,
     fsdp_parameters,
     lora_parameters,
 )
+from d9d.parallel.pipeline import PipelineLayout, StageSpec
 from d9d.trainer.build.materialize import materialize_and_initialize
 from d9d.trainer.build.starting_weights import imported_keys
 from d9d.trainer.errors import OutOfMemoryError, TrainingError, is_out_of_memory
-from d9d.trainer.job.load import shards_parameters
 from d9d.trainer.job.resolve import ResolvedJob
-from d9d.trainer.providers import InitializeModelStageContext, ParallelizeModelStageContext
+from d9d.trainer.job.rules import shards_parameters
+from d9d.trainer.providers.model import InitializeModelStageContext, ParallelizeModelStageContext
 
 __all__ = [
     "check_lora_applied",
@@ -34,7 +33,6 @@ __all__ = [
     "check_vocabulary",
     "materialize_model",
     "shape_model",
-    "shards_parameters",
 ]
 
 
@@ -43,7 +41,7 @@ _APPLIED_BY = {
     "tensor_parallel": ("tp", "d9d.parallel.parallelize_tensor_parallel"),
     "data_parallel_shard": ("dp_shard", "d9d.parallel.parallelize_hsdp"),
     "data_parallel_replicate": ("dp_replicate", "d9d.parallel.parallelize_hsdp"),
-    "expert_parallel": ("ep_shard", "d9d.parallel.parallelize_expert_parallel"),
+    "expert_parallel": ("ep_shard", "d9d.parallel.expert.parallelize_expert_parallel"),
     "context_parallel": ("cp", "d9d.parallel.parallelize_hsdp, which shards over dp_shard × cp"),
 }
 
@@ -297,6 +295,6 @@ def check_vocabulary(
 
 
 def _has_experts(model: nn.Module) -> bool:
-    from d9d.parallel import MoE
+    from d9d.parallel.expert import MoE
 
     return any(isinstance(m, MoE) for m in model.modules())

@@ -18,10 +18,11 @@ from d9d.ckpt import (
     safetensors_shapes,
 )
 from d9d.mesh import DistributedContext, get_logger
-from d9d.parallel import lora_parameter_names, moe_score_bias_names
+from d9d.parallel import lora_parameter_names
+from d9d.parallel.expert import moe_score_bias_names
 from d9d.trainer.errors import TrainingError
 from d9d.trainer.job.resolve import ResolvedJob
-from d9d.trainer.providers import (
+from d9d.trainer.providers.model import (
     ImportsModelWeights,
     PrepareImportModelStageContext,
     PrepareImportModelStageResult,

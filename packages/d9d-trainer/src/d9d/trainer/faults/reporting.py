@@ -15,10 +15,10 @@ import re
 import sys
 import time
 
-from d9d.mesh import D9dError
+from d9d.mesh import D9dError, one_line
 from d9d.trainer.errors import verdict_of
 
-__all__ = ["PEER_ERROR_GRACE_S", "is_shared_by_every_rank", "one_line", "report_error", "report_job_error"]
+__all__ = ["PEER_ERROR_GRACE_S", "is_shared_by_every_rank", "report_error", "report_job_error"]
 
 #: Seconds a rank other than 0 waits before exiting on an error that rank 0 reports.
 PEER_ERROR_GRACE_S = 10.0
@@ -33,12 +33,6 @@ def is_shared_by_every_rank(exc: BaseException) -> bool:
     """
     verdict = verdict_of(exc)
     return verdict is None or verdict.kind == "shared"
-
-
-def one_line(exc: BaseException) -> str:
-    """The error's message on one line."""
-    text = str(exc) or type(exc).__name__
-    return " ".join(part.strip() for part in text.splitlines() if part.strip())
 
 
 def with_rank(text: str, rank: int | str) -> str:

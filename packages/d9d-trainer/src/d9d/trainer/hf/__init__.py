@@ -9,6 +9,10 @@ Needs transformers, an optional extra: `pip install 'd9d-trainer[hf]'` (in the d
 `uv sync --all-packages --extra hf`). Nothing else in d9d imports it. See packages/d9d-trainer/README.md.
 """
 
+from typing import TYPE_CHECKING
+
+from d9d.mesh.lazy import lazy_face
+
 _INSTALL = "pip install 'd9d-trainer[hf]' (in the d9d workspace: uv sync --all-packages --extra hf)"
 
 try:
@@ -27,9 +31,10 @@ if int(_transformers.__version__.split(".")[0]) < 5:  # 4.x leaves rotary buffer
     )
 del _transformers
 
-from d9d.trainer.hf.config import HFCausalLMConfig  # noqa: E402
-from d9d.trainer.hf.errors import HFModelError  # noqa: E402
-from d9d.trainer.hf.model import HFCausalLM  # noqa: E402
-from d9d.trainer.hf.provider import HFCausalLMProvider  # noqa: E402
+if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
+    from d9d.trainer.hf.config import HFCausalLMConfig
+    from d9d.trainer.hf.errors import HFModelError
+    from d9d.trainer.hf.model import HFCausalLM
+    from d9d.trainer.hf.provider import HFCausalLMProvider
 
-__all__ = ["HFCausalLM", "HFCausalLMConfig", "HFCausalLMProvider", "HFModelError"]
+__all__, __getattr__, __dir__ = lazy_face(__name__, globals())

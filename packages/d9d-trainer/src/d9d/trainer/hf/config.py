@@ -4,7 +4,7 @@ from typing import Literal
 
 import msgspec
 
-from d9d.trainer.job.load import ConfigPath
+from d9d.trainer.config import ConfigPath
 
 __all__ = ["HFCausalLMConfig"]
 

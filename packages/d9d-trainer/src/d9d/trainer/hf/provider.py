@@ -43,7 +43,7 @@ from d9d.trainer.hf.tensor_parallel import (
     tensor_parallel_problem,
 )
 from d9d.trainer.hf.weights import check_folder_weights, export_mapper, import_mapper
-from d9d.trainer.providers import (
+from d9d.trainer.providers.model import (
     InitializeModelStageContext,
     InitializeModelStageResult,
     ParallelizeModelStageContext,

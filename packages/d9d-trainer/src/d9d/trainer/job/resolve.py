@@ -1,49 +1,43 @@
 """Resolve a loaded job config into provider instances, each built from its own config section.
 
 Also the checks that need the providers, still before any process group, file or model exists: a
-declared batching against the mesh. Those that need none (`d9d.trainer.job.load.check_job_settings`)
-run first.
+declared batching against the mesh, a bfloat16 optimizer state the optimizer declares. Those that
+need none ran when the config was loaded (`d9d.trainer.job.rules`).
 """
 
+import importlib
+import importlib.util
+import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, get_args
 
 import msgspec
 import torch
 
 from d9d.data import DataError
-from d9d.mesh import D9dError
+from d9d.mesh import D9dError, one_line
 from d9d.trainer.callbacks import Callback
-from d9d.trainer.config import CallbackConfig, JobConfig
-from d9d.trainer.job.load import (
-    ConfigError,
-    LoadedJob,
-    check_job_settings,
-    check_values,
-    convert_section,
-    resolve_config_paths,
-    resolve_object,
-)
-from d9d.trainer.providers import (
+from d9d.trainer.config import CallbackConfig, ConfigPath, JobConfig
+from d9d.trainer.errors import ConfigError
+from d9d.trainer.job.convert import check_values, convert_section
+from d9d.trainer.job.load import LoadedJob
+from d9d.trainer.providers.data import DataProviderFactory, DatasetProvider, DeclaresBatching
+from d9d.trainer.providers.declared import undeclared_methods
+from d9d.trainer.providers.model import (
     ChecksMesh,
     ChecksSequenceLength,
-    DataProviderFactory,
-    DatasetProvider,
-    DeclaresBatching,
-    DeclaresOptimizerStates,
     DescribesModel,
     ImportsModelWeights,
-    LRSchedulerProvider,
     ModelProvider,
-    OptimizerProvider,
     PipelineModelProvider,
-    PipelineTask,
-    Task,
-    undeclared_methods,
 )
+from d9d.trainer.providers.optim import DeclaresOptimizerStates, LRSchedulerProvider, OptimizerProvider
+from d9d.trainer.providers.task import PipelineTask, Task
 
-__all__ = ["ResolvedJob", "resolve_job"]
+__all__ = ["ResolvedJob", "resolve_config_paths", "resolve_job", "resolve_object"]
 
 #: The optional abilities (protocols of `d9d.trainer.providers`) a provider of each role may declare.
 _ABILITIES: dict[str, tuple[type, ...]] = {
@@ -87,8 +81,7 @@ def resolve_job(loaded: LoadedJob) -> ResolvedJob:
             the batch sizes do not divide over the mesh; a directory to write is blocked by a file.
     """
     config = loaded.config
-    where = str(loaded.path) if loaded.path is not None else "config"
-    check_job_settings(loaded)
+    where = loaded.where
     providers = config.providers
     sections: dict[str, Any] = {
         "model": (
@@ -189,7 +182,7 @@ def _construct(
         except Exception as exc:  # not a type msgspec can convert into, or its own check crashed
             raise ConfigError(
                 f"{where}: {label} ({spec}): its config_type {config_type!r} cannot hold the "
-                f"{prefix}: section ({type(exc).__name__}: {one_line_text(exc)}); make config_type a "
+                f"{prefix}: section ({type(exc).__name__}: {one_line(exc)}); make config_type a "
                 "msgspec.Struct (or a dataclass) whose fields are the section's keys"
             ) from None
         check_values(argument, where=where, prefix=prefix)
@@ -201,7 +194,7 @@ def _construct(
     except Exception as exc:  # the provider's own code: any exception is one line naming it
         raise ConfigError(
             f"{where}: constructing {label} ({spec}) failed: {type(exc).__name__}: "
-            f"{one_line_text(exc)}; fix the provider or its {prefix}: section"
+            f"{one_line(exc)}; fix the provider or its {prefix}: section"
         ) from exc
     missing = [m for m in methods if not callable(getattr(instance, m, None))]
     if missing:
@@ -235,13 +228,8 @@ class _GuardedDatasetProvider:
         except Exception as exc:
             raise ConfigError(
                 f"providers.{self._role} ({self._spec}).build_dataset failed: {type(exc).__name__}: "
-                f"{one_line_text(exc)}; fix the dataset provider or its {self._role}: section"
+                f"{one_line(exc)}; fix the dataset provider or its {self._role}: section"
             ) from exc
-
-
-def one_line_text(exc: BaseException) -> str:
-    """An exception's message on one line (its type name when it has none)."""
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _check_state_dtype(config: JobConfig, provider: OptimizerProvider, *, where: str) -> None:
@@ -272,3 +260,76 @@ def _check_batch(config: JobConfig, factory: DataProviderFactory) -> None:
         factory.batching(config.mesh)
     except DataError as exc:  # the message names data.* and the mesh degrees already
         raise ConfigError(str(exc)) from None
+
+
+def resolve_config_paths(value: Any, loaded: LoadedJob) -> Any:
+    """`value` (a converted section: a msgspec struct) with each `ConfigPath` field made absolute,
+    nested structs included; anything else is returned as it is."""
+    if not isinstance(value, msgspec.Struct):
+        return value
+    changes: dict[str, Any] = {}
+    for member in msgspec.structs.fields(type(value)):
+        current = getattr(value, member.name)
+        if isinstance(current, str) and _is_config_path(member.type):
+            changes[member.name] = str(loaded.resolve_path(current))
+        elif isinstance(current, msgspec.Struct):
+            resolved = resolve_config_paths(current, loaded)
+            if resolved is not current:
+                changes[member.name] = resolved
+    return msgspec.structs.replace(value, **changes) if changes else value
+
+
+def _is_config_path(annotation: Any) -> bool:
+    return annotation is ConfigPath or ConfigPath in get_args(annotation)
+
+
+def resolve_object(spec: str, base_dir: Path, *, key: str) -> Any:
+    """Import `module.path:Name` or `file.py:Name` (relative to `base_dir`) and return the object.
+
+    Raises:
+        ConfigError: naming `key` (the config key that holds `spec`) when it cannot be resolved.
+    """
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name:
+        raise ConfigError(f"{key}: {spec!r} must look like package.module:Name or file.py:Name")
+    if target.endswith(".py"):
+        file = (base_dir / target).resolve()
+        if not file.is_file():
+            raise ConfigError(f"{key}: {spec!r}: no file {file}; paths are relative to the config file")
+        module_name = "_d9d_user_" + re.sub(r"\W", "_", str(file.with_suffix("")))
+        module = sys.modules.get(module_name)
+        if module is None:
+            spec_obj = importlib.util.spec_from_file_location(module_name, file)
+            assert spec_obj is not None and spec_obj.loader is not None
+            module = importlib.util.module_from_spec(spec_obj)
+            sys.modules[module_name] = module
+            # like a script run directly: its own directory is importable (for sibling modules)
+            if str(file.parent) not in sys.path:
+                sys.path.insert(0, str(file.parent))
+            try:
+                spec_obj.loader.exec_module(module)
+            except Exception as exc:
+                del sys.modules[module_name]
+                raise ConfigError(f"{key}: importing {file} failed: {type(exc).__name__}: {exc}") from exc
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as exc:
+            missing = exc.name or ""
+            if missing and missing != target and not target.startswith(missing + "."):
+                # the module was found; something it imports was not
+                raise ConfigError(
+                    f"{key}: importing module {target!r} failed: {type(exc).__name__}: {exc}; "
+                    "is the package it needs installed?"
+                ) from None
+            raise ConfigError(
+                f"{key}: cannot import module {target!r} ({exc}); is the package installed?"
+            ) from None
+        except Exception as exc:  # the module exists but its own code failed
+            raise ConfigError(
+                f"{key}: importing module {target!r} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+    try:
+        return getattr(module, name)
+    except AttributeError:
+        raise ConfigError(f"{key}: {target!r} has no attribute {name!r}") from None

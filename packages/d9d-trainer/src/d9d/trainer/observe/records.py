@@ -38,8 +38,8 @@ from d9d.trainer.observe.stragglers import StragglerWatch, straggler_fields
 from d9d.trainer.observe.throughput import ProgressLine, mfu
 from d9d.trainer.observe.timing import StepPhases, read_phases
 from d9d.trainer.observe.tracking import Trackers
-from d9d.trainer.run.evaluation import EvalResult
-from d9d.trainer.step import StepOutput
+from d9d.trainer.results import EvalResult
+from d9d.trainer.step.base import StepOutput
 
 __all__ = ["StepRecords"]
 

@@ -35,11 +35,10 @@ from typing import Any, Protocol
 
 import msgspec
 
-from d9d.mesh import get_logger
+from d9d.mesh import get_logger, one_line
 from d9d.trainer.config import TrackingConfig
-from d9d.trainer.errors import TrainingError
-from d9d.trainer.job.load import ConfigError, LoadedJob
-from d9d.trainer.job.resolve import one_line_text
+from d9d.trainer.errors import ConfigError, TrainingError
+from d9d.trainer.job.load import LoadedJob
 
 __all__ = [
     "STATE_FILE",
@@ -166,7 +165,7 @@ class Trackers:
                 self._trackers.remove(tracker)
                 _log.warning(
                     f"the {tracker.name} tracker failed and gets no more records in this launch "
-                    f"(metrics.jsonl still has them): {type(exc).__name__}: {one_line_text(exc)}",
+                    f"(metrics.jsonl still has them): {type(exc).__name__}: {one_line(exc)}",
                     step=rows[-1][0] if rows else None,
                 )
                 with contextlib.suppress(Exception):
@@ -180,7 +179,7 @@ class Trackers:
                 tracker.close(failed=failed)
             except Exception as exc:
                 _log.warning(
-                    f"closing the {tracker.name} tracker failed: {type(exc).__name__}: {one_line_text(exc)}"
+                    f"closing the {tracker.name} tracker failed: {type(exc).__name__}: {one_line(exc)}"
                 )
 
 
@@ -205,26 +204,23 @@ def open_trackers(loaded: LoadedJob, run_dir: Path, *, start_step: int, writer: 
     job_config = msgspec.to_builtins(loaded.config)
     state = _RunState(run_dir / STATE_FILE)
 
-    def resolve(path: str | None, default: Path) -> Path:
-        return loaded.resolve_path(path) if path is not None else default
-
     opened: list[Tracker] = []
     try:
         for backend in backends:
             try:
                 if backend == "tensorboard":
-                    directory = resolve(config.tensorboard_dir, run_dir / "tensorboard")
-                    opened.append(_TensorBoardTracker(directory, run_name, job_config, start_step))
+                    opened.append(
+                        _TensorBoardTracker(loaded.paths.tensorboard_dir, run_name, job_config, start_step)
+                    )
                 elif backend == "wandb":
-                    directory = resolve(config.wandb_dir, run_dir)
-                    opened.append(_WandbTracker(config, directory, run_name, job_config, state))
+                    opened.append(_WandbTracker(config, loaded.paths.wandb_dir, run_name, job_config, state))
                 elif backend == "mlflow":
                     default_uri = (run_dir / "mlruns").resolve().as_uri()
                     opened.append(_MlflowTracker(config, default_uri, run_name, job_config, state))
             except Exception as exc:
                 raise TrainingError(
                     f"trainer.tracking: the {backend} tracker could not start: {type(exc).__name__}: "
-                    f"{one_line_text(exc)}; fix its settings in trainer.tracking or remove {backend} "
+                    f"{one_line(exc)}; fix its settings in trainer.tracking or remove {backend} "
                     "from trainer.tracking.backends"
                 ) from exc
     except BaseException:
@@ -397,9 +393,7 @@ class _MlflowTracker:
             try:
                 run = self._client.get_run(entry["run_id"])
             except Exception as exc:
-                _log.warning(
-                    f"MLflow run {entry['run_id']} not found ({one_line_text(exc)}); starting a new one"
-                )
+                _log.warning(f"MLflow run {entry['run_id']} not found ({one_line(exc)}); starting a new one")
         if run is None:
             experiment = self._client.get_experiment_by_name(config.project)
             experiment_id = (

@@ -25,12 +25,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from d9d.mesh import D9dError
-from d9d.trainer.builtins import AutoDataProviderFactory
+from d9d.trainer.builtins.data import AutoDataProviderFactory
 from d9d.trainer.job.load import LoadedJob
 from d9d.trainer.job.resolve import ResolvedJob, resolve_job
 
 if TYPE_CHECKING:
-    from d9d.trainer.planning.job_plan import JobPlan
+    from d9d.trainer.planning.plan import JobPlan
 
 __all__ = ["FIT_HEADROOM", "FitPlan", "Lever", "plan_fit"]
 

@@ -8,47 +8,32 @@ the trainer has built it, the dataset's `BuildDatasetResult` (its `seq_len` and 
 Nothing is probed, so a user's provider with the same declarations gets exactly a built-in's plan.
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import msgspec
 import torch
 
 from d9d.mesh import DistributedContext, MeshConfig, axis_groups
-from d9d.parallel import (
-    MixedPrecision,
-    PipelineBubble,
-    PipelineConfig,
-    PipelineLayout,
-    SequenceShare,
-    StageSpec,
-    check_sequence_length,
-    pipeline_bubble,
-    plan_pipeline,
-    resolve_precision,
-)
+from d9d.parallel import SequenceShare, check_sequence_length, resolve_precision
+from d9d.parallel.pipeline import PipelineConfig, PipelineLayout, pipeline_bubble, plan_pipeline
 from d9d.trainer.errors import TrainingError
 from d9d.trainer.job.load import LoadedJob
 from d9d.trainer.job.resolve import ResolvedJob, resolve_job
-from d9d.trainer.planning.memory import MemoryPlan, plan_memory
-from d9d.trainer.providers import (
-    Batching,
-    BuildDatasetResult,
+from d9d.trainer.planning.memory import plan_memory
+from d9d.trainer.planning.plan import JobPlan, PipelinePlan, SequencePlan
+from d9d.trainer.providers.data import Batching, BuildDatasetResult, DeclaresBatching
+from d9d.trainer.providers.model import (
     CheckSequenceLengthContext,
     ChecksMesh,
     ChecksSequenceLength,
-    DeclaresBatching,
-    DeclaresOptimizerStates,
-    OptimizerStates,
     PipelineModelProvider,
-    PipelineTask,
 )
+from d9d.trainer.providers.optim import DeclaresOptimizerStates, OptimizerStates
+from d9d.trainer.providers.task import PipelineTask
 
 __all__ = [
     "ASSUMED_OPTIMIZER_STATES",
-    "JobPlan",
-    "PipelinePlan",
-    "SequencePlan",
     "check_model_mesh",
     "configured_seq_len",
     "declared_batching",
@@ -59,78 +44,6 @@ __all__ = [
 
 #: What the memory estimate assumes of an optimizer provider that declares no `optimizer_states()`.
 ASSUMED_OPTIMIZER_STATES = 2
-
-
-@dataclass(frozen=True)
-class SequencePlan:
-    """The sequence length the job trains on, where that number comes from, and its context-parallel split.
-
-    Attributes:
-        seq_len: tokens per sample; None when not known without loading data.
-        source: where `seq_len` came from (`dataset.seq_len`, `--seq-len`, ...), or why it is unknown.
-        cp_groups: the global ranks of each cp group (mesh.context_parallel of them), in cp-rank order.
-        share: this rank's share of a sequence (every cp rank holds as many tokens); None when
-            `seq_len` is unknown.
-    """
-
-    seq_len: int | None
-    source: str
-    cp_groups: tuple[tuple[int, ...], ...]
-    share: SequenceShare | None
-
-
-@dataclass(frozen=True)
-class PipelinePlan:
-    """The pipeline layout (every stage and which pp rank runs it), this rank's stages, and the bubble.
-
-    Attributes:
-        layout: every stage, its layers and its pp rank, for the schedule.
-        stages: the stages this rank builds and runs, in stage order.
-        microbatches_per_step: what the schedule runs per step (the data provider's declaration).
-        bubble: the schedule's theoretical bubble for those microbatches.
-        pp_ranks: the global ranks of each pp rank (index: the pp coordinate).
-    """
-
-    layout: PipelineLayout
-    stages: tuple[StageSpec, ...]
-    microbatches_per_step: int
-    bubble: PipelineBubble
-    pp_ranks: tuple[tuple[int, ...], ...]
-
-
-@dataclass(frozen=True)
-class JobPlan:
-    """What a job builds on one rank: layout, precision, batching, pipeline, sequence, vocabulary, memory.
-
-    Attributes:
-        mesh: the mesh degrees (layout: `d9d.mesh.format_layout(plan.mesh)`).
-        rank: the global rank this plan is for (its pipeline stages, its share of a sequence).
-        device: the device type the precision was resolved for.
-        precision: compute and reduction dtypes (`trainer.precision` on `device`).
-        batching: the data provider factory's declared batching; None when it declares none.
-        pipeline: the pipeline plan; None without pipeline parallelism.
-        sequence: the sequence length, its source and its cp split.
-        vocab_size: the dataset's vocabulary (checked against the model's embedding); None unknown.
-        optimizer_states: optimizer tensors per trainable parameter (declared, or assumed: its
-            description says so).
-        memory: the per-rank memory estimate, when asked for (`plan_job(..., memory=True)`).
-    """
-
-    mesh: MeshConfig
-    rank: int
-    device: torch.device
-    precision: MixedPrecision
-    batching: Batching | None
-    pipeline: PipelinePlan | None
-    sequence: SequencePlan
-    vocab_size: int | None
-    optimizer_states: OptimizerStates
-    memory: MemoryPlan | None = None
-
-    @property
-    def stages(self) -> tuple[StageSpec | None, ...]:
-        """The model stages this rank builds: its pipeline stages, or (None,) for the whole model."""
-        return self.pipeline.stages if self.pipeline is not None else (None,)
 
 
 def plan_job(
@@ -275,7 +188,7 @@ def _pipeline_plan(job: ResolvedJob, context: DistributedContext, batching: Batc
         raise TrainingError(
             f"mesh.pipeline_parallel > 1 needs to know the microbatches per step before anything is "
             f"built, but providers.data ({job.config.providers.data}) declares no batching; give the "
-            "data provider factory a batching(mesh) method returning d9d.trainer.Batching (see "
+            "data provider factory a batching(mesh) method returning d9d.trainer.providers.Batching (see "
             "docs/parallelism.md) or use the built-in d9d.trainer:AutoDataProviderFactory"
         )
     m = batching.microbatches_per_step

@@ -9,8 +9,7 @@ built (`d9d.trainer.build.model.shape_model`), so a job the trainer would refuse
 """
 
 import copy
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import msgspec
 import torch
@@ -22,58 +21,24 @@ from d9d.mesh import DistributedContext
 from d9d.parallel import (
     ActivationCheckpointingConfig,
     CompileConfig,
-    Float8Selection,
     MixedPrecision,
     apply_activation_checkpointing,
     parallelize_context_parallel,
     saved_activation_bytes,
     select_float8_linears,
 )
-from d9d.trainer.build.model import shape_model, shards_parameters
+from d9d.trainer.build.model import shape_model
 from d9d.trainer.job.resolve import ResolvedJob
-from d9d.trainer.providers import (
-    InitializeModelStageContext,
-    LossContext,
-    ParallelizeModelStageContext,
-    PipelineTask,
-)
-
-if TYPE_CHECKING:
-    from d9d.trainer.planning.job_plan import JobPlan, PipelinePlan
+from d9d.trainer.job.rules import shards_parameters
+from d9d.trainer.planning.plan import ActivationEstimate, JobPlan, MemoryEstimate, MemoryPlan, PipelinePlan
+from d9d.trainer.providers.model import InitializeModelStageContext, ParallelizeModelStageContext
+from d9d.trainer.providers.task import LossContext, PipelineTask
 
 __all__ = [
-    "ActivationEstimate",
-    "MemoryEstimate",
-    "MemoryPlan",
     "estimate_activations",
     "estimate_memory",
     "plan_memory",
 ]
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Bytes of persistent training state on one rank.
-
-    Attributes:
-        shard_factor: how many ranks share one copy of every parameter (pp × dp_shard × cp × tp).
-        optimizer_states: optimizer tensors kept per trainable parameter (AdamW 2, SGD 1 or 0).
-        optimizer_state_bytes: bytes of one such tensor for every trainable parameter, whole model
-            (the trainable parameters' bytes for states in the parameter's dtype, half of them in
-            bfloat16).
-    """
-
-    params: int
-    grads: int
-    optimizer: int
-    shard_factor: int
-    optimizer_states: int
-    optimizer_state_bytes: int = 0
-
-    @property
-    def total(self) -> int:
-        """Parameters + gradients + optimizer state."""
-        return self.params + self.grads + self.optimizer
 
 
 def estimate_memory(
@@ -112,85 +77,7 @@ def estimate_memory(
     )
 
 
-@dataclass(frozen=True)
-class ActivationEstimate:
-    """Bytes saved for backward on one rank at the step's peak, without and with the job's checkpointing.
-
-    Each figure is one microbatch's saved activations of every stage the rank runs, times the
-    microbatches that stage holds in flight under the schedule (`in_flight`; 1 without pipeline
-    parallelism).
-
-    Attributes:
-        plain: no activation checkpointing.
-        checkpointed: with `trainer.activation_checkpointing` as configured (`plain` for `none`).
-        full: with every block checkpointed.
-        tokens: microbatch size × sequence length the forward ran on (this rank's share under cp).
-        in_flight: per stage of this rank (stage order), the microbatches it holds at once.
-        in_flight_note: how `in_flight` follows from the schedule ("" without pipeline parallelism).
-        per_pp_rank: under pipeline parallelism, `checkpointed` of every pp rank (index: pp
-            coordinate), whose stages and microbatches in flight differ; () without.
-    """
-
-    plain: int
-    checkpointed: int
-    full: int
-    tokens: str
-    in_flight: tuple[int, ...] = (1,)
-    in_flight_note: str = ""
-    per_pp_rank: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class MemoryPlan:
-    """The memory estimate of a plan, per rank.
-
-    Attributes:
-        parameters: parameters of the whole model.
-        param_bytes: bytes of the whole model's parameters (float32 master weights).
-        trainable_bytes: bytes of its trainable parameters.
-        state: parameters, gradients and optimizer state on one rank.
-        activations: one microbatch's saved activations; None when they cannot be estimated.
-        activations_note: why there is no activation estimate ("" when there is one).
-        float8: the linears `trainer.precision.float8` converts and keeps (None without float8); the
-            estimate counts them as without float8 (their weights, gradients and optimizer state
-            stay float32; the float8 casts live only around each matmul).
-        float8_all_gather: whether FSDP2 all-gathers those weights in float8 (as the trainer builds).
-        host_state: bytes of `state` kept in host memory (`trainer.memory.cpu_offload`: all of it,
-            as the trainer refuses an FSDP2 unit that does not offload); 0 without offload.
-    """
-
-    parameters: int
-    param_bytes: int
-    trainable_bytes: int
-    state: MemoryEstimate
-    activations: ActivationEstimate | None
-    activations_note: str
-    float8: Float8Selection | None = None
-    float8_all_gather: bool = False
-    host_state: int = 0
-
-    @property
-    def device_state(self) -> int:
-        """Bytes of `state` on the device (all of it without CPU offload)."""
-        return self.state.total - self.host_state
-
-    @property
-    def total(self) -> int:
-        """Device bytes: the state kept there plus the activations with the job's checkpointing (when
-        estimated). What CPU offload keeps on the host is `host_state`, not counted here."""
-        return self.device_state + (self.activations.checkpointed if self.activations is not None else 0)
-
-    @property
-    def peak_total(self) -> int:
-        """`total` of the rank that needs the most: under pipeline parallelism the pp rank with the most
-        activations (every rank holds as much state), else this rank's."""
-        acts = self.activations
-        if acts is None or not acts.per_pp_rank:
-            return self.total
-        return self.device_state + max(acts.per_pp_rank)
-
-
-def plan_memory(job: ResolvedJob, plan: "JobPlan", context: DistributedContext) -> MemoryPlan:
+def plan_memory(job: ResolvedJob, plan: JobPlan, context: DistributedContext) -> MemoryPlan:
     """Build this rank's stages on the meta device as the trainer will (refusing what it refuses),
     then estimate the memory of the whole model split by the plan's mesh.
 
@@ -242,7 +129,7 @@ def plan_memory(job: ResolvedJob, plan: "JobPlan", context: DistributedContext) 
 
 
 def _activations(
-    job: ResolvedJob, plan: "JobPlan", context: DistributedContext
+    job: ResolvedJob, plan: JobPlan, context: DistributedContext
 ) -> tuple[ActivationEstimate | None, str]:
     """The activation estimate, or None and why there is none."""
     sequence = plan.sequence

@@ -52,9 +52,9 @@ from d9d.mesh import (
     suspect_ranks,
 )
 from d9d.trainer.faults.injection import FaultInjection
-from d9d.trainer.job.load import LoadedJob, check_job_settings
+from d9d.trainer.job.load import LoadedJob
 from d9d.trainer.job.resolve import resolve_job
-from d9d.trainer.planning import plan_job
+from d9d.trainer.planning.job_plan import plan_job
 
 __all__ = ["PreflightCheck", "PreflightReport", "format_preflight", "run_preflight", "slow_ranks"]
 
@@ -133,7 +133,6 @@ def run_preflight(
 
         raise ConfigError(f"--threshold {threshold} is not between 0 and 1 (e.g. 0.25: 25% below the median)")
     env = os.environ if environ is None else environ
-    check_job_settings(loaded)
     job = resolve_job(loaded)  # imports the providers: their files count as the job's code
     tcfg = loaded.config.trainer
     with DistributedContext.from_env(
@@ -240,7 +239,7 @@ def config_hash(loaded: LoadedJob) -> str:
 
 def _probe_dir(loaded: LoadedJob) -> Path:
     """save_dir, or its nearest existing parent (the file system it will be created on)."""
-    path = loaded.resolve_path(loaded.config.trainer.checkpointing.save_dir)
+    path = loaded.paths.run_dir.parent
     while not path.exists() and path != path.parent:
         path = path.parent
     return path
@@ -342,7 +341,7 @@ def _shared_check(facts: Sequence[_RankFacts], probe_dir: Path) -> PreflightChec
 
 def _room_check(loaded: LoadedJob, free: int, estimate: int) -> PreflightCheck:
     ccfg = loaded.config.trainer.checkpointing
-    run_dir = loaded.resolve_path(ccfg.save_dir) / loaded.config.trainer.run.name
+    run_dir = loaded.paths.run_dir
     found = list_checkpoints(run_dir)
     copies = ccfg.num_to_keep + 1 + (ccfg.keep_best.count if ccfg.keep_best is not None else 0)
     if found:

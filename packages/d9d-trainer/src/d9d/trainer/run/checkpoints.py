@@ -19,8 +19,8 @@ from d9d.trainer.build.starting_weights import StartingWeights
 from d9d.trainer.config import EVAL_METRICS, OptimizerConfig, ProvidersConfig
 from d9d.trainer.errors import TrainingError
 from d9d.trainer.job.resolve import ResolvedJob
+from d9d.trainer.results import EvalResult
 from d9d.trainer.run.early_stopping import EarlyStopping
-from d9d.trainer.run.evaluation import EvalResult
 
 __all__ = ["RunCheckpoints", "config_changes", "optimizer_change"]
 

@@ -27,14 +27,15 @@ from torch.utils.data import default_collate
 from d9d.mesh import DistributedContext
 from d9d.parallel import check_sequence_length, precision_autocast
 from d9d.trainer.config import EvalConfig
-from d9d.trainer.errors import TrainingError
-from d9d.trainer.job.load import ConfigError
+from d9d.trainer.errors import ConfigError, TrainingError
 from d9d.trainer.job.resolve import ResolvedJob
 from d9d.trainer.planning.job_plan import EVAL_LENGTH
-from d9d.trainer.providers import BuildDatasetContext, LossContext, Task
-from d9d.trainer.step import StepSettings
+from d9d.trainer.providers.data import BuildDatasetContext
+from d9d.trainer.providers.task import LossContext, Task
+from d9d.trainer.results import EvalResult
+from d9d.trainer.step.base import StepSettings
 
-__all__ = ["EvalResult", "EvalSet", "Evaluator", "eval_microbatches", "load_eval_set"]
+__all__ = ["EvalSet", "Evaluator", "eval_microbatches", "load_eval_set"]
 
 
 def eval_microbatches(
@@ -122,29 +123,6 @@ def load_eval_set(job: ResolvedJob, ctx: DistributedContext) -> EvalSet | None:
 def _data_microbatch_size(data: dict[str, Any]) -> int:
     value = data.get("microbatch_size", 1)
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else 1
-
-
-@dataclass(frozen=True)
-class EvalResult:
-    """One eval's numbers, the same on every rank.
-
-    Attributes:
-        step: the optimizer step after which it ran.
-        loss: mean token loss over the evaluated set (sum of token losses / tokens).
-        perplexity: exp(loss) (inf where that overflows).
-        tokens: labelled tokens evaluated.
-        wall_s: how long it took.
-    """
-
-    step: int
-    loss: float
-    perplexity: float
-    tokens: float
-    wall_s: float
-
-    def record(self) -> dict[str, float]:
-        """The keys it adds to its step's `metrics.jsonl` record."""
-        return {"eval_loss": self.loss, "eval_perplexity": self.perplexity, "eval_tokens": self.tokens}
 
 
 class Evaluator:

@@ -4,16 +4,3 @@
 hands them to a pipeline schedule. Both keep the loss, the gradient norm and the token weight on the
 device and make one host sync per step (the non-finite check), so the loop decides when to read them.
 """
-
-from d9d.trainer.step.base import StepOutput, StepSettings, TrainStep, token_group
-from d9d.trainer.step.microbatches import MicrobatchStep
-from d9d.trainer.step.pipeline import PipelineStep
-
-__all__ = [
-    "MicrobatchStep",
-    "PipelineStep",
-    "StepOutput",
-    "StepSettings",
-    "TrainStep",
-    "token_group",
-]

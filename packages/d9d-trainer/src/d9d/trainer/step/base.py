@@ -11,20 +11,11 @@ import torch.distributed as dist
 from torch import nn
 
 from d9d.mesh import get_logger
-from d9d.parallel import (
-    ContextParallel,
-    MixedPrecision,
-    clip_grad_norm_,
-    expert_load_summary,
-    expert_loads,
-    grad_norm,
-    moe_layers,
-    reduce_partial_grads,
-    update_expert_biases,
-)
+from d9d.parallel import ContextParallel, MixedPrecision, clip_grad_norm_, grad_norm, reduce_partial_grads
+from d9d.parallel.expert import expert_load_summary, expert_loads, moe_layers, update_expert_biases
 from d9d.trainer.errors import TrainingError
 from d9d.trainer.observe.timing import StepTimer
-from d9d.trainer.providers import Task
+from d9d.trainer.providers.task import Task
 
 __all__ = ["StepOutput", "StepSettings", "TrainStep", "token_group"]
 
@@ -43,7 +34,7 @@ class StepOutput:
         stop: some rank was asked to stop (a signal, a callback): every rank stops after this step.
         save: some rank's callback asked for a checkpoint: every rank saves after this step.
         expert_load: for a model with MoE layers, [min / mean, max / mean, std / mean] of the
-            step's tokens per expert, worst layer each (`d9d.parallel.expert_load_summary`); None
+            step's tokens per expert, worst layer each (`d9d.parallel.expert.expert_load_summary`); None
             without MoE.
         rank_busy: every rank's busy time of the step up to its sync (`StepSettings.busy_time`;
             index: global rank), float64 on the device, gathered in the step's sync; None on one

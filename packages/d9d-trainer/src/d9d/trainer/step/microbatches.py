@@ -5,8 +5,9 @@ from typing import Any
 
 import torch
 
-from d9d.parallel import moe_regularization_loss, precision_autocast, set_gradient_accumulation
-from d9d.trainer.providers import LossContext
+from d9d.parallel import precision_autocast, set_gradient_accumulation
+from d9d.parallel.expert import moe_regularization_loss
+from d9d.trainer.providers.task import LossContext
 from d9d.trainer.step.base import StepBase, StepOutput
 
 __all__ = ["MicrobatchStep"]

@@ -6,16 +6,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from d9d.parallel import Pipeline, PipelineLayout, autocast_forward
+from d9d.parallel import autocast_forward
+from d9d.parallel.pipeline import Pipeline, PipelineLayout
 from d9d.trainer.errors import TrainingError
-from d9d.trainer.providers import PipelineTask
+from d9d.trainer.providers.task import PipelineTask
 from d9d.trainer.step.base import StepBase, StepOutput, StepSettings
 
 __all__ = ["PipelineStep"]
 
 
 class PipelineStep(StepBase):
-    """Runs `d9d.parallel.Pipeline` over the microbatches; the last stage's loss is normalized by the
+    """Runs `d9d.parallel.pipeline.Pipeline` over the microbatches; the last stage's loss is normalized by the
     global batch's weight, as the plain step's."""
 
     def __init__(

@@ -18,7 +18,7 @@ import msgspec
 
 from d9d.data import DataConfigError, MixtureDataset, PreparedDataset
 from d9d.mesh import get_logger
-from d9d.trainer.providers import BuildDatasetContext, BuildDatasetResult
+from d9d.trainer.providers.data import BuildDatasetContext, BuildDatasetResult
 
 __all__ = ["MixtureSource", "PreparedDataConfig", "PreparedDataProvider"]
 

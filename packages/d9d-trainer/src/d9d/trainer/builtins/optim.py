@@ -1,105 +1,18 @@
-"""Built-in providers: causal-LM task, AdamW/SGD, warmup + cosine/linear/constant LR, AutoData."""
+"""The built-in optimizer (AdamW or SGD) and learning-rate schedule (warmup, then cosine, linear or constant)."""
 
 import math
 from collections.abc import Iterable
-from typing import Any
 
-import msgspec
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from d9d.data import (
-    IGNORE_INDEX,
-    AutoDataConfig,
-    AutoDataProvider,
-    DataProvider,
-    SFTDataset,
-    microbatches_per_rank,
-)
-from d9d.mesh import MeshConfig, get_logger
+from d9d.mesh import get_logger
 from d9d.trainer.config import LRSchedulerConfig, OptimizerConfig
-from d9d.trainer.errors import TrainingError
-from d9d.trainer.providers import (
-    Batching,
-    BuildDataProviderContext,
-    LossContext,
-    LossResult,
-    OptimizerStates,
-)
+from d9d.trainer.providers.optim import OptimizerStates
+
+__all__ = ["BuiltinLRSchedulerProvider", "BuiltinOptimizerProvider", "lr_multiplier", "optimizer_kernels"]
 
 _log = get_logger("d9d.trainer")
-
-__all__ = [
-    "AutoDataProviderFactory",
-    "BuiltinLRSchedulerProvider",
-    "BuiltinOptimizerProvider",
-    "CausalLMTask",
-    "lr_multiplier",
-    "optimizer_kernels",
-]
-
-
-#: Keys of a packed batch that the model takes besides `input_ids` (positions restart per document).
-_PACKED_KEYS = ("position_ids", "document_ids")
-
-
-class CausalLMTask:
-    """Next-token prediction: `batch` is a mapping with `input_ids` and `labels` (already shifted).
-
-    The loss is the summed token cross-entropy; the weight is the number of labels that are not
-    `IGNORE_INDEX`, so the trainer's normalization makes it the mean over the global batch's tokens.
-    """
-
-    config_type = None
-
-    def __init__(self, config: Any = None) -> None:
-        del config
-
-    def batch_weight(self, batch: Any) -> torch.Tensor:
-        """Tokens that carry a label in this microbatch (a tensor: reading it would sync the host)."""
-        return (batch["labels"] != IGNORE_INDEX).sum()
-
-    def compute_loss(self, context: LossContext) -> LossResult:
-        """Forward `input_ids` and sum the cross-entropy over every labelled token.
-
-        Packed documents (a batch with `position_ids` and `document_ids`, e.g. d9d.data's
-        `document_masking` or a packed `SFTDataset`) pass them to the model as keyword arguments, so
-        attention stays within each document and positions restart per document.
-        """
-        batch = context.batch
-        input_ids = batch["input_ids"].to(context.device, non_blocking=True)
-        labels = batch["labels"].to(context.device, non_blocking=True)
-        packed = {
-            key: batch[key].to(context.device, non_blocking=True) for key in _PACKED_KEYS if key in batch
-        }
-        return self.pipeline_loss(context.model(input_ids, **packed), labels)
-
-    def pipeline_inputs(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Under pipeline parallelism: the first stage gets `input_ids`, the loss gets `labels`.
-
-        Raises:
-            TrainingError: the batch holds packed documents (`document_ids`), which the pipeline's
-                stages do not receive yet.
-        """
-        if "document_ids" in batch:
-            raise TrainingError(
-                "packed documents (document_ids) with mesh.pipeline_parallel > 1 are not supported yet: "
-                "the stages would attend across documents; turn off the dataset's document masking or "
-                "set mesh.pipeline_parallel: 1"
-            )
-        return batch["input_ids"], batch["labels"]
-
-    def pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> LossResult:
-        """Summed cross-entropy of `logits` against `labels` (labels equal to IGNORE_INDEX skipped)."""
-        labels = labels.to(logits.device)
-        loss = F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]).float(),
-            labels.reshape(-1),
-            ignore_index=IGNORE_INDEX,
-            reduction="sum",
-        )
-        return LossResult(loss_sum=loss, weight=(labels != IGNORE_INDEX).sum())
 
 
 class BuiltinOptimizerProvider:
@@ -236,53 +149,3 @@ class BuiltinLRSchedulerProvider:
                 decay_ratio=c.decay_ratio,
             ),
         )
-
-
-class AutoDataProviderFactory:
-    """Builds `d9d.data.AutoDataProvider` over the dataset provider's dataset (`data:` section)."""
-
-    config_type = AutoDataConfig
-
-    def __init__(self, config: AutoDataConfig) -> None:
-        self._config = config
-
-    def batching(self, mesh: MeshConfig) -> Batching:
-        """`global_batch_size` over dp ranks × microbatches of `microbatch_size` (checked to divide).
-
-        Raises:
-            BatchSizeError: the global batch does not split into dp × microbatch_size.
-        """
-        c = self._config
-        n = microbatches_per_rank(c.global_batch_size, c.microbatch_size, mesh.data_parallel)
-        return Batching(
-            global_batch_size=c.global_batch_size,
-            microbatch_size=c.microbatch_size,
-            microbatches_per_step=n,
-            data_parallel=mesh.data_parallel,
-        )
-
-    def build_data_provider(self, context: BuildDataProviderContext) -> DataProvider[Any]:
-        """A fixed-global-batch provider sharded over the mesh's data-parallel ranks."""
-        if context.dataset is None:
-            raise ValueError("providers.dataset is required with the built-in AutoDataProvider")
-        _log_dataset(context.dataset.dataset, context.context.is_main_process)
-        return AutoDataProvider(
-            self._config,
-            context.dataset.dataset,
-            context.dataset.collate_fn,
-            context=context.context,
-            pipeline_stages=context.pipeline_stages,
-        )
-
-
-def _log_dataset(dataset: Any, main_process: bool) -> None:
-    """One line on rank 0 for an `SFTDataset`, which reports what building it did (`SFTDataset.stats`):
-    records kept, truncated and dropped, and how full its (packed) rows are."""
-    if not main_process or not isinstance(dataset, SFTDataset):
-        return
-    _log.info(
-        "sft data",
-        rows=len(dataset),
-        packing_efficiency=round(dataset.packing_efficiency, 4),  # real tokens / token slots
-        **msgspec.structs.asdict(dataset.stats),
-    )

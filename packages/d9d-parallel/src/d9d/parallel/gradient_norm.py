@@ -36,7 +36,7 @@ _TIED_COPIES: dict[int, "weakref.ref[torch.Tensor]"] = {}
 def register_tied_copy(param: torch.Tensor) -> None:
     """Leave `param` out of `grad_norm`: its gradient equals that of a parameter counted elsewhere.
 
-    `d9d.parallel.Pipeline` registers the copies of a tied parameter it keeps in sync.
+    `d9d.parallel.pipeline.Pipeline` registers the copies of a tied parameter it keeps in sync.
     """
     key = id(param)
     _TIED_COPIES[key] = weakref.ref(param, lambda _: _TIED_COPIES.pop(key, None))

@@ -1,0 +1,2 @@
+"""The built-in providers, named in a config like a user's own (`d9d.trainer:CausalLMTask`): the causal-LM
+task, AdamW/SGD with warmup and cosine/linear/constant schedules, AutoDataProvider, prepared data."""

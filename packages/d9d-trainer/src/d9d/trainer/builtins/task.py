@@ -1,0 +1,74 @@
+"""The built-in task: next-token prediction (`d9d.trainer:CausalLMTask`), packed documents included."""
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from d9d.data import IGNORE_INDEX
+from d9d.trainer.errors import TrainingError
+from d9d.trainer.providers.task import LossContext, LossResult
+
+__all__ = ["CausalLMTask"]
+
+
+#: Keys of a packed batch that the model takes besides `input_ids` (positions restart per document).
+_PACKED_KEYS = ("position_ids", "document_ids")
+
+
+class CausalLMTask:
+    """Next-token prediction: `batch` is a mapping with `input_ids` and `labels` (already shifted).
+
+    The loss is the summed token cross-entropy; the weight is the number of labels that are not
+    `IGNORE_INDEX`, so the trainer's normalization makes it the mean over the global batch's tokens.
+    """
+
+    config_type = None
+
+    def __init__(self, config: Any = None) -> None:
+        del config
+
+    def batch_weight(self, batch: Any) -> torch.Tensor:
+        """Tokens that carry a label in this microbatch (a tensor: reading it would sync the host)."""
+        return (batch["labels"] != IGNORE_INDEX).sum()
+
+    def compute_loss(self, context: LossContext) -> LossResult:
+        """Forward `input_ids` and sum the cross-entropy over every labelled token.
+
+        Packed documents (a batch with `position_ids` and `document_ids`, e.g. d9d.data's
+        `document_masking` or a packed `SFTDataset`) pass them to the model as keyword arguments, so
+        attention stays within each document and positions restart per document.
+        """
+        batch = context.batch
+        input_ids = batch["input_ids"].to(context.device, non_blocking=True)
+        labels = batch["labels"].to(context.device, non_blocking=True)
+        packed = {
+            key: batch[key].to(context.device, non_blocking=True) for key in _PACKED_KEYS if key in batch
+        }
+        return self.pipeline_loss(context.model(input_ids, **packed), labels)
+
+    def pipeline_inputs(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Under pipeline parallelism: the first stage gets `input_ids`, the loss gets `labels`.
+
+        Raises:
+            TrainingError: the batch holds packed documents (`document_ids`), which the pipeline's
+                stages do not receive yet.
+        """
+        if "document_ids" in batch:
+            raise TrainingError(
+                "packed documents (document_ids) with mesh.pipeline_parallel > 1 are not supported yet: "
+                "the stages would attend across documents; turn off the dataset's document masking or "
+                "set mesh.pipeline_parallel: 1"
+            )
+        return batch["input_ids"], batch["labels"]
+
+    def pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> LossResult:
+        """Summed cross-entropy of `logits` against `labels` (labels equal to IGNORE_INDEX skipped)."""
+        labels = labels.to(logits.device)
+        loss = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(),
+            labels.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
+        return LossResult(loss_sum=loss, weight=(labels != IGNORE_INDEX).sum())
