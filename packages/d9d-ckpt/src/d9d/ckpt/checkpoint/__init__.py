@@ -42,7 +42,8 @@ if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports t
         read_checkpoint_info,
         uncommitted_step_dirs,
     )
-    from d9d.ckpt.checkpoint.manager import CheckpointManager, LoadedCheckpoint
+    from d9d.ckpt.checkpoint.load import LoadedCheckpoint
+    from d9d.ckpt.checkpoint.manager import CheckpointManager
     from d9d.ckpt.checkpoint.rng import capture_rng_state, restore_rng_state
 
 #: Module → the public names it defines (the run-time twin of the imports above; a test keeps them equal).
@@ -70,7 +71,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "read_checkpoint_info",
         "uncommitted_step_dirs",
     ),
-    "manager": ("CheckpointManager", "LoadedCheckpoint"),
+    "load": ("LoadedCheckpoint",),
+    "manager": ("CheckpointManager",),
     "rng": ("capture_rng_state", "restore_rng_state"),
 }
 _MODULE_OF, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())  # PEP 562
