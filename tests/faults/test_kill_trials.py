@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from faults._harness import STEPS, committed_steps, job_args, losses, start_job, step_dirs, wait_for
 
-from d9d.ckpt.checkpoint.manager import PAUSE_BEFORE_COMMIT_ENV, PAUSE_IN_PRUNE_ENV
+from d9d.ckpt.checkpoint._testhooks import PAUSE_BEFORE_COMMIT_ENV, PAUSE_IN_PRUNE_ENV
 
 pytestmark = pytest.mark.slow
 

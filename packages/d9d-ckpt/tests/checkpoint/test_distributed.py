@@ -12,7 +12,7 @@ import torch
 from _ckpt_testlib import adamw, eval_loss, full_params, sharded_job, tiny_model, train_step
 
 from d9d.ckpt import CheckpointError, CheckpointManager, capture_rng_state
-from d9d.ckpt.checkpoint.manager import PAUSE_BEFORE_COMMIT_ENV
+from d9d.ckpt.checkpoint._testhooks import PAUSE_BEFORE_COMMIT_ENV
 from d9d.mesh import MeshConfig
 from d9d.mesh.testing import DistributedTestError, run_distributed
 

@@ -19,7 +19,7 @@ from d9d.ckpt import (
     read_checkpoint_info,
     verify_checkpoint,
 )
-from d9d.ckpt.checkpoint import manager as manager_module
+from d9d.ckpt.checkpoint import commit as commit_module
 from d9d.ckpt.checkpoint import storage
 from d9d.ckpt.checkpoint.layout import COMMIT_FILE, list_checkpoints, stale_dirs
 
@@ -188,7 +188,7 @@ def test_disk_full_in_any_layer_is_named_and_nothing_is_committed(tmp_path, monk
     manager = CheckpointManager(tmp_path, "run", async_save=layer == "async_writer")
     manager.save(2, model)
     manager.wait()
-    write_durable = manager_module.write_durable
+    write_durable = commit_module.write_durable
 
     def durable(path, data):  # type: ignore[no-untyped-def]
         name = {"extra_state": "extra.msgpack", "commit_record": COMMIT_FILE}.get(layer)
@@ -196,7 +196,7 @@ def test_disk_full_in_any_layer_is_named_and_nothing_is_committed(tmp_path, monk
             raise _no_space(path)
         write_durable(path, data)
 
-    monkeypatch.setattr(manager_module, "write_durable", durable)
+    monkeypatch.setattr(commit_module, "write_durable", durable)
     if layer == "async_writer":
         from torch.distributed.checkpoint import filesystem
 

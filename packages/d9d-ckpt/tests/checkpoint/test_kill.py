@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from d9d.ckpt import CheckpointManager
+from d9d.ckpt.checkpoint._testhooks import PAUSE_BEFORE_COMMIT_ENV, PAUSE_IN_PRUNE_ENV
 from d9d.ckpt.checkpoint.layout import list_checkpoints, stale_dirs
-from d9d.ckpt.checkpoint.manager import PAUSE_BEFORE_COMMIT_ENV, PAUSE_IN_PRUNE_ENV
 
 _TEMP_DIR = re.compile(r"\.save-(\d+)\.tmp-[0-9a-f]+")
 _SIZE = 1536  # one 9 MB weight + AdamW state: each save writes ~28 MB, long enough to be caught mid-way

@@ -36,7 +36,8 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
         read_checkpoint_info,
         uncommitted_step_dirs,
     )
-    from d9d.ckpt.checkpoint.manager import CheckpointManager, LoadedCheckpoint
+    from d9d.ckpt.checkpoint.load import LoadedCheckpoint
+    from d9d.ckpt.checkpoint.manager import CheckpointManager
     from d9d.ckpt.checkpoint.rng import capture_rng_state, restore_rng_state
     from d9d.ckpt.io._errors import SafetensorsIOError
     from d9d.ckpt.io._fingerprint import safetensors_fingerprint

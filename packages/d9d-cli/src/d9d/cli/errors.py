@@ -15,7 +15,6 @@ from typing import Any, ParamSpec, TypeVar
 
 import click
 
-
 __all__ = ["EXIT_ERROR", "CliError", "reports_errors"]
 
 #: Exit status of every reported error (click's usage errors use 2 as well).

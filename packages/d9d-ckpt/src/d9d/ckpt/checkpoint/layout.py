@@ -35,6 +35,7 @@ __all__ = [
     "step_dir_name",
     "temp_dir_name",
     "trash_dir_name",
+    "uncommitted_message",
     "uncommitted_step_dirs",
 ]
 
@@ -227,3 +228,13 @@ def recovery_hint(checkpoint_dir: Path) -> str:
     if earlier:
         return f"move {name} aside to resume from {earlier[-1].path.name}"
     return f"move {name} aside to start the run afresh (it has no earlier committed checkpoint)"
+
+
+def uncommitted_message(run_dir: Path, damaged: list[Path]) -> str:
+    """Why `uncommitted_step_dirs` of `run_dir` stop a save or a resume, and how to get past them."""
+    names = ", ".join(str(path) for path in damaged)
+    return (
+        f"{names}: no valid {COMMIT_FILE}, so a damaged checkpoint or one not written by d9d; it is neither "
+        f"loaded nor replaced. Move it out of {run_dir} ({recovery_hint(damaged[0])}), or use another "
+        "trainer.run.name"
+    )

@@ -23,7 +23,7 @@ from d9d.ckpt.checkpoint.best import KeepBest, best_checkpoints
 from d9d.ckpt.checkpoint.layout import CheckpointInfo, list_checkpoints, stale_dirs, trash_dir_name
 from d9d.mesh import get_logger
 
-__all__ = ["Retention", "excess_checkpoints", "prune"]
+__all__ = ["Retention", "excess_checkpoints", "prune", "remove_leftovers"]
 
 _log = get_logger("d9d.ckpt")
 
@@ -63,9 +63,17 @@ def prune(
         pause_for_test(PAUSE_IN_PRUNE_ENV, step)
         remove(trash)
         _log.info("checkpoint removed", step=info.step, kept=num_to_keep)
+    remove_leftovers(run_dir)
+
+
+def remove_leftovers(run_dir: Path) -> list[Path]:
+    """Delete what crashed saves and deletions left in `run_dir`; the paths removed."""
+    removed = []
     for leftover in stale_dirs(run_dir):
         remove(leftover)
+        removed.append(leftover)
         _log.info("removed leftover of an unfinished save", path=str(leftover))
+    return removed
 
 
 class Retention:

@@ -4,6 +4,7 @@ import json
 import os
 import stat
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import safetensors.torch
@@ -20,7 +21,7 @@ from d9d.ckpt.io._layout import (
     shard_file_name,
 )
 from d9d.ckpt.io._state import as_state, barrier, is_writer, meta_like, resolve_mapper
-from d9d.ckpt.mapper._base import StateMapper
+from d9d.ckpt.mapper._base import MappingGroup, StateMapper
 from d9d.ckpt.mapper._check import OnUnused, check_mapper
 
 __all__ = ["save_safetensors"]
@@ -66,9 +67,48 @@ def save_safetensors(
         SafetensorsIOError: ranks hold one key with other shapes or dtypes.
         MappingError: the mapper does not fit the keys of all ranks together.
     """
-    state = as_state(source)
-    gather = WriterGather(state)  # every rank's keys, shapes and dtypes, in one order
-    layout = gather.layout
+    gather = WriterGather(as_state(source))  # every rank's keys, shapes and dtypes, in one order
+    plan = _plan_files(gather.layout, mapper, max_shard_size, unused)
+    writer = is_writer()
+    target = Path(directory)
+    file_mode = _prepare_directory(target) if writer else 0
+    header = {"format": "pt", **(metadata or {})}
+    for name, shard in zip(plan.names, plan.shards, strict=True):
+        _write_file(gather, plan, shard, target / name, header, file_mode, writer)
+    if writer and len(plan.shards) > 1:
+        document = json.dumps(index_document(plan.weight_map, sum(plan.group_sizes)), indent=2) + "\n"
+        (target / INDEX_FILE).write_text(document)
+    barrier()
+    return plan.weight_map
+
+
+@dataclass(frozen=True)
+class _FilePlan:
+    """Which groups of the mapper go into which file: the same on every rank.
+
+    Attributes:
+        groups: the mapper's groups that write something, in file order.
+        group_sizes: the bytes of each group's outputs.
+        shards: per file, the indices of its groups.
+        names: per file, its name.
+        weight_map: file key → file name.
+    """
+
+    mapper: StateMapper
+    groups: list[MappingGroup]
+    group_sizes: list[int]
+    shards: list[list[int]]
+    names: list[str]
+    weight_map: dict[str, str]
+
+
+def _plan_files(
+    layout: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+    mapper: StateMapper | None,
+    max_shard_size: int | str,
+    unused: OnUnused,
+) -> _FilePlan:
+    """Check the mapper against every rank's keys and split its groups into files of `max_shard_size`."""
     mapper = resolve_mapper(mapper, list(layout))
     check_mapper(mapper, layout.keys(), unused=unused, source="the state to save")
     groups = [g for g in mapper.groups() if g.outputs]  # a group that writes nothing needs no gather
@@ -81,35 +121,38 @@ def save_safetensors(
     weight_map = {
         key: names[s] for s, shard in enumerate(shards) for gi in shard for key in groups[gi].outputs
     }
+    return _FilePlan(mapper, groups, group_sizes, shards, names, weight_map)
 
-    writer = is_writer()
-    target = Path(directory)
-    file_mode = 0
-    if writer:
-        target.mkdir(parents=True, exist_ok=True)
-        for old in target.iterdir():
-            if is_layout_file(old.name):
-                old.unlink()
-        file_mode = _new_file_mode(target)
-    header = {"format": "pt", **(metadata or {})}
-    for name, shard in zip(names, shards, strict=True):
-        tensors: dict[str, torch.Tensor] = {}
-        for gi in shard:
-            group = groups[gi]
-            inputs = {k: gather.full(k) for k in sorted(group.inputs)}
-            if writer:
-                tensors.update(mapper.apply(inputs))
-            del inputs
+
+def _prepare_directory(target: Path) -> int:
+    """Create `target`, remove the files of an earlier export there; the mode new files get."""
+    target.mkdir(parents=True, exist_ok=True)
+    for old in target.iterdir():
+        if is_layout_file(old.name):
+            old.unlink()
+    return _new_file_mode(target)
+
+
+def _write_file(
+    gather: WriterGather,
+    plan: _FilePlan,
+    shard: list[int],
+    path: Path,
+    header: dict[str, str],
+    file_mode: int,
+    writer: bool,
+) -> None:
+    """Gather and map the groups of one file (every rank), and write it (the writer alone)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for gi in shard:
+        group = plan.groups[gi]
+        inputs = {k: gather.full(k) for k in sorted(group.inputs)}
         if writer:
-            safetensors.torch.save_file(_owning(tensors), target / name, metadata=header)
-            os.chmod(target / name, file_mode)  # safetensors writes through a private (0o600) temp file
-        del tensors
-    if writer and len(shards) > 1:
-        total = sum(group_sizes)
-        document = json.dumps(index_document(weight_map, total), indent=2) + "\n"
-        (target / INDEX_FILE).write_text(document)
-    barrier()
-    return weight_map
+            tensors.update(plan.mapper.apply(inputs))
+        del inputs  # the next group's gather must not hold this one's full tensors too
+    if writer:
+        safetensors.torch.save_file(_owning(tensors), path, metadata=header)
+        os.chmod(path, file_mode)  # safetensors writes through a private (0o600) temp file
 
 
 def _new_file_mode(directory: Path) -> int:
