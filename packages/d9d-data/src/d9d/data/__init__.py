@@ -11,7 +11,7 @@ rank computes the sample at any position in O(1) memory), and `state_dict()` /
 `load_state_dict()` resume with exactly the next global batch, also on another number of ranks.
 """
 
-from d9d.data.auto import AutoDataProvider, MapDataset, PipelineStages
+from d9d.data.auto import AutoDataProvider, MapDataset
 from d9d.data.batching import (
     advance_position,
     batch_size_choices,
@@ -48,7 +48,7 @@ from d9d.data.packing import (
     eos_document_ids,
     pack_lengths,
 )
-from d9d.data.placement import DataPlacement
+from d9d.data.placement import DataPlacement, PipelineStages
 from d9d.data.prepare import PreparedIndex, PreparedShard, prepare_dataset, read_index
 from d9d.data.protocol import (
     DataProvider,
