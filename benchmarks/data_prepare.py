@@ -189,7 +189,7 @@ def _prepare(src: Path, out: Path, workers: int, tokenizer: Path) -> tuple[float
 
 def _synthetic_prepared(folder: Path, tokens: int, doc_tokens: int = 2000, shard: int = 50_000_000) -> None:
     """A prepared folder of `tokens` random ids (vocab 8,000) with an EOS every ~`doc_tokens`."""
-    from d9d.data.prepare import INDEX_FILE, PreparedIndex, PreparedShard
+    from d9d.data.prepare.index import INDEX_FILE, PreparedIndex, PreparedShard
 
     folder.mkdir(parents=True)
     rng = np.random.default_rng(1)

@@ -108,17 +108,18 @@ def test_a_finished_prepare_run_again_returns_at_once_and_another_corpus_there_i
 _KILLED_PREPARE = """
 import sys, time
 from pathlib import Path
-import d9d.data.prepare as prepare
+import d9d.data.prepare.pool as pool
+from d9d.data import prepare_dataset
 
-real = prepare._tokenize_shard
+real = pool.tokenize_shard
 def slow(job, tok, out):
     shard = real(job, tok, out)
     if job.index >= 1:  # shard 1 is written (renamed) but its worker never returns: killed here
         print("stalled", flush=True)
         time.sleep(120)
     return shard
-prepare._tokenize_shard = slow
-prepare.prepare_dataset(sys.argv[1], sys.argv[2], progress=False)
+pool.tokenize_shard = slow
+prepare_dataset(sys.argv[1], sys.argv[2], progress=False)
 """
 
 
@@ -338,7 +339,7 @@ def test_a_hugging_face_tokenizer_folder_encodes_in_batches_exactly_as_one_docum
 
 def test_a_disk_that_fills_stops_the_prepare_in_one_line_keeping_what_finished(tmp_path, monkeypatch):
     """The kernel's own ENOSPC: the second shard's temporary file is /dev/full."""
-    import d9d.data.prepare as prepare
+    import d9d.data.prepare.writer as writer
 
     if not Path("/dev/full").exists():
         pytest.skip("no /dev/full on this system")
@@ -348,7 +349,7 @@ def test_a_disk_that_fills_stops_the_prepare_in_one_line_keeping_what_finished(t
     (src / "b.txt").write_text("second source. " * 50, encoding="utf-8")
     out = tmp_path / "out"
     out.mkdir()
-    monkeypatch.setattr(prepare, "_remove_temporaries", lambda out: None)  # keep the planted file
+    monkeypatch.setattr(writer, "remove_temporaries", lambda out: None)  # keep the planted file
     (out / f".shard-00001.bin.tmp-{os.getpid()}").symlink_to("/dev/full")
     with pytest.raises(DatasetError) as caught:
         prepare_dataset(src, out, progress=False)

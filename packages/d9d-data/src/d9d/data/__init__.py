@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from d9d.mesh.lazy import lazy_face
 
 if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
-    from d9d.data.auto import AutoDataProvider, MapDataset, PipelineStages
+    from d9d.data.auto import AutoDataProvider, MapDataset
     from d9d.data.batching import (
         advance_position,
         batch_size_choices,
@@ -53,8 +53,9 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
         eos_document_ids,
         pack_lengths,
     )
-    from d9d.data.placement import DataPlacement
-    from d9d.data.prepare import PreparedIndex, PreparedShard, prepare_dataset, read_index
+    from d9d.data.placement import DataPlacement, PipelineStages
+    from d9d.data.prepare.dataset import prepare_dataset
+    from d9d.data.prepare.index import PreparedIndex, PreparedShard, read_index
     from d9d.data.protocol import (
         DataProvider,
         DeclaresDocumentMasking,

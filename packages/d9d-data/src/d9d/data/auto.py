@@ -15,9 +15,9 @@ e·len + p; no shuffling, no samples skipped or refilled at an epoch's end), the
 `stream_state` goes into the data state, and the stream may end (`steps_left`).
 """
 
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
-from typing import Any, Generic, Literal, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -34,19 +34,17 @@ from d9d.data.batching import (
 )
 from d9d.data.config import AutoDataConfig
 from d9d.data.device import pin_memory_enabled
-from d9d.data.errors import DataConfigError, DatasetError, DataStateError
+from d9d.data.errors import DatasetError, DataStateError
+from d9d.data.loader import MicrobatchIndices, make_loader
 from d9d.data.order import EpochOrder, epoch_order
-from d9d.data.placement import DataPlacement
+from d9d.data.placement import DataPlacement, PipelineStages, pipeline_ranks
 from d9d.data.protocol import DeclaresSources, OrdersItself
 from d9d.mesh import DistributedContext
 
-__all__ = ["AutoDataProvider", "MapDataset", "PipelineStages"]
+__all__ = ["AutoDataProvider", "MapDataset"]
 
 BatchT = TypeVar("BatchT")
 SampleT_co = TypeVar("SampleT_co", covariant=True)
-
-#: Which pipeline ranks load data: every one, the first, the last, first and last, or explicit ranks.
-PipelineStages = Literal["all", "first", "last", "first_and_last"] | Collection[int]
 
 # 2: the order is the Feistel bijection of d9d.data.order; 1 was a materialized numpy permutation.
 _STATE_VERSION = 2
@@ -117,8 +115,9 @@ class AutoDataProvider(Generic[BatchT]):
         self._placement = placement
         self._num_samples = len(dataset)
         check_dataset_size(self._num_samples, config.global_batch_size)
-        self._loads_data = placement.pp_rank in _pipeline_ranks(pipeline_stages, placement.pp_size)
+        self._loads_data = placement.pp_rank in pipeline_ranks(pipeline_stages, placement.pp_size)
         self._microbatches = config.global_batch_size // (placement.dp_size * config.microbatch_size)
+        self._rank_slice = rank_slice(config.global_batch_size, placement.dp_size, placement.dp_rank)
         self._device = torch.device(device) if device is not None else None
         self._pin_memory = pin_memory_enabled(config.pin_memory, self._device)
         self._epoch = 0
@@ -211,7 +210,7 @@ class AutoDataProvider(Generic[BatchT]):
 
     def sample_indices(self, epoch: int, position: int) -> np.ndarray:
         """Dataset indices this rank loads for the step that starts at (epoch, position)."""
-        lo, hi = rank_slice(self._config.global_batch_size, self._placement.dp_size, self._placement.dp_rank)
+        lo, hi = self._rank_slice
         if self._stream is not None:
             return epoch * self._num_samples + position + np.arange(lo, hi, dtype=np.int64)
         return step_sample_indices(self.order(epoch), position, lo, hi)
@@ -260,23 +259,18 @@ class AutoDataProvider(Generic[BatchT]):
         return step
 
     def _make_loader(self) -> DataLoader[Any]:
-        config = self._config
-        sampler = _MicrobatchIndices(self, self.epoch, self.position)
-        workers = config.num_workers
-        return DataLoader(
-            self._dataset,  # type: ignore[arg-type]
-            batch_sampler=sampler,
-            collate_fn=self._collate_fn,
-            num_workers=workers,
-            pin_memory=self._pin_memory,
-            prefetch_factor=config.prefetch if workers > 0 else None,
-            worker_init_fn=_init_worker if workers > 0 else None,
-            # Its own generator: a loader draws a base seed when an iterator starts, which from the
-            # global one would move the training randomness (dropout) by where the iterator started
-            # (a resumed run starts it after restoring the RNG state, the first run before step 1).
-            # Seeded by where it starts, so workers' seeds follow the data position, not the restarts.
-            generator=torch.Generator().manual_seed(_loader_seed(config.seed, self.epoch, self.position)),
+        stream = self._stream
+        indices = MicrobatchIndices(
+            self._config,
+            self._num_samples,
+            self._rank_slice,
+            epoch=self.epoch,
+            position=self.position,
+            shuffle=self.shuffle,
+            streamed=stream is not None,
+            stream_end=None if stream is None else stream.stream_end,
         )
+        return make_loader(self._dataset, indices, self._collate_fn, pin_memory=self._pin_memory)
 
     def close(self) -> None:
         """Stop loader workers and drop prefetched batches; iteration may continue afterwards."""
@@ -422,82 +416,3 @@ def _check_version(version: object) -> None:
         f"the saved data state has version {version!r}, but this d9d-data reads version {_STATE_VERSION}; "
         "resume with the d9d-data version that wrote the checkpoint"
     )
-
-
-class _MicrobatchIndices:
-    """The endless stream of one rank's microbatch index lists, from a given (epoch, position)."""
-
-    def __init__(self, provider: AutoDataProvider[Any], epoch: int, position: int) -> None:
-        config = provider.config
-        self._num_samples = provider.num_samples
-        self._config = config
-        self._shuffle = provider.shuffle
-        stream = provider._stream
-        self._stream_end = None if stream is None else stream.stream_end
-        self._streamed = stream is not None
-        self._slice = rank_slice(
-            config.global_batch_size, provider.placement.dp_size, provider.placement.dp_rank
-        )
-        self._epoch = epoch
-        self._position = position
-
-    def __iter__(self) -> Iterator[Sequence[int]]:
-        config = self._config
-        epoch, position = self._epoch, self._position
-        lo, hi = self._slice
-        mbs = config.microbatch_size
-        if self._streamed:  # one stream of indices, to its end if it has one
-            index, gbs, end = epoch * self._num_samples + position, config.global_batch_size, self._stream_end
-            while end is None or index + gbs <= end:
-                indices = list(range(index + lo, index + hi))
-                for start in range(0, hi - lo, mbs):
-                    yield indices[start : start + mbs]
-                index += gbs
-            return
-        order = epoch_order(self._num_samples, seed=config.seed, epoch=epoch, shuffle=self._shuffle)
-        while True:
-            if order.epoch != epoch:
-                order = epoch_order(self._num_samples, seed=config.seed, epoch=epoch, shuffle=self._shuffle)
-            indices = step_sample_indices(order, position, lo, hi).tolist()
-            for start in range(0, hi - lo, mbs):
-                yield indices[start : start + mbs]
-            epoch, position = advance_position(
-                epoch,
-                position,
-                num_samples=self._num_samples,
-                global_batch_size=config.global_batch_size,
-                drop_last=config.drop_last,
-            )
-
-
-def _pipeline_ranks(stages: PipelineStages, pp_size: int) -> frozenset[int]:
-    named = {
-        "all": range(pp_size),
-        "first": (0,),
-        "last": (pp_size - 1,),
-        "first_and_last": (0, pp_size - 1),
-    }
-    if isinstance(stages, str):
-        if stages not in named:
-            raise DataConfigError(
-                f"pipeline_stages={stages!r} is not one of {sorted(named)} or a collection of pp ranks"
-            )
-        return frozenset(named[stages])
-    ranks = frozenset(int(r) for r in stages)
-    bad = sorted(r for r in ranks if not 0 <= r < pp_size)
-    if not ranks or bad:
-        raise DataConfigError(
-            f"pipeline_stages={sorted(ranks)} must name at least one pipeline rank in 0..{pp_size - 1}"
-            + (f"; {bad} do not exist" if bad else "")
-        )
-    return ranks
-
-
-def _loader_seed(seed: int, epoch: int, position: int) -> int:
-    """The loader's base seed from (seed, epoch, position), the same in every process."""
-    return ((seed * 1_000_003 + epoch) * 1_000_003 + position) % (2**63)
-
-
-def _init_worker(_worker_id: int) -> None:
-    # Loader workers share the machine with the training process: one thread each.
-    torch.set_num_threads(1)

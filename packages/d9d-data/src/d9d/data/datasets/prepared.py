@@ -11,7 +11,7 @@ import numpy as np
 
 from d9d.data.datasets.packed import PackedTokens
 from d9d.data.errors import DatasetError
-from d9d.data.prepare import PreparedIndex, read_index
+from d9d.data.prepare.index import PreparedIndex, read_index
 
 __all__ = ["OPEN_SHARDS", "PreparedDataset"]
 

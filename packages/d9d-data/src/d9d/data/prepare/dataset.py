@@ -1,0 +1,141 @@
+"""`prepare_dataset`: one prepare, phase by phase: check the arguments, plan a shard per source, keep
+what an earlier prepare of the same sources finished, tokenize the rest, then commit the index."""
+
+import hashlib
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import msgspec
+
+from d9d.data.datasets.packed import token_dtype
+from d9d.data.datasets.tokenizer import Tokenizer, resolve_tokenizer
+from d9d.data.errors import DatasetError
+from d9d.data.prepare.index import FORMAT, PreparedIndex, PreparedShard
+from d9d.data.prepare.pool import run_jobs
+from d9d.data.prepare.progress import Progress, summary
+from d9d.data.prepare.sources import find_sources
+from d9d.data.prepare.writer import ShardJob, commit_index, existing_index, plan_jobs, record_shard, resume
+
+__all__ = ["prepare_dataset"]
+
+
+def prepare_dataset(
+    sources: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    out: str | os.PathLike[str],
+    *,
+    tokenizer: Tokenizer | str | os.PathLike[str] | None = None,
+    text_key: str = "text",
+    workers: int = 1,
+    dtype: str | None = None,
+    progress: bool = True,
+    stream: IO[str] | None = None,
+) -> PreparedIndex:
+    """Tokenize `sources` into the prepared folder `out` (see `d9d.data.prepare`) and return its index.
+
+    Args:
+        sources: files or folders (searched recursively for `SOURCE_SUFFIXES`), or a list of them.
+        out: the folder to write; it may hold a finished or an interrupted prepare of the same sources.
+        tokenizer: None for the built-in byte-level tokenizer, a tokenizer folder or tokenizer.json
+            path (needs the `chat` extra's `tokenizers`), or a `Tokenizer` (then `workers` must be 1
+            unless it can be pickled).
+        text_key: the field of a JSONL object or the Parquet column that holds a document's text.
+        workers: processes tokenizing shards at once.
+        dtype: "uint16" or "uint32"; by default the smallest that holds the vocabulary.
+        progress: show a progress line (bytes read, tokens/s, time left) on `stream` (default
+            stderr) while it runs, and a summary line at the end.
+
+    Raises:
+        DatasetError: a source is missing, unreadable, empty, not UTF-8 or lacks `text_key` (naming
+            the file and line or row); `out` holds a prepare of other sources or another tokenizer.
+    """
+    _check_arguments(workers, text_key)
+    files = find_sources(sources)
+    tok = _tokenizer_with_eos(tokenizer)
+    np_dtype = token_dtype(dtype, tok.vocab_size)
+    out = Path(out)
+    jobs = plan_jobs(files, text_key, np_dtype.name)
+    empty = _empty_index(tok, tokenizer, np_dtype.name, text_key)
+    finished = existing_index(out, jobs, empty.settings)
+    if finished is not None:
+        summary(stream, progress, finished, 0.0, reused=len(finished.shards))
+        return finished
+    done = resume(out, jobs, empty.settings)
+    pending = [job for job in jobs if job.index not in done]
+    bar = _progress(jobs, done, stream, enabled=progress)
+    start = time.monotonic()
+    try:
+        for job, shard in run_jobs(pending, tok, tokenizer, workers, out):
+            done[job.index] = shard
+            record_shard(out, job, shard, empty.settings)
+            bar.advance(job.source_bytes, shard.tokens)
+    finally:
+        bar.close()
+    index = msgspec.structs.replace(empty, shards=[done[job.index] for job in jobs])
+    commit_index(out, index)
+    summary(stream, progress, index, time.monotonic() - start, reused=len(jobs) - len(pending))
+    return index
+
+
+def _check_arguments(workers: int, text_key: str) -> None:
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise DatasetError(f"workers must be an integer >= 1, got {workers!r}")
+    if not isinstance(text_key, str) or not text_key:
+        raise DatasetError(f"text_key must be a non-empty string, got {text_key!r}")
+
+
+def _tokenizer_with_eos(spec: Tokenizer | str | os.PathLike[str] | None) -> Tokenizer:
+    """The tokenizer `spec` names, refused without the end-of-document token every document ends with."""
+    tok = resolve_tokenizer(spec)
+    if tok.eos_id is None:
+        raise DatasetError(
+            f"the tokenizer {tok.name} has no end-of-document token, which a prepared dataset puts after "
+            "every document; use a tokenizer with an eos_token (tokenizer_config.json)"
+        )
+    return tok
+
+
+def _empty_index(tok: Tokenizer, spec: Any, dtype: str, text_key: str) -> PreparedIndex:
+    """The index of this prepare before it has shards: its settings, which finished shards must share."""
+    assert tok.eos_id is not None  # _tokenizer_with_eos refused a tokenizer without one
+    return PreparedIndex(
+        format=FORMAT,
+        dtype=dtype,
+        tokenizer=tok.name,
+        vocab_size=tok.vocab_size,
+        eos_id=tok.eos_id,
+        text_key=text_key,
+        shards=[],
+        tokenizer_sha256=_tokenizer_sha256(spec),
+    )
+
+
+def _progress(
+    jobs: list[ShardJob], done: dict[int, PreparedShard], stream: IO[str] | None, *, enabled: bool
+) -> Progress:
+    """A progress line over all sources that starts with the shards kept from before."""
+    bar = Progress(sum(j.source_bytes for j in jobs), stream or sys.stderr, enabled=enabled)
+    bar.advance(
+        sum(j.source_bytes for j in jobs if j.index in done),
+        sum(s.tokens for s in done.values()),
+        fresh=False,
+    )
+    return bar
+
+
+def _tokenizer_sha256(spec: Any) -> str:
+    """A digest of a tokenizer folder's files (a retrained tokenizer at the same path differs); the
+    built-in byte tokenizer and tokenizer objects are named by `Tokenizer.name` alone."""
+    if not isinstance(spec, str | os.PathLike):
+        return ""
+    path = Path(spec)
+    folder = path if path.is_dir() else path.parent
+    digest = hashlib.sha256()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        file = folder / name
+        if file.is_file():
+            digest.update(name.encode() + b"\0" + file.read_bytes())
+    return digest.hexdigest()
