@@ -98,12 +98,7 @@ class DistributedContext:
         """
         config = config if config is not None else MeshConfig()
         env = os.environ if environ is None else environ
-        if device_type is not None:
-            if device not in ("auto", device_type):
-                raise LaunchError(
-                    f"device={device!r} and device_type={device_type!r} disagree; pass device only"
-                )
-            device = device_type
+        device = _merge_device_alias(device, device_type)
         launched_world, launched_by = check_launch(config, env)
         torchrun = launched_by == "torchrun"
         if config.is_local:
@@ -120,7 +115,29 @@ class DistributedContext:
                 owns_process_group=False,
                 step_timeout=step_timeout,
             )
+        return cls._join_process_group(
+            config,
+            device,
+            env=env,
+            launched_world=launched_world,
+            torchrun=torchrun,
+            init_timeout=init_timeout,
+            step_timeout=step_timeout,
+        )
 
+    @classmethod
+    def _join_process_group(
+        cls,
+        config: MeshConfig,
+        device: str,
+        *,
+        env: Mapping[str, str],
+        launched_world: int,
+        torchrun: bool,
+        init_timeout: datetime.timedelta,
+        step_timeout: datetime.timedelta,
+    ) -> "DistributedContext":
+        """The distributed half of `from_env`: pick the device, create or adopt the group, build meshes."""
         local_rank = int(env.get("LOCAL_RANK", "0"))
         local_world_size = int(env.get("LOCAL_WORLD_SIZE", str(launched_world)))
         owns = not dist.is_initialized()
@@ -129,35 +146,18 @@ class DistributedContext:
         chosen = resolve_device(device, local_rank=local_rank, torchrun=torchrun, environ=env)
         _select(chosen)
         if owns:
-            cuda = chosen.type == "cuda"
-            try:
-                dist.init_process_group(
-                    backend="cpu:gloo,cuda:nccl" if cuda else "gloo",
-                    timeout=init_timeout,
-                    # bound to its GPU, NCCL initializes at once and the mesh splits its communicator
-                    device_id=chosen if cuda else None,
-                    **_attempt_store(env, init_timeout),
-                )
-            except (dist.DistStoreError, dist.DistNetworkError) as exc:
-                where = f"{env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}"
-                raise RendezvousError(
-                    f"rank {env.get('RANK', '?')} could not reach the rendezvous store at {where} within "
-                    f"{init_timeout.total_seconds():g} s ({str(exc).splitlines()[0][:160]}); launch every rank "
-                    "with torchrun (which hosts the store), or check MASTER_ADDR/MASTER_PORT and that rank 0 "
-                    "is running and reachable from this node"
-                ) from None
+            _init_process_group(chosen, env, init_timeout)
         elif dist.get_world_size() != config.world_size:
             raise LaunchError(
                 f"the existing process group has {dist.get_world_size()} ranks but the mesh "
                 f"({config.describe_degrees()}) needs {config.world_size}"
             )
-        rank = dist.get_rank()
         meshes = _build_meshes(config, chosen.type)
         _set_timeouts(meshes, init_timeout, include_default=False)
         return cls(
             config,
             mode="distributed",
-            rank=rank,
+            rank=dist.get_rank(),
             local_rank=local_rank,
             local_world_size=local_world_size,
             device=chosen,
@@ -409,6 +409,36 @@ def _select(device: torch.device) -> None:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise LaunchError(
             f"cannot use {device}: {reason}; fix the GPU setup or set `trainer.device: cpu`"
+        ) from None
+
+
+def _merge_device_alias(device: str, device_type: str | None) -> str:
+    """The device `from_env` should use, given its deprecated `device_type` alias."""
+    if device_type is None:
+        return device
+    if device not in ("auto", device_type):
+        raise LaunchError(f"device={device!r} and device_type={device_type!r} disagree; pass device only")
+    return device_type
+
+
+def _init_process_group(device: torch.device, env: Mapping[str, str], timeout: datetime.timedelta) -> None:
+    """Create the default process group for `device`; a rendezvous that fails is a `RendezvousError`."""
+    cuda = device.type == "cuda"
+    try:
+        dist.init_process_group(
+            backend="cpu:gloo,cuda:nccl" if cuda else "gloo",
+            timeout=timeout,
+            # bound to its GPU, NCCL initializes at once and the mesh splits its communicator
+            device_id=device if cuda else None,
+            **_attempt_store(env, timeout),
+        )
+    except (dist.DistStoreError, dist.DistNetworkError) as exc:
+        where = f"{env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}"
+        raise RendezvousError(
+            f"rank {env.get('RANK', '?')} could not reach the rendezvous store at {where} within "
+            f"{timeout.total_seconds():g} s ({str(exc).splitlines()[0][:160]}); launch every rank "
+            "with torchrun (which hosts the store), or check MASTER_ADDR/MASTER_PORT and that rank 0 "
+            "is running and reachable from this node"
         ) from None
 
 
