@@ -15,9 +15,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _cli_job import job_config, run_cli_concurrently, write_job
 
 from d9d.cli import cli
+from d9d.cli.commands._launch import launch_command
 from d9d.cli.commands._text import format_size
 from d9d.cli.commands.init import d9d_invocation
-from d9d.cli.commands.plan import launch_command
 from d9d.mesh import DistributedContext, MeshConfig, axis_groups
 from d9d.trainer import load_job_config, resolve_job
 from d9d.trainer.planning import estimate_activations, estimate_memory

@@ -6,8 +6,7 @@ import torch.distributed as dist
 from torch import nn
 
 from d9d.mesh.testing import run_distributed
-from d9d.parallel import grad_norm
-from d9d.parallel.gradient_norm import is_tied_copy
+from d9d.parallel import grad_norm, is_tied_copy
 from d9d.parallel.pipeline import TiedParameters, declared_ties
 from d9d.parallel.pipeline.tied import find_parameter
 

@@ -1,6 +1,6 @@
 """The `d9d` click group: it imports `d9d.cli.commands.<name>` only when that command is used.
 
-The group's help page is `d9d.cli.main.group_help()` (the same text the entry point prints for
+The group's help page is `d9d.cli._table.group_help()` (the same text the entry point prints for
 `d9d --help` without importing click), so listing the commands imports none of them.
 """
 
@@ -9,7 +9,7 @@ import importlib
 
 import click
 
-from d9d.cli.main import COMMANDS, OPTIONS, group_help
+from d9d.cli._table import COMMANDS, OPTIONS, group_help
 
 __all__ = ["cli"]
 
@@ -77,5 +77,5 @@ def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> 
 @click.option("--debug", is_flag=True, help=OPTIONS["--debug"])
 @click.pass_context
 def cli(ctx: click.Context, debug: bool) -> None:
-    """d9d: composable distributed training for PyTorch (help page: `d9d.cli.main.group_help`)."""
+    """d9d: composable distributed training for PyTorch (help page: `d9d.cli._table.group_help`)."""
     ctx.obj = {"debug": debug}

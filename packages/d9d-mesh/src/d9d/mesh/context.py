@@ -9,16 +9,16 @@ import datetime
 import os
 from collections.abc import Mapping
 from types import TracebackType
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from d9d.mesh._torch_compat import set_group_timeout
+from d9d.mesh._process_group import init_process_group, set_timeouts
 from d9d.mesh.config import MeshConfig
 from d9d.mesh.device import device_name, resolve_device
-from d9d.mesh.errors import D9dError, LaunchError, RendezvousError
+from d9d.mesh.errors import D9dError, LaunchError
 from d9d.mesh.launch import check_launch, mismatch_message
 from d9d.mesh.layout import DOMAINS, domain_layout, format_layout, rank_coordinates, rank_tag
 
@@ -98,12 +98,7 @@ class DistributedContext:
         """
         config = config if config is not None else MeshConfig()
         env = os.environ if environ is None else environ
-        if device_type is not None:
-            if device not in ("auto", device_type):
-                raise LaunchError(
-                    f"device={device!r} and device_type={device_type!r} disagree; pass device only"
-                )
-            device = device_type
+        device = _merge_device_alias(device, device_type)
         launched_world, launched_by = check_launch(config, env)
         torchrun = launched_by == "torchrun"
         if config.is_local:
@@ -120,7 +115,29 @@ class DistributedContext:
                 owns_process_group=False,
                 step_timeout=step_timeout,
             )
+        return cls._join_process_group(
+            config,
+            device,
+            env=env,
+            launched_world=launched_world,
+            torchrun=torchrun,
+            init_timeout=init_timeout,
+            step_timeout=step_timeout,
+        )
 
+    @classmethod
+    def _join_process_group(
+        cls,
+        config: MeshConfig,
+        device: str,
+        *,
+        env: Mapping[str, str],
+        launched_world: int,
+        torchrun: bool,
+        init_timeout: datetime.timedelta,
+        step_timeout: datetime.timedelta,
+    ) -> "DistributedContext":
+        """The distributed half of `from_env`: pick the device, create or adopt the group, build meshes."""
         local_rank = int(env.get("LOCAL_RANK", "0"))
         local_world_size = int(env.get("LOCAL_WORLD_SIZE", str(launched_world)))
         owns = not dist.is_initialized()
@@ -129,35 +146,18 @@ class DistributedContext:
         chosen = resolve_device(device, local_rank=local_rank, torchrun=torchrun, environ=env)
         _select(chosen)
         if owns:
-            cuda = chosen.type == "cuda"
-            try:
-                dist.init_process_group(
-                    backend="cpu:gloo,cuda:nccl" if cuda else "gloo",
-                    timeout=init_timeout,
-                    # bound to its GPU, NCCL initializes at once and the mesh splits its communicator
-                    device_id=chosen if cuda else None,
-                    **_attempt_store(env, init_timeout),
-                )
-            except (dist.DistStoreError, dist.DistNetworkError) as exc:
-                where = f"{env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}"
-                raise RendezvousError(
-                    f"rank {env.get('RANK', '?')} could not reach the rendezvous store at {where} within "
-                    f"{init_timeout.total_seconds():g} s ({str(exc).splitlines()[0][:160]}); launch every rank "
-                    "with torchrun (which hosts the store), or check MASTER_ADDR/MASTER_PORT and that rank 0 "
-                    "is running and reachable from this node"
-                ) from None
+            init_process_group(chosen, env, init_timeout)
         elif dist.get_world_size() != config.world_size:
             raise LaunchError(
                 f"the existing process group has {dist.get_world_size()} ranks but the mesh "
                 f"({config.describe_degrees()}) needs {config.world_size}"
             )
-        rank = dist.get_rank()
         meshes = _build_meshes(config, chosen.type)
-        _set_timeouts(meshes, init_timeout, include_default=False)
+        set_timeouts(meshes, init_timeout, include_default=False)
         return cls(
             config,
             mode="distributed",
-            rank=rank,
+            rank=dist.get_rank(),
             local_rank=local_rank,
             local_world_size=local_world_size,
             device=chosen,
@@ -353,7 +353,7 @@ class DistributedContext:
         """
         if self._mode != "distributed":
             return
-        _set_timeouts(self._meshes or {}, self._step_timeout, include_default=True)
+        set_timeouts(self._meshes or {}, self._step_timeout, include_default=True)
 
     # ------------------------------------------------------------------ shutdown
 
@@ -412,42 +412,13 @@ def _select(device: torch.device) -> None:
         ) from None
 
 
-def _set_timeouts(
-    meshes: Mapping[str, DeviceMesh], timeout: datetime.timedelta, *, include_default: bool
-) -> None:
-    """Give every process group of the meshes (flattened ones too) and optionally the default one `timeout`.
-
-    The timeout applies to every backend of a group (gloo and NCCL alike) for the collectives issued
-    from now on.
-    """
-    groups: dict[str, dist.ProcessGroup] = {}
-    if include_default:
-        default = dist.group.WORLD
-        if isinstance(default, dist.ProcessGroup):
-            groups[default.group_name] = default
-    for mesh in meshes.values():
-        # flattened meshes (`mesh[...]._flatten(name)`, as d9d.parallel makes) hang off the root mesh
-        flattened = list(getattr(mesh, "_flatten_mapping", {}).values())
-        for each in (mesh, *flattened):
-            for group in each.get_all_groups():
-                groups.setdefault(group.group_name, group)
-    for group in groups.values():
-        set_group_timeout(timeout, group)
-
-
-def _attempt_store(env: Mapping[str, str], timeout: datetime.timedelta) -> dict[str, Any]:
-    """Under `torchrun --max-restarts`, a store namespace per attempt (else {}: env:// as usual).
-
-    The launcher's store outlives a restart, and process groups created after the default one would
-    find the dead attempt's addresses there (gloo: "connectFullMesh failed ... Connection refused").
-    """
-    attempt = env.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None or "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
-        return {}
-    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-    is_host = env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_host, timeout=timeout)
-    return {"store": dist.PrefixStore(f"d9d-attempt-{attempt}/", store), "rank": rank, "world_size": world}
+def _merge_device_alias(device: str, device_type: str | None) -> str:
+    """The device `from_env` should use, given its deprecated `device_type` alias."""
+    if device_type is None:
+        return device
+    if device not in ("auto", device_type):
+        raise LaunchError(f"device={device!r} and device_type={device_type!r} disagree; pass device only")
+    return device_type
 
 
 def _domain_of(axis: str) -> str:

@@ -1,1 +1,1 @@
-"""One module per `d9d` command; each defines one click command named like its module, listed in `d9d.cli.main.COMMANDS`."""
+"""One module per `d9d` command; each defines one click command named like its module, listed in `d9d.cli._table.COMMANDS`."""

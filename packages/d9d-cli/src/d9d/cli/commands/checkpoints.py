@@ -4,7 +4,7 @@ import datetime
 
 import click
 
-from d9d.cli.commands._runs import best_policy, check_run_dir, scan_run_dir
+from d9d.cli.commands._runs import RunScan, best_policy, check_run_dir, scan_run_dir
 from d9d.cli.commands._text import format_size
 from d9d.cli.errors import reports_errors
 
@@ -67,62 +67,9 @@ def checkpoints(run_dir: str, verify: bool) -> None:
       d9d checkpoints --verify runs/quickstart
     """
     scan = scan_run_dir(check_run_dir(run_dir))
-    damage: dict[int, list[str]] = {}  # step -> problem lines, with --verify
-    if verify:
-        from d9d.ckpt import verify_checkpoint
-
-        for info in scan.committed:
-            result = verify_checkpoint(info)
-            if not result.ok:
-                damage[info.step] = [*result.problems, str(result.recovery)]
-            elif not result.has_checksums:
-                scan.damaged.setdefault(info.step, "ok (no checksums: sizes only)")
+    damage = _verify(scan) if verify else {}
     lines = [f"run: {scan.run_dir}"]
-    if not scan.committed:
-        lines.append("no committed checkpoints")
-    else:
-        from d9d.ckpt import best_checkpoints, metric_of  # torch-free: commit records only
-
-        policy = best_policy(scan.committed)
-        ranks = {info.step: n for n, info in enumerate(best_checkpoints(scan.committed, policy), 1)}
-        shown = any(metric_of(info, policy.metric) is not None for info in scan.committed)
-        rows = [
-            (
-                "step",
-                "saved at (UTC)",
-                "size",
-                "world size",
-                "mesh",
-                "status",
-                *([policy.metric] if shown else []),
-            )
-        ]
-        for info in scan.committed:
-            meta = info.meta
-            value = metric_of(info, policy.metric)
-            cell = (
-                "-"
-                if value is None
-                else f"{value:.5g}" + (f"  best {ranks[info.step]}" if info.step in ranks else "")
-            )
-            rows.append(
-                (
-                    str(info.step),
-                    format_time(meta.created_at),
-                    format_size(sum(meta.files.values())),
-                    str(meta.world_size),
-                    format_mesh(meta.mesh),
-                    "damaged" if info.step in damage else scan.damaged.get(info.step, "ok"),
-                    *([cell] if shown else []),
-                )
-            )
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        for row in rows:
-            cells = [
-                cell.rjust(w) if i in (0, 2, 3) else cell.ljust(w)
-                for i, (cell, w) in enumerate(zip(row, widths, strict=True))
-            ]
-            lines.append("  ".join(cells).rstrip())
+    lines += _table(scan, damage) if scan.committed else ["no committed checkpoints"]
     if scan.strays:
         lines.append("not checkpoints:")
         width = max(len(s.path.name) for s in scan.strays) + 1
@@ -135,3 +82,59 @@ def checkpoints(run_dir: str, verify: bool) -> None:
     click.echo("\n".join(lines))
     if damage:
         raise SystemExit(EXIT_DAMAGED)
+
+
+def _verify(scan: RunScan) -> dict[int, list[str]]:
+    """Check every committed checkpoint's checksums: {step: problem lines} of the damaged ones.
+
+    A checkpoint whose commit recorded no checksums gets the status `ok (no checksums: sizes only)` in
+    `scan.damaged` (unless its sizes already failed), so the table says how little was checked.
+    """
+    from d9d.ckpt import verify_checkpoint
+
+    damage: dict[int, list[str]] = {}
+    for info in scan.committed:
+        result = verify_checkpoint(info)
+        if not result.ok:
+            damage[info.step] = [*result.problems, str(result.recovery)]
+        elif not result.has_checksums:
+            scan.damaged.setdefault(info.step, "ok (no checksums: sizes only)")
+    return damage
+
+
+def _table(scan: RunScan, damage: dict[int, list[str]]) -> list[str]:
+    """The committed checkpoints as aligned rows under a header (with the keep-best metric if recorded)."""
+    from d9d.ckpt import best_checkpoints, metric_of  # torch-free: commit records only
+
+    policy = best_policy(scan.committed)
+    ranks = {info.step: n for n, info in enumerate(best_checkpoints(scan.committed, policy), 1)}
+    shown = any(metric_of(info, policy.metric) is not None for info in scan.committed)
+    header = ("step", "saved at (UTC)", "size", "world size", "mesh", "status")
+    rows = [(*header, *([policy.metric] if shown else []))]
+    for info in scan.committed:
+        meta = info.meta
+        value = metric_of(info, policy.metric)
+        cell = (
+            "-"
+            if value is None
+            else f"{value:.5g}" + (f"  best {ranks[info.step]}" if info.step in ranks else "")
+        )
+        rows.append(
+            (
+                str(info.step),
+                format_time(meta.created_at),
+                format_size(sum(meta.files.values())),
+                str(meta.world_size),
+                format_mesh(meta.mesh),
+                "damaged" if info.step in damage else scan.damaged.get(info.step, "ok"),
+                *([cell] if shown else []),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(
+            cell.rjust(w) if i in (0, 2, 3) else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in rows
+    ]

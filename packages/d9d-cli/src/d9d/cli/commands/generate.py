@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # torch and the trainer: only inside the command at run time
     import torch
 
     from d9d.data import Tokenizer
-    from d9d.trainer import LoadedJob
+    from d9d.trainer import LoadedJob, SamplingConfig
 
 __all__ = ["generate", "read_prompts"]
 
@@ -187,12 +187,40 @@ def generate(
       d9d generate runs/finetune --best --prompt-file prompts.txt --format jsonl
       d9d generate exported/ --prompt "Call me" --tokenizer byte --temperature 0
     """
+    _check_one_process(step, best)
+    texts = read_prompts(prompts, prompt_file)
+    src = Path(source)
+    export = _is_checked_export(src, step, best, overrides)
+
+    from d9d.trainer import SamplingConfig
+
+    sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                              top_p=top_p, seed=seed)  # fmt: skip
+    trainer = None
+    try:
+        tokenizer = _tokenizer_from(tokenizer_spec) if tokenizer_spec is not None else None
+        if export:
+            model, tokenizer, origin = _load_export(src, tokenizer, verbose)
+        else:
+            trainer, found, origin = _from_run(check_run_dir(src), step, best, list(overrides), verbose)
+            model = trainer.model
+            tokenizer = _required(tokenizer if tokenizer is not None else found, export=False)
+        _print_samples(model, tokenizer, texts, sampling, chat=chat, fmt=fmt, origin=origin)
+    finally:
+        if trainer is not None:
+            trainer.close()
+
+
+def _check_one_process(step: int | None, best: bool) -> None:
+    """Refuse a checkpoint picked twice, and a launch under torchrun."""
     if best and step is not None:
         raise CliError("--best and --step both pick the checkpoint to generate from; pass one of them")
     if os.environ.get("WORLD_SIZE", "1") != "1":
         raise CliError("d9d generate runs on one process; run it without torchrun")
-    texts = read_prompts(prompts, prompt_file)
-    src = Path(source)
+
+
+def _is_checked_export(src: Path, step: int | None, best: bool, overrides: Sequence[str]) -> bool:
+    """Whether `src` is an export (else a run directory); options that only a run takes are refused."""
     if not src.is_dir():
         raise CliError(
             f"{src}: no such run directory or export folder; pass a run directory (save_dir/run.name, e.g. "
@@ -203,54 +231,65 @@ def generate(
         raise CliError(f"{src} is an export (one set of weights): --step and --best pick a run's checkpoint")
     if export and overrides:
         raise CliError(f"{src} is an export: --set changes a run's job config; generate from the run instead")
+    return export
 
+
+def _load_export(
+    src: Path, tokenizer: "Tokenizer | None", verbose: bool
+) -> tuple["torch.nn.Module", "Tokenizer", dict[str, Any]]:
+    """The export's model, the tokenizer (`--tokenizer`, else the export's own) and where they came from."""
+    if tokenizer is None and (src / "tokenizer.json").is_file():
+        tokenizer = _tokenizer_from(str(src))
+    # refused before transformers loads anything
+    tokenizer = _required(tokenizer, export=True)
+    return _from_export(src, verbose), tokenizer, {"export": str(src.resolve())}
+
+
+def _required(tokenizer: "Tokenizer | None", *, export: bool) -> "Tokenizer":
+    """`tokenizer`, or an error that says where none was found and how to pass one."""
+    if tokenizer is None:
+        where = "the export has no tokenizer.json" if export else "the run's dataset names no tokenizer"
+        raise CliError(
+            f"{where}; pass --tokenizer FOLDER (or tokenizer.json, or byte for d9d's byte tokenizer)"
+        )
+    return tokenizer
+
+
+def _print_samples(
+    model: "torch.nn.Module",
+    tokenizer: "Tokenizer",
+    texts: list[str],
+    sampling: "SamplingConfig",
+    *,
+    chat: bool | None,
+    fmt: str,
+    origin: dict[str, Any],
+) -> None:
+    """Continue each prompt; print its completion (text) or one JSON record (jsonl)."""
     from d9d.trainer import SamplingConfig
     from d9d.trainer import generate as sample
 
-    sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                              top_p=top_p, seed=seed)  # fmt: skip
-    trainer = None
-    try:
-        tokenizer = _tokenizer_from(tokenizer_spec) if tokenizer_spec is not None else None
-        if export:
-            if tokenizer is None and (src / "tokenizer.json").is_file():
-                tokenizer = _tokenizer_from(str(src))
-            if tokenizer is not None:  # else refused below, before transformers loads anything
-                model = _from_export(src, verbose)
-            origin: dict[str, Any] = {"export": str(src.resolve())}
+    template = getattr(tokenizer, "chat_template", None)
+    if chat and template is None:
+        raise CliError(f"--chat: the tokenizer {tokenizer.name} has no chat template; leave out --chat")
+    use_chat = template is not None if chat is None else chat
+    eos = tokenizer.eos_id
+    sampling = SamplingConfig(**{**sampling.__dict__, "stop_ids": (eos,) if eos is not None else ()})
+    for prompt in texts:
+        prompt_ids = (
+            tokenizer.apply_chat_template(  # type: ignore[attr-defined]
+                [{"role": "user", "content": prompt}], add_generation_prompt=True
+            )
+            if use_chat
+            else tokenizer.encode(prompt)
+        )
+        prompt_ids = [int(i) for i in prompt_ids]
+        result = sample(model, prompt_ids, sampling)
+        text_ids = result.ids[:-1] if result.finish == "stop" else result.ids
+        completion = tokenizer.decode(text_ids)
+        if fmt == "jsonl":
+            record = {"prompt": prompt, "completion": completion, "prompt_ids": prompt_ids,
+                      "ids": result.ids, "finish": result.finish, "method": result.method, **origin}  # fmt: skip
+            click.echo(json.dumps(record, ensure_ascii=False))
         else:
-            trainer, found, origin = _from_run(check_run_dir(src), step, best, list(overrides), verbose)
-            tokenizer = tokenizer if tokenizer is not None else found
-            model = trainer.model
-        if tokenizer is None:
-            where = "the export has no tokenizer.json" if export else "the run's dataset names no tokenizer"
-            raise CliError(
-                f"{where}; pass --tokenizer FOLDER (or tokenizer.json, or byte for d9d's byte tokenizer)"
-            )
-        template = getattr(tokenizer, "chat_template", None)
-        if chat and template is None:
-            raise CliError(f"--chat: the tokenizer {tokenizer.name} has no chat template; leave out --chat")
-        use_chat = template is not None if chat is None else chat
-        eos = tokenizer.eos_id
-        sampling = SamplingConfig(**{**sampling.__dict__, "stop_ids": (eos,) if eos is not None else ()})
-        for prompt in texts:
-            prompt_ids = (
-                tokenizer.apply_chat_template(  # type: ignore[attr-defined]
-                    [{"role": "user", "content": prompt}], add_generation_prompt=True
-                )
-                if use_chat
-                else tokenizer.encode(prompt)
-            )
-            prompt_ids = [int(i) for i in prompt_ids]
-            result = sample(model, prompt_ids, sampling)
-            text_ids = result.ids[:-1] if result.finish == "stop" else result.ids
-            completion = tokenizer.decode(text_ids)
-            if fmt == "jsonl":
-                record = {"prompt": prompt, "completion": completion, "prompt_ids": prompt_ids,
-                          "ids": result.ids, "finish": result.finish, "method": result.method, **origin}  # fmt: skip
-                click.echo(json.dumps(record, ensure_ascii=False))
-            else:
-                click.echo(completion)
-    finally:
-        if trainer is not None:
-            trainer.close()
+            click.echo(completion)

@@ -67,36 +67,78 @@ def parallelize_expert_parallel(
         ExpertParallelError: no `MoE` in `module`, experts not divisible by ep, or already parallelized.
         UnsupportedParallelismError: a context with tensor or context parallelism (not supported yet).
     """
-    if precision is not None:
-        if mp_policy is not None:
-            raise ExpertParallelError("pass either precision= or mp_policy=, not both")
-        if precision.enabled or precision.reduce_dtype != torch.float32:
-            mp_policy = MixedPrecisionPolicy(
-                param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype
+    mp_policy = _policy_from_precision(mp_policy, precision)
+    moes = _moe_layers(module)
+    if isinstance(mesh, DistributedContext) and mesh.is_local:
+        return module
+    expert_mesh, stats_group = _expert_mesh_and_stats_group(mesh)
+    ep_mesh = _ep_shard_mesh(expert_mesh)
+    _check_layers(moes, ep_mesh.size())  # every layer before changing any
+    for moe in moes:
+        moe.stats_group = stats_group
+        if ep_mesh.size() == 1:
+            continue  # experts are dense parameters: the caller's data parallelism handles them
+        _shard_experts(moe.experts, ep_mesh)
+        moe.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), moe.num_experts)
+        if shard_expert_replicas and "ep_replicate" in (expert_mesh.mesh_dim_names or ()):
+            fully_shard(
+                moe.experts,
+                mesh=expert_mesh["ep_replicate"],
+                reshard_after_forward=reshard_after_forward,
+                mp_policy=mp_policy or MixedPrecisionPolicy(),
             )
+            _sum_gradients(moe.experts)
+    return module
+
+
+def _policy_from_precision(
+    mp_policy: MixedPrecisionPolicy | None, precision: MixedPrecision | None
+) -> MixedPrecisionPolicy | None:
+    """The FSDP2 policy for the expert banks: `mp_policy`, or the one the job's `precision` implies."""
+    if precision is None:
+        return mp_policy
+    if mp_policy is not None:
+        raise ExpertParallelError("pass either precision= or mp_policy=, not both")
+    if precision.enabled or precision.reduce_dtype != torch.float32:
+        return MixedPrecisionPolicy(param_dtype=precision.param_dtype, reduce_dtype=precision.reduce_dtype)
+    return None
+
+
+def _moe_layers(module: nn.Module) -> list[MoE]:
+    """Every `MoE` in `module` (itself included); none is an error."""
     moes = [m for m in module.modules() if isinstance(m, MoE)]
     if not moes:
         raise ExpertParallelError(
             f"{type(module).__name__} contains no d9d.parallel.expert.MoE layer to parallelize"
         )
-    if isinstance(mesh, DistributedContext):
-        if mesh.is_local:
-            return module
-        _check_supported(mesh)
-        expert_mesh = mesh.mesh("expert")
-        batch_mesh = mesh.mesh("batch")
-        stats_group = batch_mesh["dp"].get_group() if batch_mesh["dp"].size() > 1 else None
-    else:
-        expert_mesh = mesh
-        stats_group = _token_group(expert_mesh)
+    return moes
+
+
+def _expert_mesh_and_stats_group(
+    mesh: DistributedContext | DeviceMesh,
+) -> tuple[DeviceMesh, dist.ProcessGroup | None]:
+    """The expert mesh, and the group over which the load-balance statistics are summed."""
+    if not isinstance(mesh, DistributedContext):
+        return mesh, _token_group(mesh)
+    _check_supported(mesh)
+    expert_mesh = mesh.mesh("expert")
+    batch_mesh = mesh.mesh("batch")
+    return expert_mesh, batch_mesh["dp"].get_group() if batch_mesh["dp"].size() > 1 else None
+
+
+def _ep_shard_mesh(expert_mesh: DeviceMesh) -> DeviceMesh:
+    """The `ep_shard` axis of the expert mesh, which the experts are split over."""
     names = expert_mesh.mesh_dim_names or ()
     if "ep_shard" not in names:
         raise ExpertParallelError(
             f"the expert mesh must have an 'ep_shard' axis, got axes {names}; pass ctx.mesh('expert')"
         )
-    ep_mesh = expert_mesh["ep_shard"]
-    ep_size = ep_mesh.size()
-    for moe in moes:  # check every layer before changing any
+    return expert_mesh["ep_shard"]
+
+
+def _check_layers(moes: list[MoE], ep_size: int) -> None:
+    """Refuse layers whose experts do not split evenly over `ep_size` ranks, or are already split."""
+    for moe in moes:
         if moe.num_experts % ep_size != 0:
             raise ExpertParallelError(
                 f"num_experts={moe.num_experts} is not divisible by expert_parallel={ep_size}; "
@@ -106,21 +148,6 @@ def parallelize_expert_parallel(
             raise ExpertParallelError(
                 "this MoE layer is already parallelized; call parallelize_expert_parallel once"
             )
-    for moe in moes:
-        moe.stats_group = stats_group
-        if ep_size == 1:
-            continue  # experts are dense parameters: the caller's data parallelism handles them
-        _shard_experts(moe.experts, ep_mesh)
-        moe.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), moe.num_experts)
-        if shard_expert_replicas and "ep_replicate" in names:
-            fully_shard(
-                moe.experts,
-                mesh=expert_mesh["ep_replicate"],
-                reshard_after_forward=reshard_after_forward,
-                mp_policy=mp_policy or MixedPrecisionPolicy(),
-            )
-            _sum_gradients(moe.experts)
-    return module
 
 
 def _sum_gradients(module: nn.Module) -> None:

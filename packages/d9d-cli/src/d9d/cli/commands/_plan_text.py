@@ -1,0 +1,270 @@
+"""The text of `d9d plan`: each section of a `JobPlan` (layout, data, cp, pipeline, precision, memory)
+and the fit verdict, as lines. Formatting only: the numbers are the trainer's (`d9d.trainer.planning.plan_job`,
+`plan_fit`)."""
+
+import itertools
+from typing import TYPE_CHECKING
+
+from d9d.cli.commands._text import format_size
+
+if TYPE_CHECKING:  # the trainer imports torch: only inside the command at run time
+    from d9d.mesh import MeshConfig
+    from d9d.parallel.pipeline import StageSpec
+    from d9d.trainer import JobConfig
+    from d9d.trainer.config import PipeliningConfig
+    from d9d.trainer.planning import FitPlan, JobPlan, PipelinePlan, SequencePlan
+
+__all__ = ["format_fit", "plan_lines"]
+
+
+def plan_lines(job_plan: "JobPlan", config: "JobConfig") -> list[str]:
+    """Every section of the plan: layout, data, cp, pipeline, precision, model and memory."""
+    from d9d.mesh import format_layout
+
+    mesh = job_plan.mesh
+    lines = [format_layout(mesh), _data_line(job_plan, config.providers.data)]
+    if mesh.context_parallel > 1:
+        lines += _context_parallel_lines(job_plan.sequence, mesh.context_parallel)
+    if job_plan.pipeline is not None:
+        lines += _pipeline_lines(job_plan.pipeline, config.pipelining)
+    return lines + _precision_lines(job_plan, config) + _memory_lines(job_plan, config)
+
+
+def _data_line(job_plan: "JobPlan", provider: str) -> str:
+    b = job_plan.batching
+    if b is None:
+        return f"data: batching is decided by providers.data ({provider})"
+    n, dp = b.microbatches_per_step, b.data_parallel
+    return (
+        f"data: global batch {b.global_batch_size} = {dp} data-parallel rank{'s' if dp > 1 else ''} × "
+        f"{n} microbatch{'es' if n > 1 else ''} of {b.microbatch_size} per step"
+    )
+
+
+def _precision_lines(job_plan: "JobPlan", config: "JobConfig") -> list[str]:
+    tcfg = config.trainer
+    prec = tcfg.precision
+    compute = str(job_plan.precision.param_dtype).removeprefix("torch.")
+    auto = " (auto: bfloat16 on CUDA, float32 on CPU)" if prec.param_dtype == "auto" else ""
+    ac = tcfg.activation_checkpointing
+    ac_text = ac.mode + (f" (every {ac.every} blocks)" if ac.mode == "selective" else "")
+    lines = [
+        f"precision: compute {compute}{auto}, reduce {prec.reduce_dtype}, master weights float32, "
+        f"optimizer states {_state_dtype(job_plan)}; tf32 {'on' if prec.tf32 else 'off'}",
+        f"activation checkpointing: {ac_text}; compile: {'on' if tcfg.compile.enabled else 'off'}",
+    ]
+    memory = job_plan.memory
+    if memory is not None and memory.float8 is not None:
+        gathered = "; FSDP all-gathers their weights in float8" if memory.float8_all_gather else ""
+        lines.append(f"float8: {memory.float8.describe()}{gathered}")
+    return lines
+
+
+def _state_dtype(job_plan: "JobPlan") -> str:
+    """The optimizer states' dtype: the declared one, else the float32 master weights'."""
+    dtype = job_plan.optimizer_states.dtype
+    return str(dtype).removeprefix("torch.") if dtype is not None else "float32"
+
+
+def _states_text(job_plan: "JobPlan") -> str:
+    """What the optimizer keeps, e.g. "AdamW: exp_avg + exp_avg_sq, in bfloat16"."""
+    states = job_plan.optimizer_states
+    if not states.per_parameter:
+        return states.description
+    return f"{states.description}, in {_state_dtype(job_plan)}"
+
+
+def _memory_lines(job_plan: "JobPlan", config: "JobConfig") -> list[str]:
+    memory = job_plan.memory
+    assert memory is not None
+    mesh, est, acts = job_plan.mesh, memory.state, memory.activations
+    compute = str(job_plan.precision.param_dtype).removeprefix("torch.")
+    split = (
+        f"pp {mesh.pipeline_parallel} × dp_shard {mesh.data_parallel_shard} × cp {mesh.context_parallel} × "
+        f"tp {mesh.tensor_parallel}"
+    )
+    ac = config.trainer.activation_checkpointing
+    lines = [
+        f"model: {memory.parameters:,} parameters, {format_size(memory.param_bytes)} "
+        f"({format_size(memory.trainable_bytes)} trainable)",
+        f"memory per rank (estimate; 1/{est.shard_factor} of the model: {split}):",
+        f"  parameters  {format_size(est.params):>10}",
+        f"  gradients   {format_size(est.grads):>10}",
+        f"  optimizer   {format_size(est.optimizer):>10}  ({_states_text(job_plan)})",
+    ]
+    if acts is not None:
+        flight = ""
+        if any(n > 1 for n in acts.in_flight):
+            flight = f" × {'+'.join(str(n) for n in acts.in_flight)} in flight"
+        dtype = compute
+        if config.trainer.precision.param_dtype == "auto":
+            dtype = f"{compute}, the auto dtype on CUDA (a CPU run computes in float32: about 2×)"
+        lines.append(
+            f"  activations {format_size(acts.checkpointed):>10}  (one microbatch of {acts.tokens} tokens"
+            f"{flight} in {dtype}, checkpointing {ac.mode}; none: {format_size(acts.plain)}, full: "
+            f"{format_size(acts.full)})"
+        )
+    else:
+        lines.append(f"  activations {'?':>10}  ({memory.activations_note})")
+    if memory.host_state:
+        lines.append(
+            f"  total       {format_size(memory.total):>10}  (on the device: parameters, gradients and "
+            "optimizer state are offloaded to the host)"
+        )
+        lines.append(
+            f"  host        {format_size(memory.host_state):>10}  (trainer.memory.cpu_offload: parameters + "
+            "gradients + optimizer state, pinned)"
+        )
+    else:
+        lines.append(f"  total       {format_size(memory.total):>10}")
+    if acts is not None:
+        if acts.per_pp_rank:
+            per_rank = ", ".join(f"pp rank {r}: {format_size(b)}" for r, b in enumerate(acts.per_pp_rank))
+            lines.append(f"  activations per pp rank (checkpointing {ac.mode}): {per_rank}")
+        lines.append(f"  activation estimate assumes: {_activation_assumptions(mesh, acts.in_flight_note)}")
+    return lines
+
+
+def _context_parallel_lines(sequence: "SequencePlan", cp: int) -> list[str]:
+    """The cp groups (in cp-rank order) and each rank's share of a sequence, for a mesh with cp > 1."""
+    chunks = 2 * cp
+    groups = [list(g) for g in sequence.cp_groups]
+    shown = ", ".join(_format_group(g) for g in groups[:4])
+    more = f", … ({len(groups)} groups)" if len(groups) > 4 else ""
+    layout = f"chunks r and {chunks - 1}−r of {chunks} for cp rank r"
+    if sequence.share is None:
+        share = (
+            f"seq_len / {cp} tokens ({layout}); the sequence length is not known without loading data "
+            f"({sequence.source}): pass --seq-len to check it"
+        )
+    else:
+        s = sequence.share
+        share = (
+            f"{s.seq_len} / {cp} = {s.local_tokens} tokens ({layout}, {s.chunk_tokens} tokens each; "
+            f"{s.seq_len} from {sequence.source})"
+        )
+    return [
+        f"context parallel: cp {cp}; the ranks of a cp group get the same samples and split every sequence",
+        f"  cp groups (in cp-rank order): {shown}{more}",
+        f"  sequence per rank: {share}",
+    ]
+
+
+def _format_group(group: list[int]) -> str:
+    """Ranks as the mesh table writes them: `[0,2]`, `[0..3]`, `[0..12 step 4]`."""
+    step = group[1] - group[0] if len(group) > 2 else 0
+    if step and all(b - a == step for a, b in itertools.pairwise(group)):
+        return f"[{group[0]}..{group[-1]}" + (f" step {step}]" if step != 1 else "]")
+    return "[" + ",".join(map(str, group)) + "]"
+
+
+def _pipeline_lines(pipeline: "PipelinePlan", pipelining: "PipeliningConfig") -> list[str]:
+    """The schedule, each pp rank's stages (global ranks, layers, embedding and head) and the bubble."""
+    layout = pipeline.layout
+    p, v, n = layout.pp_size, layout.stages_per_rank, layout.num_stages
+    num_layers = sum(len(s.layers) for s in layout.stages)
+    if v == 1:
+        shape = f"{n} stages, one per pp rank"
+    elif layout.config.info.style == "v":
+        shape = f"{p} × {v} = {n} stages, V-shaped (stages r and {n - 1}−r on pp rank r)"
+    else:
+        shape = f"{p} × {v} = {n} stages, looped (stage s on pp rank s mod {p})"
+    lines = [
+        f"pipeline parallel: pp {p}, schedule {layout.config.schedule}, {shape}; {num_layers} layers split "
+        f"with the embedding and the head counted as {pipelining.embedding_weight:g} and "
+        f"{pipelining.head_weight:g} layers (pipelining.embedding_weight, head_weight)"
+    ]
+    for rank in range(p):
+        ranks = _format_ranks(list(pipeline.pp_ranks[rank]))
+        chunks = "; ".join(f"stage {s.index}: {_stage_content(s)}" for s in layout.stages_of_rank(rank))
+        lines.append(f"  pp rank {rank} (ranks {ranks}): {chunks}")
+    return lines + _bubble_lines(pipeline)
+
+
+def _stage_content(stage: "StageSpec") -> str:
+    """What a stage holds: `embedding + layers 0..3 + head`, `layer 4`."""
+    parts = ["embedding"] if stage.is_first else []
+    layers = stage.layers
+    if len(layers) == 1:
+        parts.append(f"layer {layers.start}")
+    elif len(layers) > 1:
+        parts.append(f"layers {layers.start}..{layers.stop - 1}")
+    if stage.is_last:
+        parts.append("head")
+    return " + ".join(parts) or "no layers"
+
+
+def _format_ranks(ranks: list[int]) -> str:
+    """Global ranks as the mesh table writes them (`[0..3]`), at most 8 listed one by one."""
+    if len(ranks) <= 8 or len({b - a for a, b in itertools.pairwise(ranks)}) == 1:
+        return _format_group(ranks)
+    return "[" + ",".join(map(str, ranks[:4])) + f",…] ({len(ranks)} ranks)"
+
+
+def _bubble_lines(pipeline: "PipelinePlan") -> list[str]:
+    """The schedule's theoretical bubble for this layout, the formula and what it assumes."""
+    from d9d.parallel.pipeline import ZERO_BUBBLE_SCHEDULES
+
+    layout, bubble, m = pipeline.layout, pipeline.bubble, pipeline.microbatches_per_step
+    p, v, n = layout.pp_size, layout.stages_per_rank, layout.num_stages
+    assumes = (
+        "every stage takes the same time per microbatch; communication is free; theory, not a measurement"
+    )
+    if layout.config.schedule in ZERO_BUBBLE_SCHEDULES:
+        assumes += "; the backward's input- and weight-gradient parts take as long as the forward"
+    if bubble.fraction is None:
+        head = (
+            f"not ≈ 0: m={m} microbatches < {n} stages leave the warm-up and cool-down uncovered "
+            f"({bubble.formula}; {bubble.source}); give each pipeline at least {n} microbatches per step"
+        )
+    elif bubble.fraction == 0:
+        head = f"≈ 0 of the step (m={m} ≥ p·v = {n} stages; {bubble.source})"
+    else:
+        f = bubble.fraction
+        head = (
+            f"{f.numerator}/{f.denominator} = {float(f):.1%} of the step's forward and backward time "
+            f"({bubble.formula} with p={p}, v={v}, m={m}; {bubble.source})"
+        )
+    return [f"  bubble: {head}", f"  bubble assumes: {assumes}"]
+
+
+def _activation_assumptions(mesh: "MeshConfig", in_flight: str) -> str:
+    """What the activation figure assumes, in one line (see `estimate_activations`)."""
+    parts = ["attention saves what a fused (flash) kernel saves"]
+    if mesh.context_parallel > 1:
+        parts.append(
+            f"each rank holds 1/{mesh.context_parallel} of the sequence, except the K/V that attention "
+            "all-gathers (full length)"
+        )
+    if mesh.tensor_parallel > 1:
+        parts.append(
+            f"tensor parallel {mesh.tensor_parallel} as the model provider splits the model (what it "
+            "keeps whole counts whole)"
+        )
+    if mesh.pipeline_parallel > 1:
+        parts.append(f"this rank's stages; {in_flight}")
+    return "; ".join(parts)
+
+
+def format_fit(fit: "FitPlan", source: str) -> list[str]:
+    """The fit verdict against `source`'s memory and, when it does not fit, each lever re-planned."""
+    from d9d.trainer.planning import FIT_HEADROOM
+
+    budget = f"{format_size(fit.budget)} ({FIT_HEADROOM:.0%} of {format_size(fit.device_bytes)}, {source})"
+    note = f"; {fit.activations_note}" if fit.activations_note else ""
+    if fit.fits:
+        return [
+            f"fits: {format_size(fit.total)} per rank of {budget}, {format_size(fit.margin)} to spare{note}"
+        ]
+    lines = [
+        f"does not fit: {format_size(fit.total)} per rank, {format_size(-fit.margin)} over {budget}{note}"
+    ]
+    if not fit.levers:
+        return [*lines, "  no lever applies: use a shorter sequence, a smaller model or a larger device"]
+    lines.append("  levers (each re-planned; the most a rank needs with it):")
+    for lever in fit.levers:
+        status = "fits" if lever.fits else "too big"
+        lines += [f"  {status:<7} {format_size(lever.total):>10}  {lever.arguments}", f"      {lever.reason}"]
+    if not any(lever.fits for lever in fit.levers):
+        lines.append("  none of these fits: use a shorter sequence, a smaller model or a larger device")
+    return lines
