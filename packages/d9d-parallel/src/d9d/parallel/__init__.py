@@ -3,6 +3,10 @@
     from d9d.parallel import parallelize_hsdp
     parallelize_hsdp(model, mesh, shard_axis="dp_shard")   # DDP, FSDP or HSDP, by the mesh
 
+A decoder-only transformer takes the standard sequence in one call, `parallelize_decoder` (activation
+checkpointing, per-block compile, then one FSDP unit per block, one for the embedding and one for the
+final norm with the LM head).
+
 Also the per-block training mechanisms any loop can use: mixed precision (`precision_autocast`,
 `precision=` of the parallelize functions), activation checkpointing, in-place `torch.compile`, and
 LoRA adapters (`apply_lora`, exported in PEFT's layout), and AdamW/SGD with bfloat16 states
@@ -56,6 +60,7 @@ if TYPE_CHECKING:  # what type checkers see; at run time `__getattr__` imports t
         set_gradient_accumulation,
         set_gradient_sync,
     )
+    from d9d.parallel.decoder import decoder_units, parallelize_decoder
     from d9d.parallel.document_attention import (
         DocumentAttentionBackend,
         DocumentMask,
@@ -189,6 +194,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "set_gradient_accumulation",
         "set_gradient_sync",
     ),
+    "decoder": ("decoder_units", "parallelize_decoder"),
     "document_attention": ("DocumentAttentionBackend", "DocumentMask", "document_attention_backend"),
     "errors": ("ParallelizeError", "UnsupportedParallelismError"),
     "float8": ("Float8Selection", "apply_float8", "float8_linears", "select_float8_linears"),
@@ -345,6 +351,7 @@ __all__ = [
     "context_parallel_attention",
     "context_parallel_of",
     "cross_entropy",
+    "decoder_units",
     "document_attention_backend",
     "embedding_plan",
     "enable_tf32",
@@ -374,6 +381,7 @@ __all__ = [
     "norm_plan",
     "optimizer_state_bytes",
     "parallelize_context_parallel",
+    "parallelize_decoder",
     "parallelize_expert_parallel",
     "parallelize_fsdp",
     "parallelize_hsdp",
