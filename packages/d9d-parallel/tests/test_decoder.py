@@ -138,24 +138,30 @@ def test_fsdp2_matches_one_process(tied):
     assert_same_run(got, reference, rtol=1e-4, atol=1e-5)
 
 
-def test_one_process_checkpoints_and_compiles_the_blocks_only():
-    """With no mesh nothing is sharded, but the blocks are checkpointed and compiled (lazily: nothing
-    is traced before a forward), in place; the embedding and the head are neither."""
+def test_one_process_checkpoints_and_compiles_the_blocks_only(monkeypatch):
+    """With no mesh nothing is sharded, but the blocks are checkpointed and handed to `compile_blocks`
+    (recorded here: its own tests compile), in place; the embedding and the head are neither."""
+    import d9d.parallel.decoder as decoder_module
+
+    compiled = []
+    monkeypatch.setattr(
+        decoder_module, "compile_blocks", lambda blocks, config: compiled.append((blocks, config))
+    )
     model = _model(device="cpu")
     keys = list(model.state_dict())
+    compile_config = CompileConfig(enabled=True)
     parallelize_decoder(
         model,
         None,
         blocks=list(model.blocks),
         **_parts(model),
         activation_checkpointing=ActivationCheckpointingConfig(mode="selective", every=2),
-        compile=CompileConfig(enabled=True),
+        compile=compile_config,
     )
     assert [getattr(b, "_d9d_activation_checkpointed", False) for b in model.blocks] == [True, False]
-    assert all(b._d9d_compiled and b._compiled_call_impl is not None for b in model.blocks)
+    assert compiled == [(list(model.blocks), compile_config)]
     for module in (model, model.embed, model.norm, model.lm_head):
         assert not isinstance(module, FSDPModule)
-        assert not getattr(module, "_d9d_compiled", False)
         assert not getattr(module, "_d9d_activation_checkpointed", False)
     assert list(model.state_dict()) == keys
 
