@@ -31,13 +31,13 @@ from reference_model import (
     apply_tensor_parallel,
     check_mesh,
     check_sequence_length,
+    decoder_parts,
     hf_checkpoint_keys,
     hf_expert_layout,
     hf_export_mapper,
     hf_import_mapper,
     read_hf_config,
     save_hf_pretrained,
-    shard_units,
     to_hf_config,
     trim_to_stage,
 )
@@ -45,13 +45,7 @@ from reference_model import (
 from d9d.ckpt import SafetensorsIOError, check_safetensors, safetensors_shapes
 from d9d.data import SFTDataset, TextDataset
 from d9d.mesh import MeshConfig
-from d9d.parallel import (
-    apply_activation_checkpointing,
-    apply_lora,
-    compile_blocks,
-    parallelize_context_parallel,
-    parallelize_hsdp,
-)
+from d9d.parallel import apply_lora, parallelize_context_parallel, parallelize_decoder
 from d9d.trainer import ConfigPath, main
 from d9d.trainer.providers import (
     BuildDatasetContext,
@@ -182,16 +176,21 @@ class HFModelProvider:
             self.hf.parallelize_model_stage(context)
             return
         model, ctx = context.model, context.context
-        blocks = list(model.model.layers.values())
         apply_tensor_parallel(model, ctx)  # mesh.tensor_parallel > 1
         apply_expert_parallel(model, ctx, context.precision)  # mesh.expert_parallel > 1 (MoE)
         parallelize_context_parallel(model, context.mesh)  # mesh.context_parallel > 1
         if context.lora is not None:  # peft.lora: adapters on the frozen HF weights, before FSDP
             apply_lora(model, context.lora)
-        apply_activation_checkpointing(blocks, context.activation_checkpointing)
-        compile_blocks(blocks, context.compile)
-        # one FSDP group per layer, for the embedding and for [norm, lm_head]
-        parallelize_hsdp(model, context.mesh, blocks=shard_units(model), precision=context.precision)
+        # per layer: activation checkpointing, compile; FSDP units per layer, embedding, [norm, lm_head]
+        parallelize_decoder(
+            model,
+            context.mesh,
+            blocks=list(model.model.layers.values()),
+            **decoder_parts(model),
+            activation_checkpointing=context.activation_checkpointing,
+            compile=context.compile,
+            precision=context.precision,
+        )
 
     def prepare_import_model_stage(
         self, context: PrepareImportModelStageContext

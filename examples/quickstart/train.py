@@ -22,21 +22,15 @@ from reference_model import (
     apply_tensor_parallel,
     check_mesh,
     check_sequence_length,
+    decoder_parts,
     hf_export_mapper,
-    shard_units,
     to_hf_config,
     trim_to_stage,
 )
 
 from d9d.data import TextDataset
 from d9d.mesh import MeshConfig
-from d9d.parallel import (
-    apply_activation_checkpointing,
-    apply_lora,
-    compile_blocks,
-    parallelize_context_parallel,
-    parallelize_hsdp,
-)
+from d9d.parallel import apply_lora, parallelize_context_parallel, parallelize_decoder
 from d9d.trainer import main
 from d9d.trainer.providers import (
     BuildDatasetContext,
@@ -53,7 +47,7 @@ from d9d.trainer.providers import (
 class QuickstartModelProvider:
     """Builds the reference model; tensor and expert parallel when the mesh asks, then HSDP.
 
-    `parallelize_hsdp` gives DDP, FSDP or both, depending on which data-parallel degrees are > 1.
+    `parallelize_decoder` gives DDP, FSDP or both, depending on which data-parallel degrees are > 1.
     """
 
     config_type = ReferenceModelConfig
@@ -81,23 +75,21 @@ class QuickstartModelProvider:
     def parallelize_model_stage(self, context: ParallelizeModelStageContext) -> None:
         """Called on every mesh, one process too (there context.mesh is None and HSDP does nothing)."""
         model, ctx = context.model, context.context
-        blocks = list(model.model.layers.values())
         apply_tensor_parallel(model, ctx)
         apply_expert_parallel(model, ctx, context.precision)
         parallelize_context_parallel(model, context.mesh)  # mesh.context_parallel: attention over cp ranks
         if context.lora is not None:  # peft.lora: adapters follow the TP layout, FSDP shards them below
             apply_lora(model, context.lora)
-        apply_activation_checkpointing(
-            blocks, context.activation_checkpointing
-        )  # trainer.activation_checkpointing
-        compile_blocks(blocks, context.compile)  # trainer.compile: per block, before FSDP
-        # trainer.precision: FSDP gathers parameters in the compute dtype (bf16 on GPUs by default);
-        # one FSDP group per layer, for the embedding and for [norm, lm_head] (shard_units)
-        parallelize_hsdp(
+        # per layer: activation checkpointing, then compile; then one FSDP unit per layer, one for the
+        # embedding and one for [norm, lm_head] (DDP, FSDP or HSDP as the mesh says)
+        parallelize_decoder(
             model,
             context.mesh,
-            blocks=shard_units(model),
-            precision=context.precision,
+            blocks=list(model.model.layers.values()),
+            **decoder_parts(model),  # the embedding, final norm and head this stage holds
+            activation_checkpointing=context.activation_checkpointing,  # trainer.activation_checkpointing
+            compile=context.compile,  # trainer.compile
+            precision=context.precision,  # trainer.precision: FSDP gathers in the compute dtype
             cpu_offload=context.cpu_offload,  # trainer.memory.cpu_offload: FSDP2 keeps the state on the host
         )
 

@@ -1,7 +1,8 @@
 """How the reference model is distributed: tensor- and expert-parallel plans for its modules.
 
-Data parallelism (`d9d.parallel.parallelize_hsdp`) is applied by the caller afterwards, so a provider
-reads: tensor parallel → expert parallel → HSDP.
+Activation checkpointing, compile and data parallelism (`d9d.parallel.parallelize_decoder`, on the
+modules `decoder_parts` names) are applied by the caller afterwards, so a provider reads: tensor
+parallel → expert parallel → context parallel → LoRA → `parallelize_decoder`.
 """
 
 from torch import nn
@@ -14,6 +15,7 @@ from d9d.parallel import (
     ShardUnit,
     TensorParallelPlan,
     attention_plan,
+    decoder_units,
     embedding_plan,
     lm_head_plan,
     mlp_plan,
@@ -30,6 +32,7 @@ __all__ = [
     "apply_expert_parallel",
     "apply_tensor_parallel",
     "check_mesh",
+    "decoder_parts",
     "shard_units",
     "tensor_parallel_plan",
     "trim_to_stage",
@@ -127,30 +130,17 @@ def apply_expert_parallel(
         parallelize_expert_parallel(model, context, precision=precision)
 
 
+def decoder_parts(model: ReferenceForCausalLM) -> dict[str, nn.Module | None]:
+    """The embedding, final norm and LM head the model (or pipeline stage) holds, None for those it
+    lacks: the keyword arguments of `d9d.parallel.parallelize_decoder` and `decoder_units` besides
+    the blocks (`model.model.layers`)."""
+    return {"embedding": model.model.embed_tokens, "final_norm": model.model.norm, "head": model.lm_head}
+
+
 def shard_units(model: ReferenceForCausalLM) -> list[ShardUnit]:
-    """The FSDP groups of the model (or of a pipeline stage: the modules it holds) for
-    `parallelize_hsdp(blocks=...)`: the embedding, each decoder layer, then the final norm with the
-    LM head, so neither the table nor the head stays gathered for the whole step and their gradients
-    are reduced as soon as they are ready. The group that runs last in forward comes last (it keeps
-    its weights gathered into backward, which starts with it). A tied embedding and head share one
-    weight, so they are one group, gathered from the embedding's forward to the head's: it is the
-    last group then, after the norm's.
-    """
-    inner, head = model.model, model.lm_head
-    embed = inner.embed_tokens
-    tied = embed is not None and head is not None and head.weight is embed.weight
-    units: list[ShardUnit] = []
-    if embed is not None and not tied:
-        units.append(embed)
-    units.extend(inner.layers.values())
-    if tied:
-        units += [[inner.norm]] if inner.norm is not None else []
-        units.append([embed, head])
-    else:
-        last: list[nn.Module] = [m for m in (inner.norm, head) if m is not None]
-        if last:
-            units.append(last)
-    return units
+    """The FSDP units of the model (or pipeline stage) by d9d's decoder rule
+    (`d9d.parallel.decoder_units`), for `parallelize_hsdp(blocks=...)`."""
+    return decoder_units(list(model.model.layers.values()), **decoder_parts(model))
 
 
 def trim_to_stage(model: ReferenceForCausalLM, stage: StageSpec) -> None:

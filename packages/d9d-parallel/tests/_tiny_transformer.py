@@ -21,6 +21,7 @@ class TinyConfig:
     n_heads: int = 4
     hidden: int = 64
     n_layers: int = 2
+    tie_embeddings: bool = False  # the LM head shares the embedding's table
 
 
 def rotary_table(seq: int, head_dim: int, device: torch.device) -> torch.Tensor:
@@ -96,6 +97,8 @@ class TinyTransformer(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         rope = rotary_table(tokens.shape[1], self.cfg.dim // self.cfg.n_heads, tokens.device)

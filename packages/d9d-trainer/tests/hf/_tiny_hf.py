@@ -147,7 +147,21 @@ def train(config: dict[str, Any], export_dir: Path) -> dict[str, Any]:
                 for name, p in trainer.model.named_parameters()
                 if any(type(pl).__name__ == "Shard" for pl in getattr(p, "placements", ()))
             },
+            "units": fsdp_units(trainer.model),
         }
+
+
+def fsdp_units(model: torch.nn.Module) -> list[set[str]]:
+    """The parameter names of each FSDP2 unit of `model` (none on one process)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = []  # a unit of several modules is found at each of them: once
+    for module in model.modules():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        if group is not None and all(group is not g for g in groups):
+            groups.append(group)
+    return [{names[id(p.sharded_param)] for p in group.fsdp_params} for group in groups]
 
 
 def max_rel(a: list[float], b: list[float]) -> float:

@@ -166,13 +166,13 @@ def test_every_architecture_builds_under_hugging_face_names(tmp_path):
 
 
 def test_checkpointing_and_compile_act_on_each_decoder_layer_and_keep_the_names(llama, monkeypatch):
+    import d9d.parallel.decoder as decoder_module
     from d9d.parallel import ActivationCheckpointingConfig, CompileConfig
-    from d9d.trainer.hf import provider as provider_module
     from d9d.trainer.providers import ParallelizeModelStageContext
 
     compiled = []  # torch.compile itself costs ~50 s cold here; what it is given is the backend's part
     monkeypatch.setattr(
-        provider_module, "compile_blocks", lambda blocks, config: compiled.append((blocks, config))
+        decoder_module, "compile_blocks", lambda blocks, config: compiled.append((blocks, config))
     )
     model = _build(llama)
     names = list(model.state_dict())

@@ -62,6 +62,16 @@ def test_import_train_fsdp2_and_export_match_transformers(tmp_path, folders, mod
         assert safetensors_shapes(tmp_path / export) == safetensors_shapes(folder)  # HF's own layout
         torch.testing.assert_close(hf_logits(tmp_path / export), run["trained"], rtol=0, atol=LOGITS_ATOL)
     assert not torch.allclose(one["trained"], expected)
+    # d9d's decoder units (d9d.parallel.decoder_units): one per layer, the embedding, [norm, lm_head];
+    # a tied table is one unit with the head, after [norm]; nothing is left in the root
+    params = set().union(*fsdp["units"])
+    layers = {name.split(".")[2] for name in params if name.startswith("model.layers.")}
+    expected = [{n for n in params if n.startswith(f"model.layers.{i}.")} for i in layers]
+    if "lm_head.weight" in params:
+        expected += [{"model.embed_tokens.weight"}, {"model.norm.weight", "lm_head.weight"}]
+    else:
+        expected += [{"model.norm.weight"}, {"model.embed_tokens.weight"}]
+    assert not one["units"] and sorted(map(sorted, fsdp["units"])) == sorted(map(sorted, expected))
 
 
 @pytest.mark.parametrize(

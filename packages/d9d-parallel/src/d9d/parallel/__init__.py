@@ -3,6 +3,10 @@
     from d9d.parallel import parallelize_hsdp
     parallelize_hsdp(model, mesh, shard_axis="dp_shard")   # DDP, FSDP or HSDP, by the mesh
 
+A decoder-only transformer takes the standard sequence in one call, `parallelize_decoder` (activation
+checkpointing, per-block compile, then one FSDP unit per block, one for the embedding and one for the
+final norm with the LM head).
+
 Also the per-block training mechanisms any loop can use: mixed precision (`precision_autocast`,
 `precision=` of the parallelize functions), activation checkpointing, in-place `torch.compile`, and
 LoRA adapters (`apply_lora`, exported in PEFT's layout), and AdamW/SGD with bfloat16 states
@@ -10,9 +14,13 @@ LoRA adapters (`apply_lora`, exported in PEFT's layout), and AdamW/SGD with bflo
 
 See packages/d9d-parallel/README.md for the gradient-reduction contract.
 
-The names load on first use (PEP 562): the config sections (`PrecisionConfig`, `LoraConfig`,
-`PipelineConfig`, ...), the schedule table and the errors import no torch, so a job's config is
-checked without it; everything else imports torch when first used.
+Expert parallelism (`MoE`, `parallelize_expert_parallel`, ...) and pipeline parallelism (`Pipeline`,
+`plan_pipeline`, `PipelineConfig`, ...) are faces of their own: `d9d.parallel.expert`,
+`d9d.parallel.pipeline`.
+
+The names load on first use (PEP 562): the config sections (`PrecisionConfig`, `LoraConfig`, ...) and
+the errors import no torch, so a job's config is checked without it; everything else imports torch
+when first used.
 """
 
 from typing import TYPE_CHECKING
@@ -54,6 +62,7 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
         set_gradient_accumulation,
         set_gradient_sync,
     )
+    from d9d.parallel.decoder import decoder_units, parallelize_decoder
     from d9d.parallel.document_attention import (
         DocumentAttentionBackend,
         DocumentMask,

@@ -16,13 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from d9d.data import TextDataset
-from d9d.parallel import (
-    apply_activation_checkpointing,
-    compile_blocks,
-    parallelize_context_parallel,
-    parallelize_hsdp,
-    to_autocast_dtype,
-)
+from d9d.parallel import parallelize_context_parallel, parallelize_decoder, to_autocast_dtype
 from d9d.trainer import main
 from d9d.trainer.providers import (
     BuildDatasetContext,
@@ -118,21 +112,25 @@ class QuickstartModelProvider:
     def parallelize_model_stage(self, context: ParallelizeModelStageContext) -> None:
         """Called on every mesh (one process too: then context.mesh is None and HSDP is a no-op).
 
-        The order matters: context parallelism, activation checkpointing, compile, then data parallelism.
+        The order matters: context parallelism, then `parallelize_decoder` (activation checkpointing,
+        compile, then data parallelism).
         """
         model = context.model
-        blocks = list(model.blocks)
         parallelize_context_parallel(model, context.mesh)  # mesh.context_parallel: long sequences
-        apply_activation_checkpointing(
-            blocks, context.activation_checkpointing
-        )  # trainer.activation_checkpointing
-        compile_blocks(blocks, context.compile)  # trainer.compile
-        # trainer.precision: FSDP gathers parameters in the compute dtype (bf16 on GPUs by default).
-        # One FSDP group per block, one for the embeddings, one for [norm, head], in forward order:
-        # only one group's full weights live at a time, and each group's gradients are reduced early.
-        units = [[model.embed, model.pos], *blocks, [model.norm, model.head]]
-        parallelize_hsdp(
-            model, context.mesh, blocks=units, precision=context.precision, cpu_offload=context.cpu_offload
+        # Per block: activation checkpointing, then compile. Then one FSDP unit per block, one for the
+        # embeddings, one for [norm, head]: only one unit's full weights live at a time, and each
+        # unit's gradients are reduced early.
+        parallelize_decoder(
+            model,
+            context.mesh,
+            blocks=list(model.blocks),
+            embedding=[model.embed, model.pos],
+            final_norm=model.norm,
+            head=model.head,
+            activation_checkpointing=context.activation_checkpointing,  # trainer.activation_checkpointing
+            compile=context.compile,  # trainer.compile
+            precision=context.precision,  # trainer.precision: FSDP gathers in the compute dtype
+            cpu_offload=context.cpu_offload,  # trainer.memory.cpu_offload
         )
 
     def prepare_export_model_stage(

@@ -178,6 +178,13 @@ class HFCausalLM(nn.Module):
         """The LM head."""
         return self._hf.get_output_embeddings()
 
+    def final_norm(self) -> nn.Module | None:
+        """The norm before the LM head: the base model's `norm` (the name every family d9d tests gives
+        it), or None when it has none of that name (then it stays in the root FSDP unit)."""
+        base = self.get_submodule(self.base_model_path) if self.base_model_path else self
+        norm = base._modules.get("norm")
+        return norm if isinstance(norm, nn.Module) else None
+
     def decoder_layers(self) -> list[nn.Module]:
         """The model's decoder layers: the outermost modules of the classes transformers keeps whole
         (`_no_split_modules`), in order; what FSDP, activation checkpointing and compile act on."""

@@ -8,7 +8,8 @@
 The model is built by `AutoModelForCausalLM.from_config` on the meta device (float32 master
 weights), split by tensor parallelism (transformers' tp plan) and context parallelism (d9d's
 context-parallel attention as a transformers attention implementation, `hf.context_parallel`),
-shaped per decoder layer (LoRA, activation checkpointing, compile, FSDP2/HSDP), then
+shaped per decoder layer (LoRA, then d9d's decoder rule: activation checkpointing and compile per
+layer, FSDP2/HSDP units per layer, for the embedding and for [final norm, LM head]), then
 materialized: each rank allocates its shards, and only what the folder does not hold (rotary tables,
 LoRA adapters) is initialized, by transformers' own `_init_weights`; a fresh run then fills the rest
 from the folder (each rank reads only its shards), so no rank holds more than its shard of the model
@@ -23,7 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from d9d.ckpt import safetensors_shapes
 from d9d.mesh import MeshConfig, first_line
-from d9d.parallel import apply_activation_checkpointing, apply_lora, compile_blocks, parallelize_hsdp
+from d9d.parallel import apply_lora, parallelize_decoder
 from d9d.trainer.hf.config import HFCausalLMConfig
 from d9d.trainer.hf.context_parallel import apply_context_parallel, context_parallel_problem
 from d9d.trainer.hf.conversion import SavedFormat
@@ -181,7 +182,8 @@ class HFCausalLMProvider:
         return InitializeModelStageResult(model=model)
 
     def parallelize_model_stage(self, context: ParallelizeModelStageContext) -> None:
-        """LoRA, activation checkpointing, compile and FSDP2/HSDP, each per decoder layer."""
+        """LoRA, then `parallelize_decoder`: activation checkpointing and compile per decoder layer, FSDP2
+        units per decoder layer, for the embedding and for [final norm, LM head] (DDP/FSDP/HSDP by the mesh)."""
         model = unwrap(context.model)
         blocks = model.decoder_layers()
         if not blocks:
@@ -203,10 +205,17 @@ class HFCausalLMProvider:
             apply_context_parallel(model, model.hf_model, context.mesh)
         if context.lora is not None:
             apply_lora(model, context.lora)
-        apply_activation_checkpointing(blocks, context.activation_checkpointing)
-        compile_blocks(blocks, context.compile)
-        parallelize_hsdp(
-            model, context.mesh, blocks=blocks, precision=context.precision, cpu_offload=context.cpu_offload
+        parallelize_decoder(
+            model,
+            context.mesh,
+            blocks=blocks,
+            embedding=model.get_input_embeddings(),
+            final_norm=model.final_norm(),
+            head=model.get_output_embeddings(),
+            activation_checkpointing=context.activation_checkpointing,
+            compile=context.compile,
+            precision=context.precision,
+            cpu_offload=context.cpu_offload,
         )
 
     def prepare_import_model_stage(
