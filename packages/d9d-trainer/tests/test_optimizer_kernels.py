@@ -14,7 +14,7 @@ from _job import job_config
 from d9d.mesh.testing import run_distributed
 from d9d.trainer import BuiltinOptimizerProvider, ConfigError, Trainer
 from d9d.trainer.builtins.optim import optimizer_kernels
-from d9d.trainer.config import OptimizerConfig
+from d9d.trainer.config.job import OptimizerConfig
 
 
 def _plain(n: int = 3) -> list[nn.Parameter]:

@@ -64,6 +64,7 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
         DeclaresStepsLeft,
         DeclaresVocabSize,
         OrdersItself,
+        ReportsSources,
         SizedDataProvider,
     )
 

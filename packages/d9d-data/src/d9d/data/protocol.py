@@ -12,6 +12,7 @@ __all__ = [
     "DeclaresStepsLeft",
     "DeclaresVocabSize",
     "OrdersItself",
+    "ReportsSources",
     "SizedDataProvider",
 ]
 
@@ -110,6 +111,19 @@ class OrdersItself(Protocol):
 
     def resume_stream(self, index: int, state: Mapping[str, Any]) -> list[str]:
         """Continue at `index` from a `stream_state`; returns what changed since it, a line each."""
+        ...
+
+
+@runtime_checkable
+class ReportsSources(Protocol):
+    """A data provider that reports on the named sources of its data (`AutoDataProvider` over a
+    mixture): the tokens each gave so far, recorded per step, and what changed at a resume."""
+
+    #: What `load_state_dict` found changed in the sources (e.g. mixture weights), a line each.
+    resume_changes: list[str]
+
+    def source_tokens(self) -> dict[str, int] | None:
+        """Tokens each source gave over the run's steps so far; None when the data has no sources."""
         ...
 
 

@@ -29,7 +29,8 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
     from d9d.trainer.builtins.prepared_data import MixtureSource, PreparedDataConfig, PreparedDataProvider
     from d9d.trainer.builtins.task import CausalLMTask
     from d9d.trainer.callbacks import Callback, RunControl
-    from d9d.trainer.config import ConfigPath, JobConfig
+    from d9d.trainer.config.base import ConfigPath
+    from d9d.trainer.config.job import JobConfig
     from d9d.trainer.entry import main, run_job
     from d9d.trainer.errors import ConfigError, TrainingError
     from d9d.trainer.generation import SamplingConfig, generate

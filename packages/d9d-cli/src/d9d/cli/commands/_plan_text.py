@@ -11,7 +11,7 @@ if TYPE_CHECKING:  # the trainer imports torch: only inside the command at run t
     from d9d.mesh import MeshConfig
     from d9d.parallel.pipeline import StageSpec
     from d9d.trainer import JobConfig
-    from d9d.trainer.config import PipeliningConfig
+    from d9d.trainer.config.job import PipeliningConfig
     from d9d.trainer.planning import FitPlan, JobPlan, PipelinePlan, SequencePlan
 
 __all__ = ["format_fit", "plan_lines"]

@@ -177,8 +177,6 @@ def shape_model(
     """
     import torch
 
-    config = job.config
-    tcfg = config.trainer
     where: dict[str, Any] = {
         "stage_index": stage.index if stage is not None else 0,
         "num_stages": layout.num_stages if layout is not None else 1,
@@ -190,14 +188,22 @@ def shape_model(
             InitializeModelStageContext(context=context, precision=precision, **where)
         ).model
     if data_vocab_size is not None:
-        check_vocabulary(
-            model,
-            data_vocab_size,
-            model_section=job.sections.get("model"),
-            dataset_section=job.sections.get("dataset"),
-        )
-    if tcfg.precision.float8 is not None:
-        _apply_float8(model, tcfg.precision.float8, job, context)
+        check_vocabulary(model, data_vocab_size, model_section=job.sections.get("model"),
+                         dataset_section=job.sections.get("dataset"))  # fmt: skip
+    float8 = job.config.trainer.precision.float8
+    if float8 is not None:
+        _apply_float8(model, float8, job, context)
+    _parallelize(job, context, precision, model, where)
+    _check_shaped(job, context, model)
+    return model
+
+
+def _parallelize(
+    job: ResolvedJob, context: DistributedContext, precision: MixedPrecision, model: nn.Module,
+    where: dict[str, Any],
+) -> None:  # fmt: skip
+    """The model provider's `parallelize_model_stage`, with the job's training settings."""
+    tcfg = job.config.trainer
     try:
         job.model_provider.parallelize_model_stage(
             ParallelizeModelStageContext(
@@ -206,7 +212,7 @@ def shape_model(
                 precision=precision,
                 activation_checkpointing=tcfg.activation_checkpointing,
                 compile=tcfg.compile,
-                lora=config.peft.lora,
+                lora=job.config.peft.lora,
                 cpu_offload=tcfg.memory.cpu_offload,
                 **where,
             )
@@ -219,9 +225,15 @@ def shape_model(
                 "instead of context.context.mesh('dense'), or check context.context.is_local"
             ) from exc
         raise
+
+
+def _check_shaped(job: ResolvedJob, context: DistributedContext, model: nn.Module) -> None:
+    """What the provider's parallelization must have done: LoRA, offload and every mesh degree applied,
+    the cp group handed to the attention, and the parameter names kept."""
+    config = job.config
     check_lora_applied(model, config.peft.lora)
     if not context.is_local:
-        check_offload_applied(model, tcfg.memory.cpu_offload)
+        check_offload_applied(model, config.trainer.memory.cpu_offload)
         mesh = config.mesh
         check_parallelisms_applied(
             model,
@@ -247,7 +259,6 @@ def shape_model(
             "torch.compile(module) wraps the module; compile in place with module.compile() or "
             "d9d.parallel.compile_blocks so checkpoint and export keys stay the same"
         )
-    return model
 
 
 def check_vocabulary(

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from d9d.mesh import get_logger
-from d9d.trainer.config import LRSchedulerConfig, OptimizerConfig
+from d9d.trainer.config.job import LRSchedulerConfig, OptimizerConfig
 from d9d.trainer.providers.optim import OptimizerStates
 
 __all__ = ["BuiltinLRSchedulerProvider", "BuiltinOptimizerProvider", "lr_multiplier", "optimizer_kernels"]

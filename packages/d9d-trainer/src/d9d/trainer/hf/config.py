@@ -4,7 +4,7 @@ from typing import Literal
 
 import msgspec
 
-from d9d.trainer.config import ConfigPath
+from d9d.trainer.config.base import ConfigPath
 
 __all__ = ["HFCausalLMConfig"]
 

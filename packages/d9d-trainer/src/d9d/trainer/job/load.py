@@ -19,7 +19,7 @@ import yaml
 
 from d9d.mesh import AUTO, MeshConfigError, resolve_auto_degree
 from d9d.mesh.launch import launched_world_size
-from d9d.trainer.config import JobConfig
+from d9d.trainer.config.job import JobConfig
 from d9d.trainer.errors import ConfigError
 from d9d.trainer.job.convert import check_values, convert_section, join_key
 from d9d.trainer.job.paths import JobPaths, resolve_path

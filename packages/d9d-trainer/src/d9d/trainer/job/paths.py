@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from d9d.trainer.config import JobConfig
+from d9d.trainer.config.job import JobConfig
 
 __all__ = ["JobPaths", "resolve_path"]
 

@@ -20,7 +20,9 @@ import torch
 from d9d.data import DataError
 from d9d.mesh import D9dError, one_line
 from d9d.trainer.callbacks import Callback
-from d9d.trainer.config import CallbackConfig, ConfigPath, JobConfig
+from d9d.trainer.config.base import ConfigPath
+from d9d.trainer.config.job import JobConfig
+from d9d.trainer.config.trainer import CallbackConfig
 from d9d.trainer.errors import ConfigError
 from d9d.trainer.job.convert import check_values, convert_section
 from d9d.trainer.job.load import LoadedJob
@@ -35,14 +37,14 @@ from d9d.trainer.providers.model import (
     PipelineModelProvider,
 )
 from d9d.trainer.providers.optim import DeclaresOptimizerStates, LRSchedulerProvider, OptimizerProvider
-from d9d.trainer.providers.task import PipelineTask, Task
+from d9d.trainer.providers.task import PipelineTask, PreparesSteps, Task
 
 __all__ = ["ResolvedJob", "resolve_config_paths", "resolve_job", "resolve_object"]
 
 #: The optional abilities (protocols of `d9d.trainer.providers`) a provider of each role may declare.
 _ABILITIES: dict[str, tuple[type, ...]] = {
     "model": (ChecksMesh, ChecksSequenceLength, PipelineModelProvider, ImportsModelWeights, DescribesModel),
-    "task": (PipelineTask,),
+    "task": (PipelineTask, PreparesSteps),
     "data": (DeclaresBatching,),
     "optimizer": (DeclaresOptimizerStates,),
 }

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from d9d.mesh import MeshConfig
 from d9d.parallel.pipeline import PIPELINE_SCHEDULES, PipelineConfig, PipelineError
-from d9d.trainer.config import JobConfig
+from d9d.trainer.config.job import JobConfig
 from d9d.trainer.errors import ConfigError
 from d9d.trainer.job.paths import JobPaths
 

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import msgspec
 
 from d9d.mesh import get_logger, one_line
-from d9d.trainer.config import TrackingConfig
+from d9d.trainer.config.trainer import TrackingConfig
 from d9d.trainer.errors import ConfigError, TrainingError
 from d9d.trainer.job.load import LoadedJob
 

@@ -10,7 +10,7 @@ implement the same contract.
 
 Optional abilities are declared, never probed: a provider has one when it implements the small
 protocol of that ability (`ChecksMesh`, `ChecksSequenceLength`, `PipelineModelProvider`,
-`ImportsModelWeights`, `DescribesModel`, `PipelineTask`, `DeclaresBatching`, `DeclaresOptimizerStates`,
+`ImportsModelWeights`, `DescribesModel`, `PipelineTask`, `PreparesSteps`, `DeclaresBatching`, `DeclaresOptimizerStates`,
 `SupportsClose`), and the planner (`d9d.trainer.planning.plan_job`) asks with `isinstance`. So a
 user's provider with the same declarations gets exactly the plan, the checks and the `d9d plan`
 output a built-in one gets.
@@ -53,6 +53,13 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
         OptimizerProvider,
         OptimizerStates,
     )
-    from d9d.trainer.providers.task import LossContext, LossResult, PipelineTask, Task
+    from d9d.trainer.providers.task import (
+        LossContext,
+        LossResult,
+        PipelineTask,
+        PreparesSteps,
+        PrepareStepContext,
+        Task,
+    )
 
 __all__, __getattr__, __dir__ = lazy_face(__name__, globals())

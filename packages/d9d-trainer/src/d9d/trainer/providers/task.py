@@ -1,10 +1,14 @@
-"""The task: a microbatch's summed loss and its weight; the pipeline variant of it."""
+"""The task: a microbatch's summed loss and its weight; the pipeline variant of it; and the one place
+between steps where a training method prepares the step (`PreparesSteps`)."""
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+
+from d9d.mesh import DistributedContext
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,7 @@ class Task(Protocol):
         """Forward the model on the batch and return the summed loss."""
         ...
 
-    # Optional, for pipeline parallelism: `PipelineTask`.
+    # Optional: `PipelineTask` (pipeline parallelism), `PreparesSteps` (the step's microbatches).
 
 
 @runtime_checkable
@@ -57,4 +61,38 @@ class PipelineTask(Task, Protocol):
 
     def pipeline_loss(self, output: Any, target: Any) -> LossResult:
         """The summed loss of the last stage's `output` against `target`."""
+        ...
+
+
+@dataclass(frozen=True)
+class PrepareStepContext:
+    """What `prepare_step` may use to make a step's microbatches.
+
+    Attributes:
+        step: the optimizer step about to run (1-based); the previous step's update is applied.
+        data: the data provider's steps: `next(data)` is one step's microbatches as the provider
+            batches them (e.g. the prompts to roll out); its position is part of every checkpoint.
+        model: this rank's (parallelized) model with the current weights, in train mode.
+        context: where this rank sits (mesh, coordinates, device).
+    """
+
+    step: int
+    data: Iterator[Any]
+    model: nn.Module
+    context: DistributedContext
+
+
+@runtime_checkable
+class PreparesSteps(Protocol):
+    """A task that makes each step's microbatches itself, between two optimizer steps (optional).
+
+    The run loop's one place for a training method that acts between steps without forking the
+    trainer: generate rollouts from the current weights and score them (RL), sync the weights to an
+    inference engine, or draw from another source. Without it, a step's microbatches are
+    `next(data)`. Every rank calls it for every step, in step order; the microbatches it returns
+    go to `batch_weight` and `compute_loss` (or the pipeline) like the data provider's.
+    """
+
+    def prepare_step(self, context: PrepareStepContext) -> Any:
+        """The microbatches of step `context.step` (a list, as the data provider yields them)."""
         ...

@@ -7,6 +7,7 @@ with that eval's step), which `keep_best` ranks by and `d9d checkpoints` shows; 
 back, so a save before the next eval records them again. The early-stopping counter rides in the
 extra state."""
 
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -14,17 +15,42 @@ import torch
 from torch import nn
 
 from d9d.ckpt import CheckpointInfo, CheckpointManager, capture_rng_state, restore_rng_state
+from d9d.data import ReportsSources
 from d9d.mesh import get_logger
 from d9d.trainer.build.starting_weights import StartingWeights
-from d9d.trainer.config import EVAL_METRICS, OptimizerConfig, ProvidersConfig
+from d9d.trainer.config.job import OptimizerConfig, ProvidersConfig
+from d9d.trainer.config.trainer import EVAL_METRICS, CheckpointingConfig
 from d9d.trainer.errors import TrainingError
 from d9d.trainer.job.resolve import ResolvedJob
 from d9d.trainer.results import EvalResult
 from d9d.trainer.run.early_stopping import EarlyStopping
 
-__all__ = ["RunCheckpoints", "config_changes", "optimizer_change"]
+__all__ = ["RunCheckpoints", "SavePolicy", "config_changes", "optimizer_change"]
 
 _log = get_logger("d9d.trainer")
+
+
+@dataclass(frozen=True)
+class SavePolicy:
+    """When the loop saves a checkpoint after a step (`trainer.checkpointing`).
+
+    Attributes:
+        period: every `period_steps` steps (0: never periodically).
+        on_signal: when a signal or a callback stops the run (`save_on_signal`).
+    """
+
+    period: int
+    on_signal: bool
+
+    @classmethod
+    def of(cls, config: CheckpointingConfig) -> "SavePolicy":
+        return cls(period=config.period_steps, on_signal=config.save_on_signal)
+
+    def due(self, step: int, *, last: bool, requested: bool, stopping: bool, stopping_early: bool) -> bool:
+        """Save after `step`: the run's last step, a periodic one, one a callback asked to save, one
+        after which early stopping ends the run, or one after which a stop request ends it."""
+        periodic = self.period > 0 and step % self.period == 0
+        return last or periodic or requested or stopping_early or (stopping and self.on_signal)
 
 
 class RunCheckpoints:
@@ -46,6 +72,7 @@ class RunCheckpoints:
     ) -> None:
         self.manager = manager
         self.early_stopping = early_stopping
+        self.policy = SavePolicy.of(job.config.trainer.checkpointing)
         self._eval_metrics: dict[str, float] | None = None  # of the last eval, recorded by each save
         self._eval_step: int | None = None
         self._job = job
@@ -101,8 +128,8 @@ class RunCheckpoints:
             _log.warning("optimizer state reset: the optimizer changed since the checkpoint", change=changed)
         extra = loaded.extra_state
         self._data.load_state_dict(extra["data"])
-        changes = getattr(self._data, "resume_changes", None)  # AutoDataProvider over a mixture
-        if changes:
+        changes = self._data.resume_changes if isinstance(self._data, ReportsSources) else None
+        if changes:  # e.g. the weights of a mixture
             _log.warning(
                 "the data mixture changed since the checkpoint; its new shares apply from the next step",
                 step=int(extra["step"]) + 1, shares=changes,

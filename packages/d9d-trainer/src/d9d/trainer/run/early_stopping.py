@@ -11,7 +11,7 @@ counts on where it left off.
 import math
 from typing import Any
 
-from d9d.trainer.config import EarlyStoppingConfig
+from d9d.trainer.config.job import EarlyStoppingConfig
 
 __all__ = ["EarlyStopping"]
 

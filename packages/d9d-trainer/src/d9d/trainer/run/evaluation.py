@@ -26,7 +26,7 @@ from torch.utils.data import default_collate
 
 from d9d.mesh import DistributedContext
 from d9d.parallel import check_sequence_length, precision_autocast
-from d9d.trainer.config import EvalConfig
+from d9d.trainer.config.job import EvalConfig
 from d9d.trainer.errors import ConfigError, TrainingError
 from d9d.trainer.job.resolve import ResolvedJob
 from d9d.trainer.planning.job_plan import EVAL_LENGTH

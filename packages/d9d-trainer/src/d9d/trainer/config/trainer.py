@@ -1,48 +1,25 @@
-"""The job config: one YAML file read into frozen msgspec structs.
-
-Sections owned by lower packages keep their own structs (`mesh:` is `d9d.mesh.MeshConfig`); the
-sections a provider owns (`model:`, `dataset:`, `eval_dataset:`, and `data:` for a custom data provider) stay raw here
-and are converted into the provider's own `config_type` when the providers are resolved, so every
-unknown key and wrong type still fails before anything starts, with its key path.
-"""
+"""The `trainer:` section of the job config: the run's name and schedule, checkpointing, resume,
+logging, tracking, profiling, clipping, determinism, timeouts, callbacks, and the d9d.parallel
+mechanisms' own configs (precision, memory, activation checkpointing, compile)."""
 
 import math
-from typing import Any, Literal, NewType
+from typing import Any, Literal
 
 import msgspec
 
-from d9d.mesh import MeshConfig
-from d9d.parallel import (
-    ActivationCheckpointingConfig,
-    CompileConfig,
-    LoraConfig,
-    MemoryConfig,
-    PrecisionConfig,
-)
+from d9d.parallel import ActivationCheckpointingConfig, CompileConfig, MemoryConfig, PrecisionConfig
+from d9d.trainer.config.base import Section
 
 __all__ = [
     "EVAL_METRICS",
-    "ActivationCheckpointingConfig",
     "CallbackConfig",
     "CheckpointingConfig",
-    "CompileConfig",
-    "ConfigPath",
     "DeterminismConfig",
-    "EarlyStoppingConfig",
-    "EvalConfig",
-    "ExportConfig",
     "GradientClippingConfig",
-    "JobConfig",
     "KeepBestConfig",
-    "LRSchedulerConfig",
     "LoggingConfig",
-    "LoraConfig",
-    "MemoryConfig",
-    "OptimizerConfig",
-    "PeftConfig",
-    "PipeliningConfig",
-    "PrecisionConfig",
-    "ProvidersConfig",
+    "ProfilingConfig",
+    "ResumeConfig",
     "RunConfig",
     "ScheduleConfig",
     "StragglersConfig",
@@ -52,33 +29,7 @@ __all__ = [
 ]
 
 
-#: A path in a provider's config section: declare a field `ConfigPath` (or `ConfigPath | None`) in
-#: the provider's `config_type` and the provider receives it absolute, taken from the config file's
-#: directory like every path of a job (`LoadedJob.resolve_path`), so it can read the file at once.
-ConfigPath = NewType("ConfigPath", str)
-
-
-class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """Base of every config section: immutable, unknown keys rejected."""
-
-
-class ProvidersConfig(_Section):
-    """Import paths of the job's providers: `package.module:Name` or `file.py:Name`.
-
-    A `file.py` path is resolved relative to the config file's directory.
-    """
-
-    model: str
-    dataset: str | None = None
-    eval_dataset: str | None = None
-    """The validation set's dataset provider (its config is the `eval_dataset:` section); see `eval:`."""
-    task: str = "d9d.trainer:CausalLMTask"
-    data: str = "d9d.trainer:AutoDataProviderFactory"
-    optimizer: str = "d9d.trainer:BuiltinOptimizerProvider"
-    lr_scheduler: str = "d9d.trainer:BuiltinLRSchedulerProvider"
-
-
-class RunConfig(_Section):
+class RunConfig(Section):
     """Identity of a run: checkpoints live in `save_dir/name/`; the same name resumes."""
 
     name: str
@@ -88,7 +39,7 @@ class RunConfig(_Section):
             raise ValueError(f"trainer.run.name must be a plain directory name, got {self.name!r}")
 
 
-class ScheduleConfig(_Section):
+class ScheduleConfig(Section):
     """How long to train."""
 
     total_steps: int
@@ -103,7 +54,7 @@ class ScheduleConfig(_Section):
 EVAL_METRICS = ("eval_loss", "eval_perplexity")
 
 
-class KeepBestConfig(_Section):
+class KeepBestConfig(Section):
     """`trainer.checkpointing.keep_best`: also keep the `count` best checkpoints by `metric`.
 
     `metric` is one of `EVAL_METRICS`: the last eval's value at (or before) the saved step, recorded in
@@ -130,7 +81,7 @@ class KeepBestConfig(_Section):
             )
 
 
-class CheckpointingConfig(_Section):
+class CheckpointingConfig(Section):
     """Where and how often to save. `period_steps: 0` saves only at the end.
 
     `save_on_signal`: on SIGTERM (pre-emption) or Ctrl-C, every rank finishes its step, the job
@@ -156,7 +107,7 @@ class CheckpointingConfig(_Section):
             raise ValueError(f"trainer.checkpointing.num_to_keep must be >= 1, got {self.num_to_keep}")
 
 
-class ProfilingConfig(_Section):
+class ProfilingConfig(Section):
     """`trainer.profiling`: torch.profiler Chrome traces of steps `start_step .. start_step + active_steps - 1`.
 
     Each rank writes `<dir>/rank-<r>-step-<n>.json.gz` (default dir: `<run_dir>/profile`; a relative
@@ -179,7 +130,7 @@ class ProfilingConfig(_Section):
             raise ValueError(f"trainer.profiling.active_steps must be >= 0, got {self.active_steps}")
 
 
-class TrackingConfig(_Section):
+class TrackingConfig(Section):
     """`trainer.tracking`: experiment trackers that receive every metrics.jsonl record (`d9d.trainer.observe.tracking`).
 
     `backends`: any of `jsonl` (metrics.jsonl, always written, listed or not), `tensorboard`, `wandb`
@@ -208,7 +159,7 @@ class TrackingConfig(_Section):
             raise ValueError("trainer.tracking.project must not be empty")
 
 
-class ResumeConfig(_Section):
+class ResumeConfig(Section):
     """How a run resumes from its checkpoint.
 
     `reset_optimizer`: when the optimizer changed since the checkpoint (another `optimizer.name` or
@@ -220,7 +171,7 @@ class ResumeConfig(_Section):
     reset_optimizer: bool = False
 
 
-class StragglersConfig(_Section):
+class StragglersConfig(Section):
     """`trainer.logging.stragglers`: warn when one rank's busy time per step (its time outside
     collective waits, `d9d.trainer.observe.stragglers`) stays above `ratio` × the median rank's for `steps`
     steps in a row."""
@@ -237,7 +188,7 @@ class StragglersConfig(_Section):
             raise ValueError(f"trainer.logging.stragglers.steps must be >= 1, got {self.steps}")
 
 
-class LoggingConfig(_Section):
+class LoggingConfig(Section):
     """Metric logging (rank 0) and the log output of every rank. `stragglers`: the slow-rank
     warning of a run of several ranks (null: none; the records still name each step's busiest rank)."""
 
@@ -253,7 +204,7 @@ class LoggingConfig(_Section):
             raise ValueError(f"trainer.logging.period_steps must be >= 1, got {self.period_steps}")
 
 
-class GradientClippingConfig(_Section):
+class GradientClippingConfig(Section):
     """Clip the global gradient norm to `max_norm` (null: measure it, do not clip)."""
 
     max_norm: float | None = 1.0
@@ -265,7 +216,7 @@ class GradientClippingConfig(_Section):
             )
 
 
-class DeterminismConfig(_Section):
+class DeterminismConfig(Section):
     """Seed of model initialization (the same on every rank, so every mesh starts from one model) and
     of training's randomness (dropout: torch's generator is seeded with it after initialization, the
     same on every rank; a resume restores each rank's generator state from the checkpoint).
@@ -279,7 +230,7 @@ class DeterminismConfig(_Section):
     init_device: Literal["auto", "cpu"] = "auto"
 
 
-class TimeoutsConfig(_Section):
+class TimeoutsConfig(Section):
     """Timeouts in seconds: generous while starting, short once steps run.
 
     `init_s` bounds start-up collectives (rendezvous, loading a checkpoint). `step_s` bounds one
@@ -298,7 +249,7 @@ class TimeoutsConfig(_Section):
                 raise ValueError(f"trainer.timeouts.{name} must be > 0 and finite (seconds), got {value}")
 
 
-class CallbackConfig(_Section):
+class CallbackConfig(Section):
     """One `trainer.callbacks` entry with a config: `{target: file.py:MyCallback, config: {...}}`.
 
     `target` is resolved like a provider (`package.module:Name` or `file.py:Name`, relative to the
@@ -310,7 +261,7 @@ class CallbackConfig(_Section):
     config: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
-class TrainerConfig(_Section):
+class TrainerConfig(Section):
     """The `trainer:` section.
 
     `device`: `auto` (CUDA when usable, else CPU), `cuda` or `cpu`. `precision`, `memory`,
@@ -342,171 +293,3 @@ class TrainerConfig(_Section):
     callbacks: list[str | CallbackConfig] = msgspec.field(default_factory=list)
     """`d9d.trainer.Callback` subclasses run at the points of the run, in order (see
     `d9d.trainer.callbacks`): `file.py:Name` or `{target: file.py:Name, config: {...}}`."""
-
-
-class OptimizerConfig(_Section):
-    """The built-in optimizers: AdamW and SGD.
-
-    `implementation`: `auto` (fused kernels on CUDA, foreach on CPU), `fused`, `foreach` (one
-    multi-tensor kernel per group) or `for_loop` (one parameter at a time).
-
-    `state_dtype`: the dtype of the per-parameter states (AdamW's two moments, SGD's momentum).
-    `bfloat16` halves their bytes (`d9d.parallel.StateDtypeAdamW` / `StateDtypeSGD`: torch's update
-    in float32 chunks, the states rounded to nearest bfloat16 after it); the master weights stay
-    float32. A checkpoint resumes across the setting (its states are cast on load). A custom
-    `providers.optimizer` must declare bfloat16 states (`optimizer_states()`) to be given it.
-    """
-
-    name: Literal["adamw", "sgd"] = "adamw"
-    lr: float = 3e-4
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    momentum: float = 0.0
-    implementation: Literal["auto", "fused", "foreach", "for_loop"] = "auto"
-    state_dtype: Literal["float32", "bfloat16"] = "float32"
-
-    def __post_init__(self) -> None:
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"optimizer.lr must be > 0 and finite, got {self.lr}")
-        if not (self.eps > 0 and math.isfinite(self.eps)):
-            raise ValueError(f"optimizer.eps must be > 0 and finite, got {self.eps}")
-        for index, beta in enumerate(self.betas):
-            if not 0.0 <= beta < 1.0:
-                raise ValueError(f"optimizer.betas[{index}] must be in [0, 1), got {beta}")
-        for name in ("weight_decay", "momentum"):
-            value = getattr(self, name)
-            if not (value >= 0 and math.isfinite(value)):
-                raise ValueError(f"optimizer.{name} must be >= 0 and finite, got {value}")
-
-
-class LRSchedulerConfig(_Section):
-    """Linear warmup from 0, then cosine or linear decay to `min_lr_ratio × lr`, constant, or `wsd`.
-
-    `wsd` (warmup-stable-decay) holds the peak until the last `decay_ratio` of `total_steps`, then
-    decays linearly to `min_lr_ratio`. The schedule is a function of (step, total_steps): raising
-    total_steps on resume recomputes it for the new total (logged). For `wsd` that continues the
-    stable phase unchanged as long as the decay had not begun; cosine and linear stretch their decay,
-    so the learning rate moves to the new curve's value at the resumed step.
-    """
-
-    name: Literal["cosine", "linear", "constant", "wsd"] = "constant"
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.0
-    decay_ratio: float = 0.1
-
-    def __post_init__(self) -> None:
-        if self.warmup_steps < 0:
-            raise ValueError(f"lr_scheduler.warmup_steps must be >= 0, got {self.warmup_steps}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"lr_scheduler.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if not 0.0 < self.decay_ratio <= 1.0:
-            raise ValueError(f"lr_scheduler.decay_ratio must be in (0, 1], got {self.decay_ratio}")
-
-
-class PipeliningConfig(_Section):
-    """Pipeline schedule by name (used when mesh.pipeline_parallel > 1).
-
-    `stages_per_rank: null` takes the schedule's default. The embedding and the head count as
-    `embedding_weight` / `head_weight` layers when layers are split into stages.
-    """
-
-    schedule: str = "1f1b"
-    stages_per_rank: int | None = None
-    embedding_weight: float = 1.0
-    head_weight: float = 1.0
-
-    def __post_init__(self) -> None:
-        for name in ("embedding_weight", "head_weight"):
-            value = getattr(self, name)
-            if not (value >= 0 and math.isfinite(value)):
-                raise ValueError(f"pipelining.{name} must be >= 0 and finite, got {value}")
-
-
-class ExportConfig(_Section):
-    """Where `Trainer.export()` writes safetensors at the end of training (null: no export).
-
-    `lora` (a run with `peft.lora`): "adapter" writes the adapters alone in PEFT's layout, "merged"
-    the base model with the adapters folded in, through the provider's export mapper (e.g. a
-    Hugging Face folder), "both" the two side by side in `dir/adapter` and `dir/merged`.
-    """
-
-    dir: str | None = None
-    shard_size_mb: int = 2048
-    lora: Literal["adapter", "merged", "both"] = "adapter"
-
-    def __post_init__(self) -> None:
-        if self.shard_size_mb <= 0:
-            raise ValueError(
-                f"export.shard_size_mb must be > 0 (megabytes per file), got {self.shard_size_mb}"
-            )
-
-
-class EarlyStoppingConfig(_Section):
-    """`eval.early_stopping`: stop (and save) once `eval_loss` has not improved by more than `min_delta` on
-    the best so far for `patience` evals in a row (`d9d.trainer.run.early_stopping`)."""
-
-    patience: int
-    min_delta: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.patience < 1:
-            raise ValueError(
-                f"eval.early_stopping.patience must be >= 1 (evals without improvement), got {self.patience}"
-            )
-        if not self.min_delta >= 0:
-            raise ValueError(f"eval.early_stopping.min_delta must be >= 0, got {self.min_delta}")
-
-
-class EvalConfig(_Section):
-    """The validation loop: the mean token loss over `providers.eval_dataset`'s set (`d9d.trainer.run.evaluation`).
-
-    `period_steps`: evaluate every N steps, and always after the last one (0: only after the last).
-    `steps`: evaluate the first K microbatches of the set, in order (null: the whole set).
-    `microbatch_size`: samples per eval forward on one rank (null: `data.microbatch_size`, else 1).
-    """
-
-    period_steps: int = 0
-    steps: int | None = None
-    microbatch_size: int | None = None
-    early_stopping: EarlyStoppingConfig | None = None
-
-    def __post_init__(self) -> None:
-        if self.period_steps < 0:
-            raise ValueError(
-                f"eval.period_steps must be >= 0 (0: evaluate only after the last step), got {self.period_steps}"
-            )
-        if self.steps is not None and self.steps < 1:
-            raise ValueError(f"eval.steps must be >= 1, or null for the whole eval set, got {self.steps}")
-        if self.microbatch_size is not None and self.microbatch_size < 1:
-            raise ValueError(
-                f"eval.microbatch_size must be >= 1, or null for data.microbatch_size, got {self.microbatch_size}"
-            )
-
-
-class PeftConfig(_Section):
-    """The `peft:` section: parameter-efficient fine-tuning (null `lora`: train every parameter).
-
-    `lora` is `d9d.parallel.LoraConfig`; the trainer passes it to the model provider, whose
-    `parallelize_model_stage` applies it (`d9d.parallel.apply_lora(model, context.lora)`).
-    """
-
-    lora: LoraConfig | None = None
-
-
-class JobConfig(_Section):
-    """A whole job, as written in its YAML file."""
-
-    providers: ProvidersConfig
-    trainer: TrainerConfig
-    data: dict[str, Any] = {}
-    mesh: MeshConfig = MeshConfig()
-    optimizer: OptimizerConfig = OptimizerConfig()
-    lr_scheduler: LRSchedulerConfig = LRSchedulerConfig()
-    pipelining: PipeliningConfig = PipeliningConfig()
-    model: dict[str, Any] = {}
-    dataset: dict[str, Any] = {}
-    eval: EvalConfig | None = None
-    eval_dataset: dict[str, Any] = {}
-    export: ExportConfig = ExportConfig()
-    peft: PeftConfig = PeftConfig()
