@@ -113,3 +113,34 @@ def test_an_attribute_named_prepare_step_is_refused(tmp_path):
     config["providers"]["task"] = f"{__name__}:NotAMethod"
     with pytest.raises(ConfigError, match=r"prepare_step.*PreparesSteps"):
         resolve_job(load_job_config(config))
+
+
+def test_the_train_path_checks_the_settings_once_and_resolves_the_paths_once(tmp_path, monkeypatch):
+    """`run_job` (what `python train.py` and `d9d train` run): the rules of a config are checked when it
+    is loaded, and its directories are resolved there, not again by the resolve, the finished-run
+    check, the Trainer or the export."""
+    import yaml
+
+    import d9d.trainer.job.load as load_module
+    from d9d.trainer import run_job
+    from d9d.trainer.job.paths import JobPaths
+
+    calls = {"settings": 0, "paths": 0}
+    check, of = load_module.check_job_settings, JobPaths.of.__func__
+
+    def counted_check(*args, **kwargs):
+        calls["settings"] += 1
+        return check(*args, **kwargs)
+
+    def counted_of(cls, *args, **kwargs):
+        calls["paths"] += 1
+        return of(cls, *args, **kwargs)
+
+    monkeypatch.setattr(load_module, "check_job_settings", counted_check)
+    monkeypatch.setattr(JobPaths, "of", classmethod(counted_of))
+    config = job_config(str(tmp_path / "runs"), total_steps=2, export={"dir": str(tmp_path / "export")})
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = run_job(path)
+    assert result.final_step == 2 and any((tmp_path / "export").iterdir())
+    assert calls == {"settings": 1, "paths": 1}
