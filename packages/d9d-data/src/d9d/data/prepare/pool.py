@@ -16,7 +16,7 @@ from d9d.data.datasets.tokenizer import Tokenizer, resolve_tokenizer
 from d9d.data.errors import DatasetError
 from d9d.data.prepare.documents import read_documents
 from d9d.data.prepare.index import PreparedShard
-from d9d.data.prepare.writer import ShardJob, write_atomic
+from d9d.data.prepare.writer import ShardJob, remove_temporaries, write_atomic
 
 __all__ = ["run_jobs", "tokenize_shard"]
 
@@ -57,11 +57,12 @@ def run_jobs(
             yield futures[future], shard
     finally:
         _stop(pool)
+        remove_temporaries(out)  # what the stopped workers left half-written
 
 
 def _stop(pool: concurrent.futures.ProcessPoolExecutor) -> None:
-    """Stop the workers still tokenizing (their temporaries are removed by the next prepare), then let
-    the pool's manager thread, which also waits on them, finish before returning."""
+    """Stop the workers still tokenizing, then let the pool's manager thread, which also waits on them,
+    finish before returning."""
     processes = list((getattr(pool, "_processes", None) or {}).values())
     for process in processes:
         if process.is_alive():

@@ -54,10 +54,12 @@ class ParallelizeModelStageContext:
 
     It is called on every mesh, one process included (then `mesh` is None and the `parallelize_*`
     functions of d9d.parallel leave the module as it is). The usual order, as torchtitan's:
-    tensor parallel → expert parallel → `apply_lora(model, lora)` (when set) →
-    `apply_activation_checkpointing(blocks,
-    activation_checkpointing)` → `compile_blocks(blocks, compile)` → `parallelize_hsdp(model, mesh,
-    blocks=blocks, precision=precision, cpu_offload=cpu_offload)`.
+    tensor parallel → expert parallel → `apply_lora(model, lora)` (when set) → for a decoder,
+    `d9d.parallel.parallelize_decoder(model, mesh, blocks=..., embedding=..., final_norm=..., head=...,
+    activation_checkpointing=..., compile=..., precision=..., cpu_offload=...)`, which applies
+    activation checkpointing and compile per block, then the FSDP units (each block, the embedding,
+    the final norm with the head); any other model: `apply_activation_checkpointing(blocks, ...)` →
+    `compile_blocks(blocks, compile)` → `parallelize_hsdp(model, mesh, blocks=blocks, ...)`.
 
     Attributes:
         precision: the job's `trainer.precision`: pass it to `parallelize_*` (`precision=`) so FSDP2
