@@ -97,6 +97,10 @@ def test_a_name_that_moved_to_a_sub_face_says_where_it_is():
         from d9d.trainer import JobPlan  # noqa: F401
     with pytest.raises(ImportError, match=r"from d9d\.trainer\.providers import ModelProvider"):
         from d9d.trainer import ModelProvider  # noqa: F401
+    with pytest.raises(ImportError, match=r"from d9d\.parallel\.expert import MoE"):
+        from d9d.parallel import MoE  # noqa: F401
+    with pytest.raises(ImportError, match=r"from d9d\.parallel\.pipeline import Pipeline"):
+        from d9d.parallel import Pipeline  # noqa: F401
 
 
 def test_config_and_run_directory_names_import_no_torch():

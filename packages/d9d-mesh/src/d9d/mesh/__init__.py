@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
         axis_groups,
         domain_layout,
         format_layout,
+        format_ranks,
         rank_coordinates,
         rank_tag,
     )

@@ -25,6 +25,7 @@ __all__ = [
     "axis_groups",
     "domain_layout",
     "format_layout",
+    "format_ranks",
     "rank_coordinates",
     "rank_tag",
 ]
@@ -148,13 +149,14 @@ def format_layout(config: MeshConfig, *, max_groups: int = 4) -> str:
             if size == 1 and domain != "world":
                 continue
             groups = axis_groups(config, domain, axis)
-            shown = ", ".join(_format_group(g) for g in groups[:max_groups])
+            shown = ", ".join(format_ranks(g) for g in groups[:max_groups])
             more = f", … ({len(groups)} groups)" if len(groups) > max_groups else ""
             lines.append(f"    {axis:<13} size {size:<5} groups: {shown}{more}")
     return "\n".join(lines)
 
 
-def _format_group(group: list[int]) -> str:
+def format_ranks(group: list[int]) -> str:
+    """Ranks as the layout table writes them: `[0,2]`, `[0..3]`, `[0..12 step 4]`."""
     if len(group) > 2 and all(b - a == group[1] - group[0] for a, b in itertools.pairwise(group)):
         step = group[1] - group[0]
         return f"[{group[0]}..{group[-1]}" + (f" step {step}]" if step != 1 else "]")

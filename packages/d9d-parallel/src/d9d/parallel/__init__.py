@@ -114,4 +114,4 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
         parallelize_tensor_parallel,
     )
 
-__all__, __getattr__, __dir__ = lazy_face(__name__, globals())
+__all__, __getattr__, __dir__ = lazy_face(__name__, globals(), subfaces=("expert", "pipeline"))

@@ -6,6 +6,7 @@ import itertools
 from typing import TYPE_CHECKING
 
 from d9d.cli.commands._text import format_size
+from d9d.mesh import format_ranks
 
 if TYPE_CHECKING:  # the trainer imports torch: only inside the command at run time
     from d9d.mesh import MeshConfig
@@ -129,7 +130,7 @@ def _context_parallel_lines(sequence: "SequencePlan", cp: int) -> list[str]:
     """The cp groups (in cp-rank order) and each rank's share of a sequence, for a mesh with cp > 1."""
     chunks = 2 * cp
     groups = [list(g) for g in sequence.cp_groups]
-    shown = ", ".join(_format_group(g) for g in groups[:4])
+    shown = ", ".join(format_ranks(g) for g in groups[:4])
     more = f", … ({len(groups)} groups)" if len(groups) > 4 else ""
     layout = f"chunks r and {chunks - 1}−r of {chunks} for cp rank r"
     if sequence.share is None:
@@ -148,14 +149,6 @@ def _context_parallel_lines(sequence: "SequencePlan", cp: int) -> list[str]:
         f"  cp groups (in cp-rank order): {shown}{more}",
         f"  sequence per rank: {share}",
     ]
-
-
-def _format_group(group: list[int]) -> str:
-    """Ranks as the mesh table writes them: `[0,2]`, `[0..3]`, `[0..12 step 4]`."""
-    step = group[1] - group[0] if len(group) > 2 else 0
-    if step and all(b - a == step for a, b in itertools.pairwise(group)):
-        return f"[{group[0]}..{group[-1]}" + (f" step {step}]" if step != 1 else "]")
-    return "[" + ",".join(map(str, group)) + "]"
 
 
 def _pipeline_lines(pipeline: "PipelinePlan", pipelining: "PipeliningConfig") -> list[str]:
@@ -197,7 +190,7 @@ def _stage_content(stage: "StageSpec") -> str:
 def _format_ranks(ranks: list[int]) -> str:
     """Global ranks as the mesh table writes them (`[0..3]`), at most 8 listed one by one."""
     if len(ranks) <= 8 or len({b - a for a, b in itertools.pairwise(ranks)}) == 1:
-        return _format_group(ranks)
+        return format_ranks(ranks)
     return "[" + ",".join(map(str, ranks[:4])) + f",…] ({len(ranks)} ranks)"
 
 

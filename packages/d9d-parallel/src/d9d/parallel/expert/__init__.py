@@ -1,4 +1,6 @@
-"""Expert parallelism: an MoE layer in plain PyTorch, all-to-all token dispatch, expert sharding over ep.
+"""d9d.parallel.expert: an MoE layer in plain PyTorch, all-to-all token dispatch, expert sharding over ep.
+
+from d9d.parallel.expert import MoE, moe_aux_loss, parallelize_expert_parallel
 
 moe = MoE(hidden_size=32, ffn_size=64, num_experts=4, top_k=2)
 parallelize_expert_parallel(model, ctx)      # before data parallelism of the rest of the model
