@@ -32,7 +32,6 @@ from pathlib import Path
 from _common import MB, Row, row, write_rows
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
 
 MODES = ("none", "sync", "async_fresh", "async")
 
@@ -40,9 +39,9 @@ MODES = ("none", "sync", "async_fresh", "async")
 def _child(mode: str, args: argparse.Namespace) -> dict[str, object]:
     import torch
     import torch.nn.functional as F
-    from reference_model import ReferenceForCausalLM, ReferenceModelConfig
 
     from d9d.ckpt import CheckpointManager
+    from d9d.trainer.models import ReferenceForCausalLM, ReferenceModelConfig
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 uv run python benchmarks/context_parallel.py [--seq 1024 4096] [--quick]
 
-The model is the reference model (examples/reference_model) at a tiny width (hidden 64, 2 layers,
+The model is the reference model (`d9d.trainer.models`) at a tiny width (hidden 64, 2 layers,
 4 query heads, 2 key/value heads, head_dim 16), batch 1, with `parallelize_context_parallel` over the
 `cp` axis of `DistributedContext.from_env(MeshConfig(context_parallel=cp))`; each rank feeds its
 `shard_sequence` of the tokens and computes the loss of its own tokens. Ranks are forked gloo
@@ -21,19 +21,14 @@ median of a few repeats, of the slowest rank. Ratios are against cp 1 at the sam
 import argparse
 import os
 import statistics
-import sys
 import time
 from typing import Any
 
 import torch
 import torch._dynamo  # imported once here, not in every forked rank (seconds each)
 import torch.nn.functional as F
-from torch import nn
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-
 from _common import MB, row, write_rows
-from reference_model import Attention, ReferenceForCausalLM, ReferenceModelConfig
+from torch import nn
 
 from d9d.mesh import DistributedContext, MeshConfig
 from d9d.mesh.testing import run_distributed
@@ -43,6 +38,7 @@ from d9d.parallel import (
     parallelize_context_parallel,
     saved_activation_bytes,
 )
+from d9d.trainer.models import Attention, ReferenceForCausalLM, ReferenceModelConfig
 
 VOCAB, HIDDEN, LAYERS, HEADS, KV_HEADS = 257, 64, 2, 4, 2
 PARTS = ("kv", "mask", "attn_other", "rest")

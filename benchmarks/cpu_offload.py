@@ -18,7 +18,6 @@ gradients), not the cost of the host-device copies a GPU pays (the GPU check mea
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,6 @@ import torch.distributed.fsdp
 from torch.distributed.tensor import DTensor
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
 
 from _common import row, write_rows  # noqa: E402
 

@@ -16,7 +16,6 @@ time row says what float8 costs here, not what it gains on an H100 (the GPU chec
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
@@ -24,7 +23,6 @@ import torch
 from torch.profiler import profile
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
 
 from _common import row, write_rows  # noqa: E402
 

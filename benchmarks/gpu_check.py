@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
 
 DEVICE = torch.device(os.environ.get("DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu"))
 CUDA = DEVICE.type == "cuda"
@@ -83,7 +82,7 @@ def gemm_dtypes(names: list[str]) -> set[str]:
 def reference_model(
     hidden: int, layers: int, heads: int, kv_heads: int, vocab: int, seq: int
 ) -> torch.nn.Module:
-    from reference_model import ReferenceForCausalLM, ReferenceModelConfig
+    from d9d.trainer.models import ReferenceForCausalLM, ReferenceModelConfig
 
     config = ReferenceModelConfig(
         vocab_size=vocab,
@@ -266,7 +265,6 @@ def check_fsdp(compiled: bool) -> None:
     gradients, d9d's clip over DTensors, AdamW (fused on CUDA), full activation checkpointing, and
     per-block compile when `compiled`; embedding and [norm, lm_head] are their own FSDP units."""
     import torch.distributed as dist
-    from reference_model import shard_units
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.tensor import DTensor
@@ -280,6 +278,7 @@ def check_fsdp(compiled: bool) -> None:
     )
     from d9d.parallel.data_parallel import _apply
     from d9d.trainer import materialize_and_initialize
+    from d9d.trainer.models import shard_units
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + (7 if compiled else 3)))
@@ -357,12 +356,12 @@ def check_fsdp(compiled: bool) -> None:
 
 def _offload_run(mesh: object, offload: bool, hidden: int, seq: int) -> dict[str, object]:
     """Four AdamW steps of a reference model fully sharded on a one-rank mesh, with or without CPU offload."""
-    from reference_model import shard_units
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from d9d.parallel import clip_grad_norm_, fsdp_parameters
     from d9d.parallel.data_parallel import _apply
     from d9d.trainer import materialize_and_initialize
+    from d9d.trainer.models import shard_units
 
     torch.manual_seed(0)
     with torch.device("meta"):

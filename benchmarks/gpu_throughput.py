@@ -4,7 +4,7 @@ against a hand-written plain PyTorch bf16 loop on the same model and batches.
     uv run python benchmarks/gpu_throughput.py                # one GPU: Llama-3-8B shape cut to 8 layers
     uv run python benchmarks/gpu_throughput.py --tiny         # a tiny model on CPU (a test runs this)
 
-The model is the reference model (examples/reference_model) with Llama 3 8B's shape (hidden 4096,
+The model is the reference model (`d9d.trainer.models`) with Llama 3 8B's shape (hidden 4096,
 MLP 14336, 32 heads, 8 KV heads, vocab 128256, no qk-norm), cut to `--layers` layers (8 ≈ 2.8 B
 parameters: fits one H200 with AdamW in fp32), seq 8192, microbatch 1. Each phase runs in its own
 process: build time (trainer construction: meta build, parallelize, init), then `--steps` optimizer
@@ -29,7 +29,6 @@ import torch
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(ROOT / "examples"))
 
 from _common import row, write_rows  # noqa: E402
 
@@ -84,8 +83,7 @@ def _sync(device: torch.device) -> None:
 
 
 def _result(args: argparse.Namespace, times: list[float], build_s: float, device: torch.device) -> dict:
-    from reference_model import ReferenceModelConfig
-
+    from d9d.trainer.models import ReferenceModelConfig
     from d9d.trainer.observe.throughput import device_peak_flops
 
     steady = times[args.warmup :] or times
@@ -125,9 +123,9 @@ def run_plain(args: argparse.Namespace) -> dict:
     """The same model and batches in a loop a user would write by hand (bf16 autocast, fused AdamW)."""
     import torch.nn.functional as F
     from _synthetic import SyntheticConfig, SyntheticTokens
-    from reference_model import ReferenceForCausalLM, ReferenceModelConfig
 
     from d9d.data import AutoDataConfig, AutoDataProvider
+    from d9d.trainer.models import ReferenceForCausalLM, ReferenceModelConfig
 
     device = torch.device(
         args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")

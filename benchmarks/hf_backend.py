@@ -5,7 +5,7 @@ import's peak memory per rank under FSDP against transformers' `from_pretrained`
     OMP_NUM_THREADS=1 uv run python benchmarks/hf_backend.py --tiny     # a smoke test (a test runs it)
 
 Both models are Llama: transformers' `LlamaConfig` saved locally by `save_pretrained` (nothing is
-downloaded), which the reference model computes exactly (examples/reference_model).
+downloaded), which the reference model computes exactly (`d9d.trainer.models`).
 
 Step time: the same job through `d9d.trainer.Trainer` twice per round, alternating, one process:
 `d9d.trainer.hf:HFCausalLMProvider` (transformers' modeling code, sdpa) and the fine-tune example's

@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 uv run python benchmarks/hf_io.py [--layers 8] [--shard-mb 100] [--repeats 1]
 
 The model is a Qwen3 built locally from a config (fp32, ~400 MB at the default sizes; nothing is
-downloaded): the reference model of examples/reference_model, whose HF layout is Qwen3ForCausalLM.
+downloaded): the reference model (`d9d.trainer.models`), whose HF layout is Qwen3ForCausalLM.
 A setup subprocess writes the same weights twice: folder D with d9d (`save_hf_pretrained`) and
 folder H with transformers (`from_pretrained(D)` then `save_pretrained`). Then each operation runs in
 a fresh subprocess, torch and transformers already imported, after `os.sync()`:
@@ -44,13 +44,12 @@ if TYPE_CHECKING:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders only
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
 
 OPS = ("d9d_export", "hf_save", "d9d_import", "hf_load")
 
 
 def _config(layers: int):  # type: ignore[no-untyped-def]
-    from reference_model import ReferenceModelConfig
+    from d9d.trainer.models import ReferenceModelConfig
 
     return ReferenceModelConfig(
         vocab_size=32768,
@@ -76,7 +75,8 @@ def _touch(model: "torch.nn.Module") -> None:
 def _child(op: str, folders: dict[str, str], layers: int, shard_mb: int) -> dict[str, float | str]:
     import torch
     import transformers
-    from reference_model import ReferenceForCausalLM, load_hf_pretrained, save_hf_pretrained
+
+    from d9d.trainer.models import ReferenceForCausalLM, load_hf_pretrained, save_hf_pretrained
 
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)

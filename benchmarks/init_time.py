@@ -18,13 +18,12 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import row, write_rows  # noqa: E402
-from reference_model import ReferenceForCausalLM, ReferenceModelConfig  # noqa: E402
 
 from d9d.trainer import materialize_and_initialize  # noqa: E402
+from d9d.trainer.models import ReferenceForCausalLM, ReferenceModelConfig  # noqa: E402
 
 
 def _build(config: ReferenceModelConfig) -> torch.nn.Module:

@@ -19,7 +19,6 @@ Activations are not counted. The script asserts that with LoRA only adapter para
 """
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
@@ -27,7 +26,6 @@ import torch
 from torch.distributed.tensor import DTensor
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
 
 from _common import MB, row, write_rows  # noqa: E402
 

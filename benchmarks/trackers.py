@@ -20,13 +20,11 @@ TensorBoard's writer thread), which the A/B ratio includes.
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
 
 from _common import row, write_rows  # noqa: E402
 

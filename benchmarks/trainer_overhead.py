@@ -11,7 +11,6 @@ backward, clipping, the optimizer and LR steps); the median step time after warm
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -20,14 +19,13 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
 
 from _common import row, write_rows  # noqa: E402
-from reference_model import ReferenceForCausalLM, ReferenceModelConfig  # noqa: E402
 
 from d9d.data import AutoDataConfig, AutoDataProvider, TextDataset  # noqa: E402
 from d9d.trainer import Trainer, load_job_config  # noqa: E402
 from d9d.trainer.builtins.optim import lr_multiplier  # noqa: E402
+from d9d.trainer.models import ReferenceForCausalLM, ReferenceModelConfig  # noqa: E402
 
 CONFIG = ROOT / "examples" / "quickstart" / "config.yaml"
 WARMUP = 5

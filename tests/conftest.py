@@ -23,8 +23,7 @@ def finetune_example(tmp_path_factory: pytest.TempPathFactory) -> Path:
         folder,
         ignore=shutil.ignore_patterns("demo", "runs", "export", "__pycache__"),
     )
-    for beside in ("reference_model", "data"):  # what the example finds next to it
-        (folder.parent / beside).symlink_to(ROOT / "examples" / beside)
+    (folder.parent / "data").symlink_to(ROOT / "examples" / "data")  # what the example finds next to it
     subprocess.run([sys.executable, str(folder / "finetune.py"), "make-demo", "demo"], cwd=folder, check=True,
                    capture_output=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}, timeout=300)  # fmt: skip
     return folder

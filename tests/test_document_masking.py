@@ -3,18 +3,15 @@ its documents run one by one, through the reference model and the built-in task,
 and document ids d9d.data yields."""
 
 import copy
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from reference_model import ReferenceForCausalLM, ReferenceModelConfig
-
 from d9d.data import TextDataset
 from d9d.trainer import CausalLMTask, TrainingError
+from d9d.trainer.models import ReferenceForCausalLM, ReferenceModelConfig
 from d9d.trainer.providers import LossContext
 
 CORPUS = Path(__file__).resolve().parents[1] / "examples" / "data"

@@ -9,7 +9,6 @@ in the weights); the final eval against the hand computation 1.6e-8. REL is 1e-6
 """
 
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -86,11 +85,9 @@ def test_eval_equals_one_process(tmp_path, reference, name, nproc, mesh):
 def test_eval_equals_a_hand_computation_from_the_final_weights(reference):
     """The final weights in a plain model, the evaluated samples in one forward: the mean token loss."""
     result, evals = reference
-    sys.path.insert(0, str(ROOT / "examples"))
-    from reference_model import ReferenceForCausalLM
-
     from d9d.data import TextDataset
     from d9d.trainer import load_job_config, resolve_job
+    from d9d.trainer.models import ReferenceForCausalLM
 
     job = resolve_job(load_job_config(CONFIG, overrides(ROOT / "unused", "x", STEPS)))
     model = ReferenceForCausalLM(job.model_provider.config)

@@ -43,7 +43,7 @@ LORA = {"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": [r".*\.(q_proj|
 
 def _save_reference_folder(folder: Path, **extra: Any) -> Path:
     """A random reference model written as a Hugging Face folder (qwen3, or qwen3_moe with moe=)."""
-    from reference_model import ReferenceForCausalLM, ReferenceModelConfig, save_hf_pretrained
+    from d9d.trainer.models import ReferenceForCausalLM, ReferenceModelConfig, save_hf_pretrained
 
     torch.manual_seed(0)
     config = ReferenceModelConfig(**TINY, **extra)
@@ -67,8 +67,7 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     import torch.distributed.fsdp
     import torch.distributed.tensor  # noqa: F401  (imported once here, not in every forked rank)
 
-    sys.path.insert(0, str(ROOT / "examples"))
-    from reference_model import MoEConfig
+    from d9d.trainer.models import MoEConfig
 
     root = tmp_path_factory.mktemp("backends")
     moe = MoEConfig(num_experts=4, top_k=2, moe_intermediate_size=32)

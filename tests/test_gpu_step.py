@@ -230,14 +230,12 @@ def test_full_activation_checkpointing_halves_saved_bytes_of_the_quickstart_mode
 
     import torch.nn.functional as F
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    from reference_model import ReferenceForCausalLM, ReferenceModelConfig
-
     from d9d.parallel import (
         ActivationCheckpointingConfig,
         apply_activation_checkpointing,
         saved_activation_bytes,
     )
+    from d9d.trainer.models import ReferenceForCausalLM, ReferenceModelConfig
 
     config = ReferenceModelConfig(  # examples/quickstart/config.yaml's model, its seq_len and microbatch
         vocab_size=257,

@@ -24,6 +24,7 @@ FACES = [
     "d9d.trainer",
     "d9d.trainer.planning",
     "d9d.trainer.providers",
+    "d9d.trainer.models",
     "d9d.trainer.hf",
 ]
 

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from _quickstart import CONFIG, NO_CLIP, SGD, compare_runs, exported_weights, overrides, run_forked, train
 
 LORA = r"peft.lora={rank: 4, alpha: 8, target_modules: ['.*\.(q_proj|v_proj)']}"
@@ -148,7 +147,7 @@ import sys
 from pathlib import Path
 sys.path.insert(0, {quickstart!r})
 from train import QuickstartModelProvider
-from reference_model import hf_checkpoint_keys, hf_import_mapper
+from d9d.trainer.models import hf_checkpoint_keys, hf_import_mapper
 from d9d.trainer.providers import PrepareImportModelStageResult
 
 class ImportingProvider(QuickstartModelProvider):

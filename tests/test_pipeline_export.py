@@ -7,7 +7,6 @@ holding tensors of both stages. Ranks are forked from the test process (`_quicks
 """
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -135,8 +134,7 @@ def test_pipelined_export_with_per_stage_or_no_mapper(tmp_path, provider):
 def test_ranks_key_orders_merge_into_the_whole_models(stages_of_rank):
     """With `mapper=None` the file split follows the merged key order: the one-process order, also
     when a rank holds several stages (its state dict lists layers 0, 1, 4, 5)."""
-    sys.path.insert(0, str(_EXAMPLES))
-    from reference_model import ReferenceForCausalLM, ReferenceModelConfig, trim_to_stage
+    from d9d.trainer.models import ReferenceForCausalLM, ReferenceModelConfig, trim_to_stage
 
     config = ReferenceModelConfig(
         vocab_size=16, hidden_size=8, intermediate_size=8, num_layers=16, num_attention_heads=2

@@ -57,8 +57,6 @@ def test_a_slowed_rank_is_named_and_the_same_mesh_unslowed_passes(tmp_path):
 def _copy_job(where: Path, comment: str = "") -> Path:
     (where / "quickstart").mkdir(parents=True)
     shutil.copytree(ROOT / "examples" / "data", where / "data")
-    ignore = shutil.ignore_patterns("tests", "__pycache__")
-    shutil.copytree(ROOT / "examples" / "reference_model", where / "reference_model", ignore=ignore)
     for name in ("config.yaml", "train.py"):
         shutil.copy(ROOT / "examples" / "quickstart" / name, where / "quickstart" / name)
     if comment:

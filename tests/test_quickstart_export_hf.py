@@ -7,14 +7,13 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from _quickstart import MOE, overrides, run_local
 
 
 @pytest.mark.parametrize("model", [[], MOE], ids=["dense", "moe"])
 def test_quickstart_export_loads_in_transformers_with_the_same_logits(tmp_path, model):
     transformers = pytest.importorskip("transformers")
-    from reference_model import ReferenceForCausalLM, load_hf_pretrained, read_hf_config
+    from d9d.trainer.models import ReferenceForCausalLM, load_hf_pretrained, read_hf_config
 
     export = tmp_path / "export"
     result = run_local(

@@ -9,7 +9,6 @@ freed by resizing its storage to 0), after every op. With only the layers as gro
 group while one computes; CPU runs them one after the other.)
 """
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -60,11 +59,9 @@ class GatheredBytes(TorchDispatchMode):
 def _peaks(tie: bool, units: bool) -> tuple[dict[str, int], dict[str, int]]:
     """One FSDP 2 rank: the peaks of a second forward + backward (the first lazily initializes FSDP),
     and the fp32 bytes of the embedding, one layer, the norm and the head."""
-    sys.path.insert(0, str(ROOT / "examples"))
-    from reference_model import ReferenceForCausalLM, ReferenceModelConfig, shard_units
-
     from d9d.mesh import DistributedContext, MeshConfig
     from d9d.parallel import parallelize_hsdp
+    from d9d.trainer.models import ReferenceForCausalLM, ReferenceModelConfig, shard_units
 
     torch.manual_seed(0)
     config = ReferenceModelConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_layers=3,

@@ -20,9 +20,12 @@ from typing import Any, Literal
 import msgspec
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the reference model lives in examples/
-
-from reference_model import (
+from d9d.ckpt import SafetensorsIOError, check_safetensors, safetensors_shapes
+from d9d.data import SFTDataset, TextDataset
+from d9d.mesh import MeshConfig
+from d9d.parallel import apply_lora, parallelize_context_parallel, parallelize_decoder
+from d9d.trainer import ConfigPath, main
+from d9d.trainer.models import (
     HFConversionError,
     ReferenceForCausalLM,
     ReferenceModelConfig,
@@ -41,12 +44,6 @@ from reference_model import (
     to_hf_config,
     trim_to_stage,
 )
-
-from d9d.ckpt import SafetensorsIOError, check_safetensors, safetensors_shapes
-from d9d.data import SFTDataset, TextDataset
-from d9d.mesh import MeshConfig
-from d9d.parallel import apply_lora, parallelize_context_parallel, parallelize_decoder
-from d9d.trainer import ConfigPath, main
 from d9d.trainer.providers import (
     BuildDatasetContext,
     BuildDatasetResult,

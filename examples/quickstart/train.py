@@ -8,14 +8,15 @@ The job is described by config.yaml; this file holds the two providers it names.
 """
 
 import json
-import sys
 from pathlib import Path
 
 import msgspec
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the reference model lives in examples/
-
-from reference_model import (
+from d9d.data import TextDataset
+from d9d.mesh import MeshConfig
+from d9d.parallel import apply_lora, parallelize_context_parallel, parallelize_decoder
+from d9d.trainer import main
+from d9d.trainer.models import (
     ReferenceForCausalLM,
     ReferenceModelConfig,
     apply_expert_parallel,
@@ -27,11 +28,6 @@ from reference_model import (
     to_hf_config,
     trim_to_stage,
 )
-
-from d9d.data import TextDataset
-from d9d.mesh import MeshConfig
-from d9d.parallel import apply_lora, parallelize_context_parallel, parallelize_decoder
-from d9d.trainer import main
 from d9d.trainer.providers import (
     BuildDatasetContext,
     BuildDatasetResult,

@@ -58,7 +58,7 @@ __all__ = ["HFCausalLMProvider", "context_parallel_refusal", "mesh_refusal", "te
 
 _SPEC = "d9d.trainer.hf:HFCausalLMProvider"
 _DENSE_AND_MOE = "llama, qwen2, qwen3, mistral, mixtral and qwen3_moe"
-#: The model types the reference model (examples/finetune) also trains, with every parallelism.
+#: The model types the reference model (`d9d.trainer.models`) also trains, with every parallelism.
 _REFERENCE_TYPES = frozenset(("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe"))
 #: Mesh degree → (what the backend lacks, the families whose reference model has it).
 _UNSUPPORTED: dict[str, tuple[str, str]] = {

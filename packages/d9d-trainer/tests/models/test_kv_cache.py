@@ -1,18 +1,12 @@
 """The reference model's KV cache: the prompt and then token by token give the logits of one whole
 forward, and d9d's `generate` with the cache writes what a re-forward of the whole sequence writes."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # examples/, so `reference_model` imports
-
-from reference_model import MoEConfig, ReferenceForCausalLM, ReferenceModelConfig
-
 from d9d.trainer import SamplingConfig, generate
 from d9d.trainer.generation import GenerationError
+from d9d.trainer.models import MoEConfig, ReferenceForCausalLM, ReferenceModelConfig
 
 
 def _model(**overrides) -> ReferenceForCausalLM:

@@ -6,7 +6,7 @@ import math
 import torch
 from torch import nn
 
-from .config import LinearRopeScaling, Llama3RopeScaling, RopeScaling, YarnRopeScaling
+from d9d.trainer.models.config import LinearRopeScaling, Llama3RopeScaling, RopeScaling, YarnRopeScaling
 
 __all__ = ["RotaryEmbedding", "apply_rotary", "rope_attention_factor", "rope_inverse_frequencies"]
 

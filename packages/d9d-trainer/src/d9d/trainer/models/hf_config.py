@@ -1,4 +1,4 @@
-"""State mappers and `config.json` conversion between the reference model and Hugging Face layouts.
+"""`config.json` conversion between the reference model and the Hugging Face architectures that compute it.
 
 These Hugging Face architectures have the reference model's computation exactly:
 
@@ -24,36 +24,17 @@ Nothing here imports transformers: the mappers are plain `d9d.ckpt` transforms a
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 import torch
-from torch import nn
 
-from d9d.ckpt import (
-    Concat,
-    Deduplicate,
-    Drop,
-    Duplicate,
-    Identity,
-    Parallel,
-    Prefix,
-    Rename,
-    Sequential,
-    StateMapper,
-    Transpose,
-    Unstack,
-    load_safetensors,
-    save_safetensors,
-)
 from d9d.mesh import D9dError
-
-from .config import (
+from d9d.trainer.models.config import (
     LinearRopeScaling,
     Llama3RopeScaling,
-    MoEBalancingConfig,
     MoEConfig,
     ReferenceModelConfig,
     RopeScaling,
@@ -61,28 +42,9 @@ from .config import (
     YarnRopeScaling,
     check_sequence_length,
 )
-from .model import ReferenceForCausalLM
 
-__all__ = [
-    "ExpertLayout",
-    "HFConversionError",
-    "from_hf_config",
-    "hf_checkpoint_keys",
-    "hf_expert_layout",
-    "hf_export_mapper",
-    "hf_import_mapper",
-    "hf_model_type",
-    "load_hf_pretrained",
-    "read_hf_config",
-    "save_hf_pretrained",
-    "to_hf_config",
-]
+__all__ = ["HFConversionError", "from_hf_config", "hf_model_type", "read_hf_config", "to_hf_config"]
 
-#: How an HF checkpoint stores MoE experts (see `hf_expert_layout`).
-ExpertLayout = Literal["per_expert", "fused"]
-
-_EMBED = "model.embed_tokens.weight"
-_LM_HEAD = "lm_head.weight"
 _ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "llama": "LlamaForCausalLM",
@@ -91,12 +53,18 @@ _ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "mixtral": "MixtralForCausalLM",
 }
+
+
 # The architectures whose window transformers gates with use_sliding_window (and for the dense Qwens,
 # max_window_layers: layers from that index on use it).
 _QWEN_WINDOWS = ("qwen2", "qwen3", "qwen3_moe")
+
+
 # transformers 5.x class defaults for keys a config.json may omit (they differ per architecture:
 # Qwen3's head_dim is 128 whatever the width, Qwen3-MoE does not renormalise top-k weights).
 _COMMON_DEFAULTS: dict[str, Any] = {"rope_theta": 10_000.0, "rms_norm_eps": 1e-6, "sliding_window": 4096}
+
+
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": {"num_key_value_heads": 32, "head_dim": 128, "max_position_embeddings": 32768},
     "llama": {"num_key_value_heads": None, "head_dim": None, "max_position_embeddings": 2048},
@@ -121,8 +89,6 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
         "mlp_only_layers": [],
     },
 }
-# Reference-config fields that do not change what the weights compute.
-_NUMERICALLY_INERT = ("initializer_range", "max_position_embeddings", "fp32_logits", "hf_model_type")
 
 
 class HFConversionError(D9dError, ValueError):
@@ -189,114 +155,6 @@ def _computed_model_type(config: ReferenceModelConfig) -> str:
             "model.qk_norm: true to export as qwen3_moe)"
         )
     return "mixtral"
-
-
-def _model_keys(config: ReferenceModelConfig) -> list[str]:
-    """The state-dict keys of the full model, from a storage-free meta build."""
-    with torch.device("meta"):
-        return list(ReferenceForCausalLM(config).state_dict())
-
-
-#: HF per-expert projection names of (our w_gate, w_up, w_down): Qwen3-MoE's, and Mixtral's w1/w3/w2.
-_EXPERT_NAMES = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
-
-
-def _experts_to_hf(
-    num_experts: int, model_type: str, layout: ExpertLayout, *, score_bias: bool = False
-) -> StateMapper:
-    """One MoE block (keys relative to `mlp.`): router rename, stacked [E, a, b] → HF's experts.
-
-    "per_expert": E weights [b, a] per projection (`experts.<j>.<name>.weight`, the Hub's layout);
-    "fused": transformers 5's in-memory tensors, `experts.gate_up_proj` [E, 2·ffn, hidden] (gate rows
-    first) and `experts.down_proj` [E, hidden, ffn].
-    """
-    parts: list[StateMapper] = [Rename("router.gate.weight", "gate.weight")]
-    if score_bias:  # auxiliary-loss-free balancing state: no HF counterpart (a fresh run starts it at 0)
-        parts.append(Drop(["router.score_bias"]))
-    # ours stores x @ W ([in, out]); HF stores nn.Linear weights ([out, in]).
-    if layout == "fused":
-        gate, up = "experts.w_gate", "experts.w_up"
-        halves = Parallel([Transpose(gate, dims=(1, 2)), Transpose(up, dims=(1, 2))])
-        parts.append(Sequential([halves, Concat([gate, up], "experts.gate_up_proj", dim=1)]))
-        parts.append(Transpose("experts.w_down", dims=(1, 2), output="experts.down_proj"))
-        return Parallel(parts)
-    for ours, theirs in zip(("w_gate", "w_up", "w_down"), _EXPERT_NAMES[model_type], strict=True):
-        key = f"experts.{ours}"
-        per_expert = [f"experts.{j}.{theirs}.weight" for j in range(num_experts)]
-        parts.append(Sequential([Transpose(key, dims=(1, 2)), Unstack(key, per_expert)]))
-    return Parallel(parts)
-
-
-def hf_expert_layout(keys: Iterable[str]) -> ExpertLayout:
-    """The experts' layout of an HF checkpoint from its keys (`hf_checkpoint_keys(folder)`): "fused" when
-    it holds transformers 5's `mlp.experts.gate_up_proj` tensors (`save_pretrained(save_original_format=False)`),
-    else "per_expert" (the Hub's layout, and what `save_pretrained` writes by default)."""
-    return "fused" if any(k.endswith(".mlp.experts.gate_up_proj") for k in keys) else "per_expert"
-
-
-def hf_export_mapper(
-    config: ReferenceModelConfig, *, expert_layout: ExpertLayout = "per_expert"
-) -> StateMapper:
-    """Mapper from the reference model's state-dict keys to the HF layout of `hf_model_type(config)`.
-
-    Use with `save_safetensors(model, folder, mapper=hf_export_mapper(config))` (or `save_hf_pretrained`).
-
-    Args:
-        expert_layout: how MoE experts are stored (`hf_expert_layout`): pass the layout of the folder a
-            model was imported from to export it back as it was read.
-    """
-    model_type = hf_model_type(config)
-    keys = _model_keys(config)
-    parts: list[StateMapper] = []
-    handled: set[str] = set()
-    if config.tie_word_embeddings:
-        parts.append(Deduplicate([_EMBED, _LM_HEAD], _EMBED))  # HF saves a tied table once
-        handled |= {_EMBED, _LM_HEAD}
-    if config.moe is not None:
-        for index in range(config.num_layers):
-            if config.is_moe_layer(index):
-                prefix = f"model.layers.{index}.mlp."
-                # Mixtral's Hub layout calls the block block_sparse_moe; transformers 5's fused one mlp
-                block = (
-                    "block_sparse_moe."
-                    if model_type == "mixtral" and expert_layout == "per_expert"
-                    else "mlp."
-                )
-                experts = _experts_to_hf(
-                    config.moe.num_experts, model_type, expert_layout, score_bias=_has_score_bias(config)
-                )
-                parts.append(Prefix(prefix, experts, output_prefix=f"model.layers.{index}.{block}"))
-                handled |= {k for k in keys if k.startswith(prefix)}
-    parts.extend(Identity(k) for k in keys if k not in handled)
-    return Parallel(parts)
-
-
-def _has_score_bias(config: ReferenceModelConfig) -> bool:
-    return config.moe is not None and config.moe.balancing.bias_update_rate > 0
-
-
-def hf_import_mapper(
-    config: ReferenceModelConfig, *, source_keys: Iterable[str] | None = None
-) -> StateMapper:
-    """Mapper from an HF checkpoint's keys to the reference model's: the inverse of `hf_export_mapper`.
-
-    Args:
-        source_keys: the keys the folder holds (`hf_checkpoint_keys(folder)`). Needed for a tied model
-            whose folder also stores `lm_head.weight` (that copy is then read and dropped, as transformers
-            ignores it) and for MoE experts in transformers 5's fused layout (`hf_expert_layout`). None
-            assumes `save_pretrained`'s own layout (the tied table stored once, experts one by one).
-    """
-    layout = hf_expert_layout(source_keys or ())
-    if _has_score_bias(config):  # the folder has no score bias to give: the model's keeps its zero init
-        assert config.moe is not None
-        unbiased = msgspec.structs.replace(config.moe, balancing=MoEBalancingConfig())
-        config = msgspec.structs.replace(config, moe=unbiased)
-    mapper = hf_export_mapper(config, expert_layout=layout).inverse()
-    if config.tie_word_embeddings and source_keys is not None and _LM_HEAD in set(source_keys):
-        assert isinstance(mapper, Parallel)
-        others = [m for m in mapper.mappers if _LM_HEAD not in m.outputs]
-        mapper = Parallel([*others, Duplicate(_EMBED, [_EMBED, _LM_HEAD]), Drop([_LM_HEAD])])
-    return mapper
 
 
 def _moe_layout_to_hf(config: ReferenceModelConfig, moe: MoEConfig) -> dict[str, Any]:
@@ -376,6 +234,7 @@ _ROPE_KEYS: dict[str, tuple[type[RopeScaling], tuple[str, ...]]] = {
     "llama3": (Llama3RopeScaling, ("factor", "low_freq_factor", "high_freq_factor")),
     "yarn": (YarnRopeScaling, ("factor",)),
 }
+
 _YARN_OPTIONAL = ("attention_factor", "mscale", "mscale_all_dim", "truncate")
 
 
@@ -494,6 +353,25 @@ def from_hf_config(
             or the MLP, a RoPE type other than default/linear/llama3/yarn, an activation other than SiLU),
             or a sliding window shorter than `seq_len`.
     """
+    model_type = _check_supported(hf, source)
+    defaults = _COMMON_DEFAULTS | _HF_DEFAULTS[model_type]
+    fields = _dense_fields(hf, model_type, defaults, source)
+    moe = _moe_from_hf(hf, model_type, defaults, fields)
+    if moe is not None:
+        fields["moe"] = moe
+    fields.update(overrides)
+    config = ReferenceModelConfig.from_dict(fields)
+    if seq_len is not None:
+        try:
+            check_sequence_length(config, seq_len, key=f"{source} sliding_window")
+        except SlidingWindowError as error:
+            raise HFConversionError(str(error)) from None
+    return config
+
+
+def _check_supported(hf: Mapping[str, Any], source: str) -> str:
+    """The config's `model_type`, once it is one the reference model computes with the keys it needs
+    and none of the features it lacks."""
     model_type = hf.get("model_type")
     if model_type not in _ARCHITECTURES:
         raise HFConversionError(
@@ -501,18 +379,8 @@ def from_hf_config(
             f"{', '.join(sorted(_ARCHITECTURES))}); train it with transformers' own model: model.backend: hf "
             "(examples/finetune) or d9d.trainer.hf:HFCausalLMProvider"
         )
-    defaults = _COMMON_DEFAULTS | _HF_DEFAULTS[model_type]
-    missing = [
-        k
-        for k in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-        )
-        if k not in hf
-    ]
+    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    missing = [k for k in required if k not in hf]
     if model_type == "qwen3_moe":
         missing += [k for k in ("num_experts_per_tok", "moe_intermediate_size") if k not in hf]
         if "num_experts" not in hf and "num_local_experts" not in hf:
@@ -525,13 +393,20 @@ def from_hf_config(
         _require(hf, "mlp_bias", False, source)
     if model_type == "mixtral":  # training-time noise on the router's input the reference model lacks
         _require(hf, "router_jitter_noise", 0.0, source)
+    return str(model_type)
+
+
+def _dense_fields(
+    hf: Mapping[str, Any], model_type: str, defaults: Mapping[str, Any], source: str
+) -> dict[str, Any]:
+    """The reference config's fields of the model's attention, MLP, norms and RoPE."""
     heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
     max_positions = int(hf.get("max_position_embeddings", defaults["max_position_embeddings"]))
     theta, rope_scaling = _rope_from_hf(hf, defaults["rope_theta"], max_positions, source)
     window = _window_from_hf(hf, model_type, defaults["sliding_window"])
     kv_heads = hf.get("num_key_value_heads", defaults["num_key_value_heads"])
     head_dim = hf.get("head_dim", defaults["head_dim"])
-    fields: dict[str, Any] = {
+    return {
         "vocab_size": int(hf["vocab_size"]),
         "hidden_size": hidden,
         "intermediate_size": int(hf["intermediate_size"]),
@@ -552,24 +427,32 @@ def from_hf_config(
         "hf_model_type": "mistral" if model_type == "mistral" and window is None else None,
         "initializer_range": float(hf.get("initializer_range", 0.02)),
     }
+
+
+def _moe_from_hf(
+    hf: Mapping[str, Any], model_type: str, defaults: Mapping[str, Any], fields: Mapping[str, Any]
+) -> MoEConfig | None:
+    """The experts of a Qwen3-MoE (in the layers its sparse step and dense list leave) or a Mixtral
+    (every layer: softmax over all experts, top-k, renormalized); None for a dense model."""
     if model_type == "qwen3_moe":
         num_experts = int(hf.get("num_experts", hf.get("num_local_experts", 0)))
+        if num_experts <= 0:
+            return None
         step = int(hf.get("decoder_sparse_step", defaults["decoder_sparse_step"]))
         dense_only = list(hf.get("mlp_only_layers") or defaults["mlp_only_layers"])
-        if num_experts > 0:
-            layout: dict[str, Any] = {"every_n_layers": step}
-            if dense_only:
-                layers = (i for i in range(fields["num_layers"]) if (i + 1) % step == 0)
-                layout = {"layers": tuple(i for i in layers if i not in dense_only)}
-            fields["moe"] = MoEConfig(
-                num_experts=num_experts,
-                top_k=int(hf["num_experts_per_tok"]),
-                moe_intermediate_size=int(hf["moe_intermediate_size"]),
-                norm_topk_prob=bool(hf.get("norm_topk_prob", defaults["norm_topk_prob"])),
-                **layout,
-            )
-    if model_type == "mixtral":  # every layer: softmax over all experts, top-k, renormalized
-        fields["moe"] = MoEConfig(
+        layout: dict[str, Any] = {"every_n_layers": step}
+        if dense_only:
+            layers = (i for i in range(fields["num_layers"]) if (i + 1) % step == 0)
+            layout = {"layers": tuple(i for i in layers if i not in dense_only)}
+        return MoEConfig(
+            num_experts=num_experts,
+            top_k=int(hf["num_experts_per_tok"]),
+            moe_intermediate_size=int(hf["moe_intermediate_size"]),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", defaults["norm_topk_prob"])),
+            **layout,
+        )
+    if model_type == "mixtral":
+        return MoEConfig(
             num_experts=int(
                 hf.get("num_local_experts", hf.get("num_experts", defaults["num_local_experts"]))
             ),
@@ -577,14 +460,7 @@ def from_hf_config(
             moe_intermediate_size=fields["intermediate_size"],
             norm_topk_prob=True,
         )
-    fields.update(overrides)
-    config = ReferenceModelConfig.from_dict(fields)
-    if seq_len is not None:
-        try:
-            check_sequence_length(config, seq_len, key=f"{source} sliding_window")
-        except SlidingWindowError as error:
-            raise HFConversionError(str(error)) from None
-    return config
+    return None
 
 
 def read_hf_config(
@@ -597,63 +473,3 @@ def read_hf_config(
     except FileNotFoundError:
         raise HFConversionError(f"{path}: no config.json; is {folder} a Hugging Face model folder?") from None
     return from_hf_config(hf, seq_len=seq_len, source=str(path), **overrides)
-
-
-def hf_checkpoint_keys(folder: str | os.PathLike[str]) -> list[str]:
-    """The tensor keys of a safetensors folder, from its index (or the single file's header): no data read."""
-    folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
-    if index.exists():
-        return sorted(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
-    single = folder / "model.safetensors"
-    if not single.exists():
-        raise HFConversionError(f"{folder} holds neither model.safetensors.index.json nor model.safetensors")
-    from safetensors import safe_open
-
-    with safe_open(single, framework="pt") as handle:
-        return sorted(handle.keys())
-
-
-def save_hf_pretrained(
-    model: nn.Module,
-    folder: str | os.PathLike[str],
-    *,
-    config: ReferenceModelConfig | None = None,
-    max_shard_size: int | str = "5GB",
-    expert_layout: ExpertLayout = "per_expert",
-) -> None:
-    """Write the model as an HF folder: safetensors through `hf_export_mapper` plus `config.json`.
-
-    Call it on every rank of a distributed job (the weights are gathered one group at a time);
-    only global rank 0 writes. `config` defaults to `model.config`.
-    """
-    config = config if config is not None else model.config
-    assert isinstance(config, ReferenceModelConfig)
-    dtype = next(iter(model.state_dict().values())).dtype
-    hf = to_hf_config(config, dtype=dtype)
-    mapper = hf_export_mapper(config, expert_layout=expert_layout)
-    save_safetensors(model, folder, mapper=mapper, max_shard_size=max_shard_size)
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        (Path(folder) / "config.json").write_text(json.dumps(hf, indent=2) + "\n", encoding="utf-8")
-
-
-def _computation(config: ReferenceModelConfig) -> dict[str, Any]:
-    """The fields that decide what the weights compute, with the None defaults resolved."""
-    fields = {k: getattr(config, k) for k in config.__struct_fields__ if k not in _NUMERICALLY_INERT}
-    fields |= {"num_key_value_heads": config.kv_heads, "head_dim": config.attention_head_dim}
-    return fields
-
-
-def load_hf_pretrained(model: nn.Module, folder: str | os.PathLike[str]) -> None:
-    """Fill the model in place from an HF folder through `hf_import_mapper`, after checking its config.json.
-
-    Raises:
-        HFConversionError: the folder's config computes something else than `model.config`.
-    """
-    config = model.config
-    assert isinstance(config, ReferenceModelConfig)
-    ours, theirs = _computation(config), _computation(read_hf_config(folder))
-    if differ := [f"{k}: model {v!r}, folder {theirs[k]!r}" for k, v in ours.items() if theirs[k] != v]:
-        raise HFConversionError(f"{folder}/config.json does not describe this model ({'; '.join(differ)})")
-    mapper = hf_import_mapper(config, source_keys=hf_checkpoint_keys(folder))
-    load_safetensors(model, folder, mapper=mapper)

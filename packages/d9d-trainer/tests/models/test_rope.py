@@ -3,16 +3,11 @@
 transformers (a dev-only dependency) is the reference; those tests are skipped without it.
 """
 
-import sys
-from pathlib import Path
-
 import msgspec
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # examples/, so `reference_model` imports
-
-from reference_model import (
+from d9d.trainer.models import (
     Llama3RopeScaling,
     ReferenceForCausalLM,
     ReferenceModelConfig,

@@ -1,19 +1,16 @@
 """Tests of the reference model: shapes, causality, GQA, tying, meta-device init, config errors, overfitting.
 
-Run with: uv run pytest examples/reference_model/tests -q
+Run with: uv run pytest packages/d9d-trainer/tests/models -q
 """
 
 import sys
-from pathlib import Path
 
 import msgspec
 import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # examples/, so `reference_model` imports
-
-from reference_model import (
+from d9d.trainer.models import (
     MoEConfig,
     ReferenceForCausalLM,
     ReferenceModelConfig,

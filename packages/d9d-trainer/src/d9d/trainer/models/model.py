@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import MoEConfig, ReferenceModelConfig, check_sequence_length
-from .rope import RotaryEmbedding, apply_rotary
+from d9d.trainer.models.config import MoEConfig, ReferenceModelConfig, check_sequence_length
+from d9d.trainer.models.rope import RotaryEmbedding, apply_rotary
 
 __all__ = [
     "MLP",

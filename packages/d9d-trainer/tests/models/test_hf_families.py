@@ -5,12 +5,11 @@ class and saved with `save_pretrained` (no download). Import gives transformers'
 atol 1e-5); export gives back every safetensors tensor bit for bit and a config.json that
 transformers reads to the same values that matter. Real checkpoints' config.json fields (written
 out below from their public files) parse into the right shapes, or are refused with the reason.
-Run with: uv run pytest examples/reference_model/tests/test_hf_families.py -q
+Run with: uv run pytest packages/d9d-trainer/tests/models/test_hf_families.py -q
 """
 
 import json
 import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,9 +18,7 @@ import msgspec
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # examples/, so `reference_model` imports
-
-from reference_model import (
+from d9d.trainer.models import (
     HFConversionError,
     Llama3RopeScaling,
     MoEConfig,
@@ -415,7 +412,7 @@ def test_a_scaled_reference_config_exports_for_transformers_4_and_5(tmp_path):
 
 
 def test_qkv_biases_with_qk_norm_or_experts_have_no_hf_counterpart():
-    from reference_model import to_hf_config
+    from d9d.trainer.models import to_hf_config
 
     base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_layers=1, num_attention_heads=2)
     with pytest.raises(HFConversionError, match=r"model\.qkv_bias: true .* set model\.qk_norm: false"):
@@ -467,7 +464,7 @@ def test_qwen2_keeps_a_window_only_where_a_layer_uses_it(tmp_path, options, wind
 
 
 def test_hf_model_type_names_mistral_or_llama_only_where_both_compute_the_model():
-    from reference_model import hf_model_type
+    from d9d.trainer.models import hf_model_type
 
     base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_layers=1, num_attention_heads=2)
     assert hf_model_type(ReferenceModelConfig(**base, qk_norm=False)) == "llama"
@@ -490,7 +487,7 @@ def test_hf_model_type_names_mistral_or_llama_only_where_both_compute_the_model(
     ],
 )
 def test_experts_without_qk_norm_export_as_mixtral_only_in_its_layout(moe, intermediate_size, message):
-    from reference_model import to_hf_config
+    from d9d.trainer.models import to_hf_config
 
     experts = MoEConfig(num_experts=4, top_k=2, moe_intermediate_size=24, **moe)
     config = ReferenceModelConfig(

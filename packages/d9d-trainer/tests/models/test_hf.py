@@ -2,20 +2,17 @@
 
 Needs the test-only `transformers` (root dev group); skipped without it. HF models are built locally
 from tiny configs, nothing is downloaded.
-Run with: uv run pytest examples/reference_model/tests/test_hf.py -q
+Run with: uv run pytest packages/d9d-trainer/tests/models/test_hf.py -q
 """
 
 import json
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # examples/, so `reference_model` imports
-
-from reference_model import (
+from d9d.ckpt import apply_mapper, save_safetensors
+from d9d.trainer.models import (
     HFConversionError,
     MoEConfig,
     ReferenceForCausalLM,
@@ -30,8 +27,6 @@ from reference_model import (
     save_hf_pretrained,
     to_hf_config,
 )
-
-from d9d.ckpt import apply_mapper, save_safetensors
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it: local folders only
 transformers = pytest.importorskip("transformers")

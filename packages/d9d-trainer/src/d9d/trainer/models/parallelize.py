@@ -24,9 +24,8 @@ from d9d.parallel import (
 )
 from d9d.parallel.expert import MoE, parallelize_expert_parallel
 from d9d.parallel.pipeline import StageSpec, keep_stage_layers
-
-from .config import ReferenceModelConfig
-from .model import ReferenceForCausalLM
+from d9d.trainer.models.config import ReferenceModelConfig
+from d9d.trainer.models.model import ReferenceForCausalLM
 
 __all__ = [
     "apply_expert_parallel",
