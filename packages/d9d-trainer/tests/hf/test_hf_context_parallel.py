@@ -58,7 +58,7 @@ def test_what_context_parallelism_cannot_split_is_one_line_naming_the_key_and_th
     (line,) = str(refused.value).splitlines()
     assert "sliding window (sliding_window=8)" in line
     assert line.endswith("set mesh.context_parallel: 1, or train it with the reference model, which splits its "
-                         "sequences (model.backend: reference, examples/finetune)")  # fmt: skip
+                         "sequences (model.backend: reference, d9d.trainer:HFModelProvider)")  # fmt: skip
     import transformers
 
     from d9d.trainer.hf.context_parallel import context_parallel_problem

@@ -9,6 +9,11 @@ declared abilities, and the trainer builds from that plan: the model on the meta
 by the model provider, materialized and initialized identically on any mesh; then it trains with
 loss-weighted gradient accumulation, checkpoints, resumes and exports.
 
+A fine-tune or a pre-training run needs no Python file: the built-in providers train the model d9d
+ships (`ReferenceModelProvider`, `d9d.trainer.models`) or a Hugging Face folder (`HFModelProvider`)
+on conversations (`ChatDatasetProvider`), text (`TextDatasetProvider`) or prepared folders
+(`PreparedDataProvider`).
+
 The names below are the whole public face, listed once. They load on first use (PEP 562), so
 importing one that needs no torch (`read_metrics`) does not import torch: `d9d metrics` stays fast.
 The Hugging Face backend, an optional extra, is its own face: `d9d.trainer.hf:HFCausalLMProvider`.
@@ -25,8 +30,16 @@ from d9d.mesh.lazy import lazy_face
 if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
     from d9d.trainer.build.materialize import materialize_and_initialize
     from d9d.trainer.builtins.data import AutoDataProviderFactory
+    from d9d.trainer.builtins.datasets import (
+        ChatDatasetConfig,
+        ChatDatasetProvider,
+        TextDatasetConfig,
+        TextDatasetProvider,
+    )
+    from d9d.trainer.builtins.hf_folder import HFModelConfig, HFModelProvider
     from d9d.trainer.builtins.optim import BuiltinLRSchedulerProvider, BuiltinOptimizerProvider
     from d9d.trainer.builtins.prepared_data import MixtureSource, PreparedDataConfig, PreparedDataProvider
+    from d9d.trainer.builtins.reference_model import ReferenceModelProvider
     from d9d.trainer.builtins.task import CausalLMTask
     from d9d.trainer.callbacks import Callback, RunControl
     from d9d.trainer.config.base import ConfigPath

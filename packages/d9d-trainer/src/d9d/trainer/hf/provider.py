@@ -83,7 +83,7 @@ def mesh_refusal(mesh: MeshConfig) -> str | None:
             return (
                 f"mesh.{key}={degree}: the Hugging Face backend ({_SPEC}) has no {lacks}; set mesh.{key}: 1, "
                 f"or for {families} train the reference model, which has it (model.backend: reference, "
-                "examples/finetune)"
+                "d9d.trainer:HFModelProvider)"
             )
     return None
 
@@ -95,7 +95,7 @@ def context_parallel_refusal(folder: HFFolder, cp: int) -> str | None:
         return None
     reference = (
         ", or train it with the reference model, which splits its sequences (model.backend: reference, "
-        "examples/finetune)"
+        "d9d.trainer:HFModelProvider)"
         if folder.model_type in _REFERENCE_TYPES
         else ""
     )
@@ -114,7 +114,7 @@ def tensor_parallel_refusal(folder: HFFolder, tp: int) -> str | None:
     if problem is None:
         return None
     reference = (
-        f", or for {_DENSE_AND_MOE} train the reference model (model.backend: reference, examples/finetune)"
+        f", or for {_DENSE_AND_MOE} train the reference model (model.backend: reference, d9d.trainer:HFModelProvider)"
         if folder.model_type not in TENSOR_PARALLEL_ARCHITECTURES
         else ""
     )

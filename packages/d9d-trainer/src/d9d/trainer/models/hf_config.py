@@ -377,7 +377,7 @@ def _check_supported(hf: Mapping[str, Any], source: str) -> str:
         raise HFConversionError(
             f"{source} has model_type {model_type!r}, which the reference model does not implement (it does "
             f"{', '.join(sorted(_ARCHITECTURES))}); train it with transformers' own model: model.backend: hf "
-            "(examples/finetune) or d9d.trainer.hf:HFCausalLMProvider"
+            "(d9d.trainer:HFModelProvider) or d9d.trainer.hf:HFCausalLMProvider"
         )
     required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     missing = [k for k in required if k not in hf]

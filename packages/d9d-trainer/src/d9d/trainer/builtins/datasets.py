@@ -1,0 +1,83 @@
+"""The built-in dataset providers: conversations for supervised fine-tuning (`d9d.trainer:ChatDatasetProvider`)
+and plain text for pre-training (`d9d.trainer:TextDatasetProvider`); prepared folders are
+`d9d.trainer:PreparedDataProvider`'s. Paths are relative to the config file, like every path of a job.
+
+    providers: {dataset: d9d.trainer:ChatDatasetProvider}
+    dataset: {path: chat/train.jsonl, tokenizer: model/, seq_len: 2048}
+"""
+
+from typing import Literal
+
+import msgspec
+
+from d9d.data import SFTDataset, TextDataset
+from d9d.trainer.config.base import ConfigPath
+from d9d.trainer.providers.data import BuildDatasetContext, BuildDatasetResult
+
+__all__ = ["ChatDatasetConfig", "ChatDatasetProvider", "TextDatasetConfig", "TextDatasetProvider"]
+
+
+class ChatDatasetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The `dataset:` (and `eval_dataset:`) section: conversations for supervised fine-tuning.
+
+    Attributes:
+        path: a .jsonl file or a folder of them (`{"messages": [...]}` or `{"prompt", "completion"}`).
+        tokenizer: a Hugging Face tokenizer folder (tokenizer.json + tokenizer_config.json with the
+            chat template); usually the model's folder.
+        seq_len: tokens per row.
+        pack: several conversations per row, never attending to each other (position and document ids).
+        train_on: "assistant" (loss on the assistant's tokens only) or "all".
+        overflow: "truncate" or "drop" conversations longer than seq_len.
+        roles: the message roles the conversations may use (another is refused with its file:line).
+    """
+
+    path: ConfigPath
+    tokenizer: ConfigPath
+    seq_len: int = 256
+    pack: bool = True
+    train_on: Literal["assistant", "all"] = "assistant"
+    overflow: Literal["truncate", "drop"] = "truncate"
+    roles: tuple[str, ...] = ("system", "user", "assistant", "tool")
+
+
+class ChatDatasetProvider:
+    """`d9d.data.SFTDataset` over the configured JSONL, with the model's tokenizer and chat template."""
+
+    config_type = ChatDatasetConfig
+
+    def __init__(self, config: ChatDatasetConfig) -> None:
+        self.config = config
+
+    def build_dataset(self, context: BuildDatasetContext) -> BuildDatasetResult:
+        c = self.config
+        dataset = SFTDataset(c.path, c.seq_len, tokenizer=c.tokenizer, train_on=c.train_on,
+                             overflow=c.overflow, pack=c.pack, roles=c.roles)  # fmt: skip
+        return BuildDatasetResult(dataset=dataset)
+
+
+class TextDatasetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The `dataset:` section of plain text: a .txt file (or a folder of them), packed into rows.
+
+    Attributes:
+        path: the text file or folder.
+        seq_len: tokens per row.
+        tokenizer: a tokenizer folder or tokenizer.json; null: bytes (vocabulary 257: 256 bytes and the
+            end of a document).
+    """
+
+    path: ConfigPath
+    seq_len: int = 128
+    tokenizer: ConfigPath | None = None
+
+
+class TextDatasetProvider:
+    """`d9d.data.TextDataset`: the text in the given tokenizer's ids (bytes without one), packed."""
+
+    config_type = TextDatasetConfig
+
+    def __init__(self, config: TextDatasetConfig) -> None:
+        self.config = config
+
+    def build_dataset(self, context: BuildDatasetContext) -> BuildDatasetResult:
+        c = self.config
+        return BuildDatasetResult(dataset=TextDataset(c.path, c.seq_len, tokenizer=c.tokenizer))
