@@ -143,3 +143,28 @@ def test_full_sft_on_packed_chat_rows_equals_a_plain_pytorch_loop(example):
     got = run_forked(trainer_and_loop, str(example / "config.yaml"), args, settings, timeout=300)
     assert got["microbatches"] == 4 and got["ignored"] > 0  # accumulation; masked tokens in the rows
     assert_trainer_equals_loop(got, settings)
+
+
+def test_d9d_init_finetune_of_a_folder_trains_and_exports_what_transformers_loads(example, tmp_path):
+    """`d9d init --template finetune --from FOLDER`: a config of built-in providers alone (and sample
+    conversations) that trains LoRA on the folder; the merged export gives the trained model's logits."""
+    transformers = pytest.importorskip("transformers")
+    from click.testing import CliRunner
+
+    from d9d.cli import cli
+
+    folder = example / "demo" / "model"
+    made = CliRunner().invoke(
+        cli, ["init", str(tmp_path / "ft"), "--template", "finetune", "--from", str(folder)]
+    )
+    assert made.exit_code == 0, made.output
+    args = ["trainer.schedule.total_steps=2", "dataset.seq_len=64", "data.global_batch_size=4",
+            "trainer.logging.progress_bar=false"]  # fmt: skip
+    run = _run(str(tmp_path / "ft" / "config.yaml"), args)
+    merged = tmp_path / "ft" / "export" / "merged"
+    assert (tmp_path / "ft" / "export" / "adapter" / "adapter_config.json").is_file()
+    model = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = model(_ids()).logits
+    assert torch.allclose(run["logits"], theirs, atol=1e-5, rtol=0), (run["logits"] - theirs).abs().max()
+    assert run["trainable"] and all(".lora_" in name for name in run["trainable"])

@@ -54,14 +54,13 @@ def _help_text(runner, command: str) -> str:
 def test_export_help_says_which_models_write_a_hugging_face_folder(runner):
     text = _help_text(runner, "export")
     assert "the Hugging Face backend write a folder transformers loads" in text
-    assert "the reference model (examples/quickstart, examples/finetune)" in text
-    assert "the model of the `d9d init` template writes its own module names, without a config.json" in text
+    assert "the model d9d ships (d9d.trainer.models: the quickstart, the `d9d init` templates" in text
 
 
-def test_init_help_says_its_export_has_no_config_json(runner):
+def test_init_help_says_its_export_is_a_folder_transformers_loads(runner):
     text = _help_text(runner, "init")
-    assert "its export holds its own module names (no config.json), not a folder transformers loads" in text
-    assert "examples/quickstart (the reference model, exported in the Hugging Face layout)" in text
+    assert "the export is a Hugging Face folder transformers loads" in text
+    assert "--template [quickstart|finetune]" in text and "--from PATH" in text
 
 
 def test_group_help_lists_every_command(runner):

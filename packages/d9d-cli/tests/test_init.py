@@ -1,5 +1,7 @@
-"""`d9d init`: a quickstart that runs from any directory, a next step that runs, and no overwrite."""
+"""`d9d init`: a quickstart that runs from any directory and exports what transformers loads, a fine-tune
+of a folder from a config alone, a next step that runs, and no overwrite."""
 
+import json
 import os
 import subprocess
 import sys
@@ -20,12 +22,16 @@ TINY = [
     "trainer.schedule.total_steps=2",
     "trainer.checkpointing.period_steps=0",
     "model.hidden_size=32",
+    "model.intermediate_size=64",
     "model.num_layers=1",
-    "model.num_heads=2",
+    "model.num_attention_heads=2",
+    "model.num_key_value_heads=1",
     "dataset.seq_len=32",
     "data.global_batch_size=4",
     "data.microbatch_size=2",
+    "export.dir=null",
 ]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_init_writes_a_valid_job(runner, tmp_path):
@@ -35,7 +41,7 @@ def test_init_writes_a_valid_job(runner, tmp_path):
     assert sorted(p.name for p in target.iterdir()) == sorted(TEMPLATE_FILES)
     loaded = load_job_config(target / "config.yaml")
     job = resolve_job(loaded)  # imports train.py from the new directory
-    assert type(job.model_provider).__name__ == "QuickstartModelProvider"
+    assert type(job.model_provider).__name__ == "ModelProvider"
     raw = yaml.safe_load((target / "config.yaml").read_text())
     assert raw["dataset"]["path"] == "corpus.txt" and (target / "corpus.txt").stat().st_size > 10_000
 
@@ -117,3 +123,95 @@ def test_next_step_printed_under_uv_run_runs_in_the_users_shell(tmp_path):
     )  # fmt: skip
     assert ran.returncode == 0, ran.stdout[-2000:] + ran.stderr[-2000:]
     assert (tmp_path / "job" / "runs" / "quickstart" / "save-2").is_dir()
+
+
+def test_the_quickstart_template_exports_a_llama_that_transformers_loads_with_the_same_logits(
+    runner, tmp_path
+):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from d9d.trainer import Trainer
+
+    assert runner.invoke(cli, ["init", str(tmp_path / "job")]).exit_code == 0
+    tiny = [item for item in TINY if not item.startswith("export.")]
+    with Trainer.from_config(tmp_path / "job" / "config.yaml", tiny) as trainer:
+        trainer.train()
+        out = trainer.export()
+        ids = torch.randint(0, 257, (2, 24), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            ours = trainer.model(ids)
+    assert (
+        out == tmp_path / "job" / "export"
+        and json.loads((out / "config.json").read_text())["model_type"] == "llama"
+    )
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = theirs(ids).logits
+    assert torch.allclose(ours, logits, atol=1e-5, rtol=0), (ours - logits).abs().max()
+
+
+@pytest.mark.parametrize("written", ["train.py", "config.yaml"])
+def test_the_template_passes_ruff_with_the_projects_rules(runner, tmp_path, written):
+    pytest.importorskip("ruff")
+    assert runner.invoke(cli, ["init", str(tmp_path)]).exit_code == 0
+    if written == "train.py":
+        for command in (["check"], ["format", "--check"]):
+            done = subprocess.run([sys.executable, "-m", "ruff", *command, "--config", str(ROOT / "pyproject.toml"),
+                                   str(tmp_path / written)], capture_output=True, text=True, timeout=60)  # fmt: skip
+            assert done.returncode == 0, done.stdout + done.stderr
+    else:  # what d9d reads, with every key checked
+        load_job_config(tmp_path / written)
+
+
+def test_a_finetune_template_is_a_config_of_built_in_providers(runner, tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "tokenizer.json").write_text("{}")
+    result = runner.invoke(
+        cli, ["init", str(tmp_path / "ft"), "--template", "finetune", "--from", str(folder)]
+    )
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (tmp_path / "ft").iterdir()) == ["chat.jsonl", "config.yaml"]
+    raw = yaml.safe_load((tmp_path / "ft" / "config.yaml").read_text())
+    assert raw["providers"] == {
+        "model": "d9d.trainer:HFModelProvider",
+        "dataset": "d9d.trainer:ChatDatasetProvider",
+    }
+    assert raw["model"]["hf_folder"] == str(folder) and raw["dataset"]["tokenizer"] == str(folder)
+    lines = (tmp_path / "ft" / "chat.jsonl").read_text().splitlines()
+    assert len(lines) > 100 and {m["role"] for m in json.loads(lines[0])["messages"]} == {"user", "assistant"}
+    text = tmp_path / "corpus.txt"
+    text.write_text("some text. " * 100)
+    result = runner.invoke(cli, ["init", str(tmp_path / "pt"), "--template", "finetune", "--from", str(folder),
+                                 "--data", str(text)])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    raw = yaml.safe_load((tmp_path / "pt" / "config.yaml").read_text())
+    assert raw["providers"]["dataset"] == "d9d.trainer:TextDatasetProvider" and raw["dataset"]["path"] == str(
+        text
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--template", "finetune"], "--template finetune needs --from"),
+        (["--template", "finetune", "--from", "nowhere"], "no config.json there"),
+        (["--from", "x"], "add --template finetune"),
+        (
+            ["--template", "finetune", "--from", "{model}", "--data", "{model}/config.json"],
+            "a .jsonl of conversations",
+        ),
+        (["--template", "finetune", "--from", "{bare}"], "no tokenizer.json"),
+    ],
+)
+def test_bad_finetune_requests_are_one_line_and_write_nothing(runner, tmp_path, args, message):
+    for name, files in (("model", ("config.json", "tokenizer.json")), ("bare", ("config.json",))):
+        (tmp_path / name).mkdir()
+        for file in files:
+            (tmp_path / name / file).write_text("{}")
+    args = [a.format(model=tmp_path / "model", bare=tmp_path / "bare") for a in args]
+    result = runner.invoke(cli, ["init", str(tmp_path / "out"), *args])
+    assert result.exit_code == 2 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()

@@ -10,7 +10,7 @@ __all__ = ["COMMANDS", "OPTIONS", "group_help"]
 #: Every command, in the order `d9d --help` lists them, with its one-line help (the `short_help` of the
 #: command in `d9d.cli.commands.<name>`; a test keeps the two equal).
 COMMANDS: dict[str, str] = {
-    "init": "Write a ready-to-run quickstart job.",
+    "init": "Write a ready-to-run job: a small model, or a fine-tune of a folder.",
     "plan": "Validate a config for a launch size, without GPUs.",
     "preflight": "Check the nodes, links and save_dir before a launch.",
     "train": "Run a job (one process or under torchrun).",

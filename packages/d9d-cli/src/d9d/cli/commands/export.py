@@ -153,9 +153,9 @@ def with_values(loaded: "LoadedJob", values: dict[str, Any]) -> "LoadedJob":
 def export(source: str, out_dir: str, step: int | None, best: bool, overrides: Sequence[str]) -> None:
     """Export a checkpoint's model as safetensors files (sharded, with an index).
 
-    The tensor names and any config.json are the model provider's mapper's: the reference model
-    (examples/quickstart, examples/finetune) and the Hugging Face backend write a folder transformers
-    loads; the model of the `d9d init` template writes its own module names, without a config.json.
+    The tensor names and any config.json are the model provider's mapper's: the model d9d ships
+    (d9d.trainer.models: the quickstart, the `d9d init` templates, d9d.trainer:HFModelProvider) and
+    the Hugging Face backend write a folder transformers loads.
 
     CONFIG_OR_RUN_DIR is either the job's config file (its run directory is save_dir/run.name) or a
     run directory, whose checkpoint holds the config the job ran with. The model goes through the
