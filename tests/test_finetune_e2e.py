@@ -168,3 +168,19 @@ def test_d9d_init_finetune_of_a_folder_trains_and_exports_what_transformers_load
         theirs = model(_ids()).logits
     assert torch.allclose(run["logits"], theirs, atol=1e-5, rtol=0), (run["logits"] - theirs).abs().max()
     assert run["trainable"] and all(".lora_" in name for name in run["trainable"])
+
+
+def test_the_example_config_alone_trains_outside_the_repository(example, tmp_path):
+    """No Python file of the user's: config.yaml copied next to a model folder and data, anywhere."""
+    import shutil
+
+    from d9d.trainer import Trainer
+
+    shutil.copy(example / "config.yaml", tmp_path / "config.yaml")
+    shutil.copytree(example / "demo", tmp_path / "demo")
+    assert not list(tmp_path.glob("*.py"))
+    args = ["trainer.schedule.total_steps=1", "eval.period_steps=0", "export.dir=null",
+            "trainer.logging.progress_bar=false"]  # fmt: skip
+    with Trainer.from_config(tmp_path / "config.yaml", args) as trainer:
+        result = trainer.train()
+    assert result.final_step == 1 and (tmp_path / "runs" / "finetune" / "save-1").is_dir()
