@@ -127,7 +127,8 @@ def test_bad_requests_are_one_line_with_exit_status_2(trained, tmp_path):
 def test_a_chat_run_renders_its_chat_template_and_equals_transformers_on_its_merged_export(finetune_example):
     """The fine-tune example (LoRA on a tiny Qwen3, conversations): the prompt goes through the run's
     tokenizer's chat template; the greedy text of the run's latest checkpoint (with its adapters, on the
-    reference model's cache) equals transformers' `generate` on the merged export."""
+    reference model's cache) equals transformers' `generate` on the merged export, which carries the
+    run's tokenizer files (no --tokenizer for either)."""
     transformers = pytest.importorskip("transformers")
     import torch
 
@@ -155,8 +156,9 @@ def test_a_chat_run_renders_its_chat_template_and_equals_transformers_on_its_mer
         out = model.generate(torch.tensor([chat]), do_sample=False, max_new_tokens=12,
                              eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.eos_id)  # fmt: skip
     theirs = out[0, len(chat) :].tolist()
-    (exported,) = _records(str(export), "--tokenizer", str(example / "demo" / "model"), *greedy)
+    (exported,) = _records(str(export), *greedy)  # no --tokenizer: the export has the run's files
     assert exported["prompt_ids"] == list(chat) and exported["ids"] == theirs  # the export's own template use
+    assert (example / "runs" / "generate" / "tokenizer" / "tokenizer_config.json").is_file()  # the run's copy
     assert ours["ids"] == theirs  # the export holds the last step's weights, merged
     assert ours["completion"] == tokenizer.decode(
         ours["ids"][:-1] if ours["finish"] == "stop" else ours["ids"]

@@ -36,6 +36,14 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
     from d9d.data.datasets.text import TextDataset
     from d9d.data.datasets.token_file import TokenFileDataset, TokenFileInfo, write_token_file
     from d9d.data.datasets.tokenizer import ByteTokenizer, ChatTokenizer, Tokenizer, load_tokenizer
+    from d9d.data.datasets.tokenizer_files import (
+        TOKENIZER_FILES,
+        DeclaresTokenizerFiles,
+        copy_tokenizer_files,
+        tokenizer_digest,
+        tokenizer_files,
+        tokenizer_files_at,
+    )
     from d9d.data.device import pin_memory_enabled, to_device
     from d9d.data.errors import (
         BatchSizeError,

@@ -50,6 +50,7 @@ from d9d.trainer.run.early_stopping import EarlyStopping
 from d9d.trainer.run.evaluation import EvalSet, Evaluator, load_eval_set
 from d9d.trainer.run.loop import RunLoop, RunParts
 from d9d.trainer.run.signals import StopRequests
+from d9d.trainer.run.tokenizer import RunTokenizer
 from d9d.trainer.step.base import StepSettings, TrainStep, token_group
 from d9d.trainer.step.microbatches import MicrobatchStep
 from d9d.trainer.step.pipeline import PipelineStep
@@ -178,11 +179,16 @@ class Trainer:
         self._closers.append(manager.close)  # finishes a pending asynchronous save
         starting = StartingWeights(job, ctx, model)  # one for both: one answer for the load and the check
         stopping = job.config.eval.early_stopping if job.config.eval is not None else None
+        dataset_tokenizer = self._dataset.tokenizer if self._dataset is not None else None
+        tokenizer = self._tokenizer = RunTokenizer(
+            manager.run_dir, dataset_tokenizer, read_only=self._read_only, is_main_process=ctx.is_main_process
+        )
         self._checkpoints = RunCheckpoints(
             job, manager, model, self._optimizer, self._scheduler, self._data, starting,
-            early_stopping=EarlyStopping(stopping) if stopping is not None else None,
+            early_stopping=EarlyStopping(stopping) if stopping is not None else None, tokenizer=tokenizer,
         )  # fmt: skip
-        self._exporter = Exporter(job, ctx, model, starting, pipelined=plan.pipeline is not None)
+        self._exporter = Exporter(job, ctx, model, starting, pipelined=plan.pipeline is not None,
+                                  tokenizer_files=tokenizer.files)  # fmt: skip
         return manager
 
     def _build_model(self, plan: JobPlan) -> list[torch.nn.Module]:
@@ -296,9 +302,10 @@ class Trainer:
 
     @property
     def tokenizer(self) -> Any:
-        """The `d9d.data.Tokenizer` the job's dataset was encoded with (`BuildDatasetResult.tokenizer`),
-        or None when the dataset provider names none."""
-        return getattr(self._dataset, "tokenizer", None)
+        """The `d9d.data.Tokenizer` the run's dataset was encoded with (`BuildDatasetResult.tokenizer`);
+        read back (`read_only`), the copy of its files that the run directory keeps when it has one
+        (`RUN_DIR/tokenizer`, written with the first checkpoint); None when neither names one."""
+        return self._tokenizer.tokenizer
 
     @property
     def data(self) -> Any:

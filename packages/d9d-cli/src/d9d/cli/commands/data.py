@@ -26,7 +26,8 @@ def data() -> None:
     "--tokenizer",
     type=click.Path(),
     default=None,
-    help="A Hugging Face tokenizer folder (or tokenizer.json); default: the built-in byte tokenizer.",
+    help="A Hugging Face tokenizer folder (or tokenizer.json), copied into --out; default: the built-in "
+    "byte tokenizer.",
 )
 @click.option(
     "--text-key",
@@ -49,7 +50,9 @@ def prepare(
 ) -> None:
     """Tokenize SOURCES (files or folders of .txt, .jsonl, .jsonl.gz, .jsonl.zst and .parquet, searched
     recursively, and folders a Hugging Face `datasets` saved with save_to_disk) into --out: one token shard per source file, each document followed by the
-    end-of-document token, and an index.json written last.
+    end-of-document token, a copy of the --tokenizer files (tokenizer/), and an index.json written last.
+    The folder needs nothing outside it: it trains from any directory, moved or not, and the runs
+    trained on it keep its tokenizer for `d9d generate` and exports.
 
     The output is the same bytes for any --workers. A prepare that is interrupted continues where it
     stopped when run again with the same arguments (finished shards are kept); one that is complete

@@ -2,9 +2,11 @@
 
 From a run directory the job is rebuilt on one process from the config its checkpoint holds, as
 `d9d export` rebuilds it (read-only: no run lock, nothing written), without compile, activation
-checkpointing, CPU offload or float8 (none of them changes what the weights compute), and the
-dataset's tokenizer encodes the prompts. An export folder (config.json + safetensors) is loaded with
-transformers (the `hf` extra of d9d-trainer) and its own tokenizer files.
+checkpointing, CPU offload or float8 (none of them changes what the weights compute), and the run's
+tokenizer encodes the prompts: the copy of its files in the run directory (`RUN_DIR/tokenizer`,
+written with the first checkpoint), else the dataset's (the byte tokenizer has no files). An export
+folder (config.json + safetensors) is loaded with transformers (the `hf` extra of d9d-trainer) and its
+own tokenizer files, which `d9d export` writes beside the weights.
 
 The generated text is the only thing on stdout (the job's build log is silenced unless --verbose);
 `--format jsonl` prints one JSON object per prompt, with the token ids.
@@ -152,7 +154,7 @@ def _from_export(folder: Path, verbose: bool) -> "torch.nn.Module":
 @click.option(
     "--tokenizer",
     "tokenizer_spec",
-    help="A tokenizer folder, tokenizer.json or `byte` (default: the run's dataset's, an export's own files).",
+    help="A tokenizer folder, tokenizer.json or `byte` (default: the run's own, an export's own files).",
 )
 @click.option(
     "--chat/--no-chat",
@@ -248,7 +250,11 @@ def _load_export(
 def _required(tokenizer: "Tokenizer | None", *, export: bool) -> "Tokenizer":
     """`tokenizer`, or an error that says where none was found and how to pass one."""
     if tokenizer is None:
-        where = "the export has no tokenizer.json" if export else "the run's dataset names no tokenizer"
+        where = (
+            "the export has no tokenizer.json"
+            if export
+            else "the run keeps no tokenizer (RUN_DIR/tokenizer) and its dataset names none"
+        )
         raise CliError(
             f"{where}; pass --tokenizer FOLDER (or tokenizer.json, or byte for d9d's byte tokenizer)"
         )

@@ -10,7 +10,9 @@ from typing import Any
 import numpy as np
 
 from d9d.data.datasets.packed import PackedTokens
-from d9d.data.errors import DatasetError
+from d9d.data.datasets.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from d9d.data.datasets.tokenizer_files import tokenizer_digest, tokenizer_files_at
+from d9d.data.errors import DatasetError, TokenizerError
 from d9d.data.prepare.index import PreparedIndex, read_index
 
 __all__ = ["OPEN_SHARDS", "PreparedDataset"]
@@ -76,6 +78,30 @@ class PreparedDataset(PackedTokens):
     def vocab_size(self) -> int:
         """The tokenizer's vocabulary size (every id is below it)."""
         return self._index.vocab_size
+
+    def load_tokenizer(self) -> Tokenizer:
+        """The tokenizer the folder was prepared with: the copy of its files the folder keeps, the byte
+        tokenizer, or (a folder prepared before d9d kept the copy) the tokenizer its index names, where
+        that path, taken from the current directory or the folder's parent, still holds the same files.
+
+        Raises:
+            TokenizerError: it is in none of those places, or reading it needs `tokenizers`.
+        """
+        index = self._index
+        if index.tokenizer_folder:
+            return load_tokenizer(self._path / index.tokenizer_folder)
+        if not index.tokenizer_sha256 and index.tokenizer == ByteTokenizer().name:
+            return ByteTokenizer()
+        named = Path(index.tokenizer)
+        for place in dict.fromkeys([named, self._path.parent / named]):
+            files = tokenizer_files_at(place)
+            if files and index.tokenizer_sha256 in ("", tokenizer_digest(files)):
+                return load_tokenizer(files["tokenizer.json"])
+        raise TokenizerError(
+            f"{self._path} was prepared with the tokenizer {index.tokenizer}, which is not there (from "
+            f"{Path.cwd()}) with the same files, and the folder keeps no copy of it (prepared before d9d "
+            "kept one); run the same d9d data prepare again (it adds the copy)"
+        )
 
     @property
     def eos_id(self) -> int:

@@ -10,6 +10,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from d9d.data.datasets.chat_template import CHAT_INSTALL_HINT, Message, assistant_spans, render_chat
+from d9d.data.datasets.tokenizer_files import tokenizer_files_at
 from d9d.data.errors import TokenizerError
 
 __all__ = ["ByteTokenizer", "ChatTokenizer", "Tokenizer", "load_tokenizer"]
@@ -167,6 +168,11 @@ class _HFTokenizer:
     @property
     def chat_template(self) -> str | None:
         return self._chat_template
+
+    @property
+    def files(self) -> dict[str, Path]:
+        """Its tokenizer.json and the tokenizer files beside it (`d9d.data.DeclaresTokenizerFiles`)."""
+        return tokenizer_files_at(self._path)
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)

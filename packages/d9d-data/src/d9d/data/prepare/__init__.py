@@ -2,7 +2,8 @@
 parallel into memory-mappable token shards plus one index (`prepare_dataset`, `d9d data prepare`).
 
 Every source file becomes one shard, `shard-<i>.bin` (i: the file's position in the sorted source
-list), holding the token ids of its documents, each followed by the end-of-document token. A `.txt`
+list), holding the token ids of its documents, each followed by the end-of-document token; a Hugging
+Face tokenizer's files are copied into `tokenizer/`, so the folder needs nothing outside it. A `.txt`
 file is one document; a `.jsonl` line (also `.jsonl.gz`, and `.jsonl.zst` with the `zstandard`
 package) and a Parquet row are one document each, their text under `text_key`. A shard depends on its
 source alone, so the output is the same bytes whatever the number of workers.

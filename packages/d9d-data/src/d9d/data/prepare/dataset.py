@@ -1,20 +1,20 @@
 """`prepare_dataset`: one prepare, phase by phase: check the arguments, plan a shard per source, keep
 what an earlier prepare of the same sources finished, tokenize the rest, then commit the index."""
 
-import hashlib
 import os
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import msgspec
 
 from d9d.data.datasets.packed import token_dtype
 from d9d.data.datasets.tokenizer import Tokenizer, resolve_tokenizer
+from d9d.data.datasets.tokenizer_files import copy_tokenizer_files, tokenizer_digest, tokenizer_files
 from d9d.data.errors import DatasetError
-from d9d.data.prepare.index import FORMAT, PreparedIndex, PreparedShard
+from d9d.data.prepare.index import FORMAT, TOKENIZER_DIR, PreparedIndex, PreparedShard
 from d9d.data.prepare.pool import run_jobs
 from d9d.data.prepare.progress import Progress, summary
 from d9d.data.prepare.sources import find_sources
@@ -41,7 +41,8 @@ def prepare_dataset(
         out: the folder to write; it may hold a finished or an interrupted prepare of the same sources.
         tokenizer: None for the built-in byte-level tokenizer, a tokenizer folder or tokenizer.json
             path (needs the `chat` extra's `tokenizers`), or a `Tokenizer` (then `workers` must be 1
-            unless it can be pickled).
+            unless it can be pickled). The files of a tokenizer folder are copied into `out`
+            (`TOKENIZER_DIR`), so the folder trains and generates wherever it is used from.
         text_key: the field of a JSONL object or the Parquet column that holds a document's text.
         workers: processes tokenizing shards at once.
         dtype: "uint16" or "uint32"; by default the smallest that holds the vocabulary.
@@ -58,11 +59,14 @@ def prepare_dataset(
     np_dtype = token_dtype(dtype, tok.vocab_size)
     out = Path(out)
     jobs = plan_jobs(files, text_key, np_dtype.name)
-    empty = _empty_index(tok, tokenizer, np_dtype.name, text_key)
+    empty = _empty_index(tok, np_dtype.name, text_key)
     finished = existing_index(out, jobs, empty.settings)
     if finished is not None:
+        kept = _copy_tokenizer(out, tok, finished)
+        if kept is not finished:  # prepared before d9d kept the copy: it gets one now
+            commit_index(out, kept)
         summary(stream, progress, finished, 0.0, reused=len(finished.shards))
-        return finished
+        return kept
     done = resume(out, jobs, empty.settings)
     pending = [job for job in jobs if job.index not in done]
     bar = _progress(jobs, done, stream, enabled=progress)
@@ -74,7 +78,9 @@ def prepare_dataset(
             bar.advance(job.source_bytes, shard.tokens)
     finally:
         bar.close()
-    index = msgspec.structs.replace(empty, shards=[done[job.index] for job in jobs])
+    index = _copy_tokenizer(
+        out, tok, msgspec.structs.replace(empty, shards=[done[job.index] for job in jobs])
+    )
     commit_index(out, index)
     summary(stream, progress, index, time.monotonic() - start, reused=len(jobs) - len(pending))
     return index
@@ -98,19 +104,31 @@ def _tokenizer_with_eos(spec: Tokenizer | str | os.PathLike[str] | None) -> Toke
     return tok
 
 
-def _empty_index(tok: Tokenizer, spec: Any, dtype: str, text_key: str) -> PreparedIndex:
+def _empty_index(tok: Tokenizer, dtype: str, text_key: str) -> PreparedIndex:
     """The index of this prepare before it has shards: its settings, which finished shards must share."""
     assert tok.eos_id is not None  # _tokenizer_with_eos refused a tokenizer without one
+    files = tokenizer_files(tok)
     return PreparedIndex(
         format=FORMAT,
         dtype=dtype,
-        tokenizer=tok.name,
+        tokenizer=str(files["tokenizer.json"].absolute()) if files else tok.name,
         vocab_size=tok.vocab_size,
         eos_id=tok.eos_id,
         text_key=text_key,
         shards=[],
-        tokenizer_sha256=_tokenizer_sha256(spec),
+        tokenizer_sha256=tokenizer_digest(files),
     )
+
+
+def _copy_tokenizer(out: Path, tok: Tokenizer, index: PreparedIndex) -> PreparedIndex:
+    """Copy the tokenizer's files into the folder (`TOKENIZER_DIR`), so that it does not depend on where
+    they were, and return the index that names the copy; `index` itself for a tokenizer without files
+    (byte-level) or an index that names a copy already."""
+    files = tokenizer_files(tok)
+    if not files or index.tokenizer_folder:
+        return index
+    copy_tokenizer_files(files, out / TOKENIZER_DIR)
+    return msgspec.structs.replace(index, tokenizer_folder=TOKENIZER_DIR)
 
 
 def _progress(
@@ -124,18 +142,3 @@ def _progress(
         fresh=False,
     )
     return bar
-
-
-def _tokenizer_sha256(spec: Any) -> str:
-    """A digest of a tokenizer folder's files (a retrained tokenizer at the same path differs); the
-    built-in byte tokenizer and tokenizer objects are named by `Tokenizer.name` alone."""
-    if not isinstance(spec, str | os.PathLike):
-        return ""
-    path = Path(spec)
-    folder = path if path.is_dir() else path.parent
-    digest = hashlib.sha256()
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
-        file = folder / name
-        if file.is_file():
-            digest.update(name.encode() + b"\0" + file.read_bytes())
-    return digest.hexdigest()

@@ -8,13 +8,24 @@ import msgspec
 
 from d9d.data.errors import DatasetError
 
-__all__ = ["FORMAT", "INDEX_FILE", "STATE_DIR", "PreparedIndex", "PreparedShard", "read_index"]
+__all__ = [
+    "FORMAT",
+    "INDEX_FILE",
+    "STATE_DIR",
+    "TOKENIZER_DIR",
+    "PreparedIndex",
+    "PreparedShard",
+    "read_index",
+]
 
 #: The index of a prepared folder: what `PreparedDataset` reads first.
 INDEX_FILE = "index.json"
 #: The folder of an unfinished prepare (a record per finished shard); removed once the index is written.
 STATE_DIR = ".prepare"
-#: The index format this d9d writes and reads.
+#: The folder of the copy of the tokenizer files a prepared folder keeps (none for the byte tokenizer).
+TOKENIZER_DIR = "tokenizer"
+#: The index format this d9d writes and reads. Fields added since have defaults (`tokenizer_folder`),
+#: so folders prepared before them read as they are, and an older d9d reads newer folders.
 FORMAT = 1
 
 
@@ -39,7 +50,15 @@ class PreparedShard(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class PreparedIndex(msgspec.Struct, frozen=True, kw_only=True):
-    """`index.json` of a prepared folder: the shards in order and how they were made."""
+    """`index.json` of a prepared folder: the shards in order and how they were made.
+
+    Attributes:
+        tokenizer: "byte", or where the tokenizer was (its tokenizer.json; an absolute path since the
+            folder keeps a copy, else as the prepare was given it).
+        tokenizer_sha256: the digest of its files (`d9d.data.tokenizer_digest`); "" for the byte tokenizer.
+        tokenizer_folder: the folder (in this one) holding the copy of the tokenizer's files; "" when
+            it has none (the byte tokenizer, or a folder prepared before d9d kept the copy).
+    """
 
     format: int
     dtype: str
@@ -49,6 +68,7 @@ class PreparedIndex(msgspec.Struct, frozen=True, kw_only=True):
     text_key: str
     shards: list[PreparedShard]
     tokenizer_sha256: str = ""
+    tokenizer_folder: str = ""
 
     @property
     def documents(self) -> int:
@@ -61,10 +81,15 @@ class PreparedIndex(msgspec.Struct, frozen=True, kw_only=True):
         return sum(s.tokens for s in self.shards)
 
     @property
+    def tokenizer_identity(self) -> str:
+        """What tells tokenizers apart: the digest of its files, else (the byte tokenizer) its name."""
+        return self.tokenizer_sha256 or self.tokenizer
+
+    @property
     def settings(self) -> dict[str, Any]:
         """What every shard was made with: a prepare with other settings cannot keep them."""
-        return {"dtype": self.dtype, "tokenizer": self.tokenizer, "text_key": self.text_key,
-                "vocab_size": self.vocab_size, "eos_id": self.eos_id, "tokenizer_sha256": self.tokenizer_sha256}  # fmt: skip
+        return {"dtype": self.dtype, "tokenizer": self.tokenizer_identity, "text_key": self.text_key,
+                "vocab_size": self.vocab_size, "eos_id": self.eos_id}  # fmt: skip
 
 
 def read_index(folder: str | os.PathLike[str]) -> PreparedIndex:

@@ -1,9 +1,11 @@
 """`Trainer.export()`: the model as safetensors (Hugging Face's sharded layout) through the model
-provider's export mapper, a LoRA run's adapters in PEFT's layout and/or the merged model, and on a
-pipeline-parallel mesh one mapper over the whole model from the stages' own."""
+provider's export mapper, with the run's tokenizer files beside it; a LoRA run's adapters in PEFT's
+layout and/or the merged model; on a pipeline-parallel mesh one mapper over the whole model from the
+stages' own."""
 
 import json
 import shutil
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from d9d.ckpt import MappingError, Parallel, StateMapper, save_safetensors
+from d9d.data import copy_tokenizer_files
 from d9d.mesh import DistributedContext, get_logger
 from d9d.parallel import lora_state_dict, merged_state_dict, peft_adapter_config, peft_key
 from d9d.trainer.build.starting_weights import StartingWeights
@@ -35,13 +38,16 @@ class Exporter:
         starting: StartingWeights,
         *,
         pipelined: bool = False,
+        tokenizer_files: Callable[[], Mapping[str, Path]] = dict,
     ) -> None:
-        """`starting`: the run's starting weights, the base a LoRA adapter export names."""
+        """`starting`: the run's starting weights, the base a LoRA adapter export names.
+        `tokenizer_files`: the run's tokenizer files (`RunTokenizer.files`), which a model export carries."""
         self._job = job
         self._context = context
         self._model = model
         self._starting = starting
         self._pipelined = pipelined
+        self._tokenizer_files = tokenizer_files
 
     def export(self, out_dir: str | Path | None = None) -> Path:
         """Write the model as safetensors through the model provider's export mapper.
@@ -61,7 +67,9 @@ class Exporter:
 
         A LoRA run (`peft.lora` set) exports as `export.lora` says: its adapters in PEFT's layout
         (`_export_lora`), the merged model (`merged_state_dict` through the provider's mapper), or both
-        in `adapter/` and `merged/`.
+        in `adapter/` and `merged/`. The model (whole or merged) goes with the run's tokenizer files
+        (tokenizer.json, tokenizer_config.json, ...; none for the byte tokenizer), so the folder is
+        complete for transformers; adapters name their base, whose tokenizer they use.
         """
         target = out_dir if out_dir is not None else self._job.loaded.paths.export_dir
         if target is None:
@@ -94,7 +102,10 @@ class Exporter:
             mapper=mapper,
             max_shard_size=self._job.config.export.shard_size_mb * 2**20,
         )
+        files = sorted(result.extra_files)
         if self._context.is_main_process:
+            tokenizer = {n: p for n, p in self._tokenizer_files().items() if n not in result.extra_files}
+            files += copy_tokenizer_files(tokenizer, target) if tokenizer else []  # the provider's own win
             for name, text in result.extra_files.items():
                 path = Path(target) / name
                 tmp = path.with_name(path.name + ".tmp")
@@ -102,12 +113,7 @@ class Exporter:
                 tmp.replace(path)
         self._context.barrier()
         if self._context.is_main_process:  # one line for the job (every rank's would be the same)
-            _log.info(
-                "exported",
-                dir=str(target),
-                weights=sorted(set(weights.values())),
-                files=sorted(result.extra_files),
-            )
+            _log.info("exported", dir=str(target), weights=sorted(set(weights.values())), files=sorted(files))
         return Path(target)
 
     def _export_lora(self, target: Path) -> Path:

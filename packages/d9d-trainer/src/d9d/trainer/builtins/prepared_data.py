@@ -9,15 +9,17 @@
         - {path: prepared/web, weight: 0.7}
         - {path: prepared/code, weight: 0.3}
 
-Paths are relative to the config file. A config needs no Python file for pretraining data.
+Paths are relative to the config file. A config needs no Python file for pretraining data. The
+tokenizer the folders were prepared with (the copy each keeps) is the run's: `d9d generate` encodes
+prompts with it and exports carry its files.
 """
 
 from typing import Literal
 
 import msgspec
 
-from d9d.data import DataConfigError, MixtureDataset, PreparedDataset
-from d9d.mesh import get_logger
+from d9d.data import DataConfigError, MixtureDataset, PreparedDataset, Tokenizer, TokenizerError
+from d9d.mesh import DistributedContext, get_logger
 from d9d.trainer.providers.data import BuildDatasetContext, BuildDatasetResult
 
 __all__ = ["MixtureSource", "PreparedDataConfig", "PreparedDataProvider"]
@@ -89,14 +91,14 @@ class PreparedDataProvider:
                 index = dataset.index
                 _log.info("prepared data", path=str(dataset.path), documents=index.documents,
                           tokens=index.tokens, samples=len(dataset), tokenizer=index.tokenizer)  # fmt: skip
-            return BuildDatasetResult(dataset=dataset)
+            return BuildDatasetResult(dataset=dataset, tokenizer=_tokenizer(dataset, context.context))
         assert config.mixture is not None
         parts = [
             PreparedDataset(base / s.path, config.seq_len, document_masking=config.document_masking)
             for s in config.mixture
         ]
         names = [s.name or s.path for s in config.mixture]
-        made = {(p.index.tokenizer, p.index.tokenizer_sha256) for p in parts}
+        made = {p.index.tokenizer_identity for p in parts}
         if len(made) > 1:
             shown = ", ".join(f"{n}: {p.index.tokenizer}" for n, p in zip(names, parts, strict=True))
             raise DataConfigError(
@@ -116,4 +118,14 @@ class PreparedDataProvider:
                 "prepared data mixture", samples=len(mixture), shares=shares, exhausted=config.exhausted,
                 **({"ends_after_samples": mixture.stream_end} if mixture.stream_end is not None else {}),
             )  # fmt: skip
-        return BuildDatasetResult(dataset=mixture)
+        return BuildDatasetResult(dataset=mixture, tokenizer=_tokenizer(parts[0], context.context))
+
+
+def _tokenizer(dataset: PreparedDataset, context: DistributedContext) -> Tokenizer | None:
+    """The folder's tokenizer; None (rank 0 says why: the job trains without it) when it cannot load."""
+    try:
+        return dataset.load_tokenizer()
+    except TokenizerError as exc:
+        if context.is_main_process:
+            _log.warning("prepared data: no tokenizer for d9d generate and exports", reason=str(exc))
+        return None

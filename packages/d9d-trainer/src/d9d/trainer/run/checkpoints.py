@@ -24,6 +24,7 @@ from d9d.trainer.errors import TrainingError
 from d9d.trainer.job.resolve import ResolvedJob
 from d9d.trainer.results import EvalResult
 from d9d.trainer.run.early_stopping import EarlyStopping
+from d9d.trainer.run.tokenizer import RunTokenizer
 
 __all__ = ["RunCheckpoints", "SavePolicy", "config_changes", "optimizer_change"]
 
@@ -56,7 +57,8 @@ class SavePolicy:
 class RunCheckpoints:
     """Save and resume for one run; the trainer owns the step count and passes it in.
 
-    `manager` is the run's `CheckpointManager` (its directory, pending save, committed checkpoints).
+    `manager` is the run's `CheckpointManager` (its directory, pending save, committed checkpoints);
+    `tokenizer`, the run's, whose files a save copies into the run directory (once).
     """
 
     def __init__(
@@ -69,8 +71,10 @@ class RunCheckpoints:
         data: Any,
         starting: StartingWeights,
         early_stopping: EarlyStopping | None = None,
+        tokenizer: RunTokenizer | None = None,
     ) -> None:
         self.manager = manager
+        self._tokenizer = tokenizer
         self.early_stopping = early_stopping
         self.policy = SavePolicy.of(job.config.trainer.checkpointing)
         self._eval_metrics: dict[str, float] | None = None  # of the last eval, recorded by each save
@@ -180,6 +184,8 @@ class RunCheckpoints:
                 else {}
             ),
         }
+        if self._tokenizer is not None:  # the run directory keeps the tokenizer its weights train with
+            self._tokenizer.record()
         # A LoRA run's checkpoint holds the adapters (and their optimizer state), not the frozen base.
         info = self.manager.save(
             step,
