@@ -20,8 +20,10 @@ pytestmark = pytest.mark.slow
 # The shipped quickstart, made small enough for a test (the config file itself is unchanged).
 SMALL = [
     "model.hidden_size=32",
+    "model.intermediate_size=64",
     "model.num_layers=2",
-    "model.num_heads=2",
+    "model.num_attention_heads=2",
+    "model.num_key_value_heads=1",
     "dataset.seq_len=32",
     "data.global_batch_size=8",
     "data.microbatch_size=2",
@@ -95,8 +97,9 @@ def test_quickstart_from_init_to_export(tmp_path):
     weights = {}
     for file in (tmp_path / "out").glob("*.safetensors"):
         weights.update(load_file(file))
-    assert weights["embed.weight"].shape == (257, 32)
-    assert len([k for k in weights if k.startswith("blocks.")]) == 2 * 6
+    assert weights["model.embed_tokens.weight"].shape == (257, 32)  # Hugging Face's names: a Llama
+    assert len([k for k in weights if k.startswith("model.layers.")]) == 2 * 9
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "llama"
 
     # Raising total_steps continues the run in one process (another mesh): steps 5 and 6 are appended.
     more = _d9d("train", config, *_sets([*SMALL, "trainer.schedule.total_steps=6"]), cwd=work)

@@ -47,8 +47,9 @@ def test_a_slowed_rank_is_named_and_the_same_mesh_unslowed_passes(tmp_path):
     for name in ("same code", "same config", "save_dir shared", "save_dir room"):
         assert _check(lines, name).startswith("  ok    "), lines
     assert lines[-1] == "3 checks failed"
-    # the same launch without the slow rank: a generous threshold keeps a loaded CI machine's noise out
-    healthy = run_distributed(_preflight_rank, 4, sets, 0.6, env={"OMP_NUM_THREADS": "1"}, timeout=120)[0]
+    # the same launch without the slow rank: a generous threshold keeps a loaded machine's noise out (the
+    # suite's other worker shares the 2 cores with these 4 ranks; the slowed rank above falls far below)
+    healthy = run_distributed(_preflight_rank, 4, sets, 0.85, env={"OMP_NUM_THREADS": "1"}, timeout=120)[0]
     assert healthy[-1] == "all checks passed", healthy
     assert [x.split()[0] for x in healthy[1:-1]] == ["ok"] * 7, healthy
     assert list(tmp_path.iterdir()) == []  # the probes are gone; save_dir was never created
@@ -59,6 +60,10 @@ def _copy_job(where: Path, comment: str = "") -> Path:
     shutil.copytree(ROOT / "examples" / "data", where / "data")
     for name in ("config.yaml", "train.py"):
         shutil.copy(ROOT / "examples" / "quickstart" / name, where / "quickstart" / name)
+    config = where / "quickstart" / "config.yaml"  # the job's own module: train.py (its provider names)
+    config.write_text(
+        config.read_text().replace("d9d.trainer:ReferenceModelProvider", "train.py:QuickstartModelProvider")
+    )
     if comment:
         train = where / "quickstart" / "train.py"
         train.write_text(train.read_text() + comment)

@@ -53,7 +53,8 @@ def _check_phase_ranges(path, record: dict, microbatches: int, checkpoint_s: flo
         assert spans[earlier][1] <= spans[later][0] + 1e-4, (earlier, later, spans)
     for name in phases:
         length = spans[name][1] - spans[name][0]
-        assert abs(length - figures[name]) <= 0.05 * figures[name] + 2e-3, (name, length, figures[name])
+        # one interval on two clocks: equal but for a descheduling between a mark and its range's end
+        assert abs(length - figures[name]) <= 0.1 * figures[name] + 5e-3, (name, length, figures[name])
     start, end = spans["d9d.forward_backward"]
     for i in range(microbatches):
         inner = spans[f"d9d.forward_backward.microbatch_{i}"]
