@@ -7,7 +7,8 @@ trainer's `plan_job` on a planning context, float32 on both sides) must be withi
 rank (the issue asked for 10%; measured: 3.5–4.8%): per pipeline stage (1F1B keeps pp − s microbatches in flight on stage s; the last stage's
 logits and loss) and per tensor-parallel rank (what tensor parallelism keeps whole counts whole).
 The figures they replace fail it: the whole model at one microbatch for every pp rank (2× off on the
-1F1B stages), and the one-process figure divided by tp (7.7% under).
+1F1B stages), and the one-process figure divided by tp (7.7% under). A LoRA job, on one process, is
+planned as it trains (adapters, frozen weights), not as a full fine-tune.
 """
 
 import weakref
@@ -128,6 +129,28 @@ def test_the_plans_activations_are_within_ten_percent_of_a_real_runs_on_every_ra
         assert abs(plan - real) <= 0.06 * real, f"{mesh} rank {rank}: planned {plan}, measured {real}"
     if mesh == "pp2_1f1b":  # stage 0 holds two microbatches in flight, the last stage one (+ the loss)
         assert planned[0] != planned[1]
+
+
+#: Adapters on every projection of the quickstart model.
+LORA = (
+    r"peft.lora={rank: 8, alpha: 16, "
+    r"target_modules: ['.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)']}"
+)
+
+
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_a_lora_jobs_activations_are_planned_as_it_trains_them(mode, tmp_path):
+    """A LoRA job saves less: a frozen weight's input only where something before it trains. Measured
+    on one process (float32): 649,992 bytes without checkpointing (a full fine-tune: 785,928), 115,720
+    with full (149,000); the plan says 682,756 (+5.0%) and 115,716. It used to plan a full fine-tune's
+    818,692 and 148,996 (+26%, +29%)."""
+    ac = [f"trainer.activation_checkpointing.mode={mode}"]
+    args = _args(str(tmp_path), [*ac, LORA])
+    planned = run_forked(_planned, args, 1)[0]
+    measured = run_forked(_measured, args)
+    assert abs(planned - measured) <= 0.06 * measured, f"planned {planned}, measured {measured}"
+    full_fine_tune = run_forked(_planned, _args(str(tmp_path), ac), 1)[0]
+    assert planned < 0.9 * full_fine_tune
 
 
 def test_a_schedule_without_a_closed_form_is_planned_as_an_upper_bound_and_says_so(tmp_path):

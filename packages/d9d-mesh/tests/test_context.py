@@ -201,6 +201,20 @@ def test_planning_mode_checks_world_size():
         DistributedContext.for_planning(MeshConfig(data_parallel_shard=4), world_size=8)
 
 
+def _single_process_beside_the_group() -> tuple[str, int, int, bool]:
+    one = DistributedContext.single_process()
+    return one.mode, one.world_size, one.rank, dist.is_initialized()
+
+
+def test_a_single_process_context_is_local_mode_beside_any_process_group():
+    with DistributedContext.for_planning(MeshConfig(data_parallel_shard=4), rank=3):
+        one = DistributedContext.single_process()
+        assert (one.is_local, one.world_size, one.rank, one.device.type) == (True, 1, 0, "cpu")
+        assert one.coordinates["dense"] == dict.fromkeys(("pp", "dp_replicate", "dp_shard", "cp", "tp"), 0)
+    for result in run_distributed(_single_process_beside_the_group, 2):  # a real rank of 2, untouched
+        assert result == ("local", 1, 0, True)
+
+
 def _raise_on_rank_one():
     if dist.get_rank() == 1:
         raise ValueError("boom on purpose")

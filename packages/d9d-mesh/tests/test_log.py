@@ -85,6 +85,16 @@ def test_local_mode_tag_and_json_format():
     assert "coords" not in record
 
 
+def test_a_value_with_spaces_is_quoted_as_written_and_escaped_only_where_it_must_be():
+    stream = io.StringIO()
+    configure_logging(stream=stream)
+    pattern = r".*\.(q_proj|v_proj): 2 in each of 4 layers"  # a regex: its backslash stays single
+    get_logger("d9d.test").info("quoted", regex=pattern, quote="it's here", lines="a b\nc", word=r"a\b")
+    line = stream.getvalue().splitlines()[-1]
+    assert f"regex='{pattern}'" in line and r"word=a\b" in line
+    assert 'quote="it\'s here"' in line and r"lines='a b\nc'" in line  # repr: unambiguous
+
+
 def test_reconfiguring_replaces_handlers():
     first, second = io.StringIO(), io.StringIO()
     configure_logging(stream=first)

@@ -6,7 +6,7 @@ import msgspec
 import torch
 from torch import nn
 
-from d9d.parallel import apply_activation_checkpointing, compile_blocks, parallelize_hsdp
+from d9d.parallel import apply_activation_checkpointing, apply_lora, compile_blocks, parallelize_hsdp
 from d9d.trainer.providers import (
     BuildDatasetResult,
     InitializeModelStageResult,
@@ -69,6 +69,15 @@ class TinyModelProvider:
 
     def prepare_import_model_stage(self, context: Any) -> PrepareImportModelStageResult:
         return PrepareImportModelStageResult(folder=self.config.import_dir)
+
+
+class LoraModelProvider(TinyModelProvider):
+    """The tiny model with `peft.lora`'s adapters, applied as the contract says: before data parallelism."""
+
+    def parallelize_model_stage(self, context: Any) -> None:
+        if context.lora is not None:
+            apply_lora(context.model, context.lora)
+        super().parallelize_model_stage(context)
 
 
 class RandomTokensConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -196,6 +196,23 @@ class DistributedContext:
             step_timeout=_DEFAULT_STEP_TIMEOUT,
         )
 
+    @classmethod
+    def single_process(cls, device: str | torch.device = "cpu") -> "DistributedContext":
+        """A local-mode context (one process, every degree 1) that neither reads the launch nor touches
+        any process group: to build a model as one plain process would, from a rank of a larger job
+        (e.g. `d9d plan` and `d9d preflight` count one microbatch's activations on it)."""
+        return cls(
+            MeshConfig(),
+            mode="local",
+            rank=0,
+            local_rank=0,
+            local_world_size=1,
+            device=torch.device(device),
+            meshes=None,
+            owns_process_group=False,
+            step_timeout=_DEFAULT_STEP_TIMEOUT,
+        )
+
     def tensor_parallel_view(self) -> "DistributedContext":
         """Planning mode only: this rank on a mesh of its own tensor-parallel group.
 

@@ -72,7 +72,10 @@ def _format_value(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.6g}"
     text = str(value)
-    return repr(text) if (" " in text or not text) and not isinstance(value, (dict, list, tuple)) else text
+    if (" " in text or not text) and not isinstance(value, (dict, list, tuple)):
+        # quoted as written (a regex's backslashes stay single), escaped only where it must be
+        return f"'{text}'" if text.isprintable() and "'" not in text else repr(text)
+    return text
 
 
 def _render_console(_logger: Any, _method: str, event_dict: dict[str, Any]) -> str:

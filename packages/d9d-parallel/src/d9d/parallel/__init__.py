@@ -92,6 +92,7 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
         peft_key,
         peft_state_dict,
     )
+    from d9d.parallel.lora_targets import LoraCoverage, MissedProjection, PatternCoverage, lora_coverage
     from d9d.parallel.optimizer_states import StateDtypeAdamW, StateDtypeSGD, optimizer_state_bytes
     from d9d.parallel.precision import (
         MixedPrecision,

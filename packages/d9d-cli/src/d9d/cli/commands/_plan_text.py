@@ -86,8 +86,7 @@ def _memory_lines(job_plan: "JobPlan", config: "JobConfig") -> list[str]:
     )
     ac = config.trainer.activation_checkpointing
     lines = [
-        f"model: {memory.parameters:,} parameters, {format_size(memory.param_bytes)} "
-        f"({format_size(memory.trainable_bytes)} trainable)",
+        *_model_lines(job_plan, config),
         f"memory per rank (estimate; 1/{est.shard_factor} of the model: {split}):",
         f"  parameters  {format_size(est.params):>10}",
         f"  gradients   {format_size(est.grads):>10}",
@@ -123,6 +122,29 @@ def _memory_lines(job_plan: "JobPlan", config: "JobConfig") -> list[str]:
             per_rank = ", ".join(f"pp rank {r}: {format_size(b)}" for r, b in enumerate(acts.per_pp_rank))
             lines.append(f"  activations per pp rank (checkpointing {ac.mode}): {per_rank}")
         lines.append(f"  activation estimate assumes: {_activation_assumptions(mesh, acts.in_flight_note)}")
+    return lines
+
+
+def _model_lines(job_plan: "JobPlan", config: "JobConfig") -> list[str]:
+    """The parameters and the trainable ones; with `peft.lora`, what its patterns matched per layer and
+    the warning the trainer's "job built" line gives."""
+    memory = job_plan.memory
+    assert memory is not None
+    trainable = (
+        "all trainable"
+        if memory.trainable_parameters == memory.parameters
+        else f"{memory.trainable_parameters:,} trainable, {format_size(memory.trainable_bytes)}"
+    )
+    lines = [f"model: {memory.parameters:,} parameters, {format_size(memory.param_bytes)} ({trainable})"]
+    lora, coverage = config.peft.lora, memory.lora
+    if lora is not None and coverage is not None:
+        lines.append(
+            f"lora: rank {lora.rank}, alpha {lora.alpha:g}; only the adapters train; "
+            f"matched: {coverage.describe()}"
+        )
+        warning = coverage.warning()
+        if warning is not None:
+            lines.append(f"  warning: {warning}")
     return lines
 
 

@@ -1,5 +1,6 @@
-"""The "job built" line: what this rank built, once, before the first step (mesh, parameters,
-precision, the memory levers in effect, and the model provider's own account)."""
+"""The "job built" line: what this rank built, once, before the first step (mesh, parameters and the
+trainable ones, precision, the memory levers in effect, what the LoRA patterns matched, and the model
+provider's own account), and a warning line when the LoRA patterns look like they miss projections."""
 
 from pathlib import Path
 from typing import Any
@@ -8,7 +9,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from d9d.mesh import DistributedContext, get_logger
-from d9d.parallel import fsdp_parameters, select_float8_linears
+from d9d.parallel import LoraCoverage, fsdp_parameters, lora_coverage, select_float8_linears
 from d9d.trainer.job.resolve import ResolvedJob
 from d9d.trainer.planning.plan import JobPlan
 from d9d.trainer.providers.model import DescribesModel
@@ -27,7 +28,10 @@ def log_job_built(
     provider = job.model_provider
     described = dict(provider.describe_model()) if isinstance(provider, DescribesModel) else {}
     params = sum(p.numel() for p in model.parameters())  # a DTensor counts its global size
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     local_params = sum(_local_numel(p) for p in model.parameters())
+    lora = job.config.peft.lora
+    coverage = lora_coverage(model, lora, whole_model=plan.pipeline is None) if lora is not None else None
     optional: dict[str, Any] = {
         "local_params": local_params if local_params != params else None,
         "device_name": ctx.device_name if ctx.device_name != str(ctx.device) else None,
@@ -35,6 +39,7 @@ def log_job_built(
         "activation_checkpointing": (
             tcfg.activation_checkpointing.mode if tcfg.activation_checkpointing.mode != "none" else None
         ),
+        "lora_targets": coverage.describe() if coverage is not None else None,
         "compile": True if tcfg.compile.enabled else None,
         "cpu_offload": _offload_note(model, ctx.device) if tcfg.memory.cpu_offload else None,
         "float8": (
@@ -49,11 +54,22 @@ def log_job_built(
         mesh=job.config.mesh.describe_degrees(),
         microbatches_per_step=plan.batching.microbatches_per_step if plan.batching is not None else None,
         params=params,
+        **({"trainable_params": trainable} if trainable != params else {}),  # with LoRA: the adapters
         device=str(ctx.device),
         precision=plan.precision.describe(),
         **{key: value for key, value in optional.items() if value is not None},
         **described,  # the model provider's own account (e.g. which backend built the model)
     )
+    if coverage is not None:
+        _warn_lora_coverage(coverage, ctx)
+
+
+def _warn_lora_coverage(coverage: LoraCoverage, ctx: DistributedContext) -> None:
+    """The LoRA patterns' warning, once per pipeline stage: on the ranks whose other coordinates are 0."""
+    warning = coverage.warning()
+    coordinates = {} if ctx.is_local else ctx.coordinates["dense"]
+    if warning is not None and not any(v for axis, v in coordinates.items() if axis != "pp"):
+        _log.warning(warning)
 
 
 def _local_numel(param: torch.Tensor) -> int:

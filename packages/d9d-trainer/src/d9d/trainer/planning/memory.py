@@ -1,11 +1,13 @@
 """The per-rank memory estimate of a plan: persistent training state, and one microbatch's activations.
 
 The state figure is a deliberately simple estimate (no temporary buffers, no allocator slack), see
-`estimate_memory`. The activations are counted from a forward on the meta device in the plan's
-compute dtype, with and without activation checkpointing (`estimate_activations`). Under context
-parallelism that forward runs one rank's share of the sequence with the planned cp group, as the
-trainer will. Building the model for it runs the model provider and the trainer's checks of what it
-built (`d9d.trainer.build.model.shape_model`), so a job the trainer would refuse is refused here too.
+`estimate_memory`, of the model the trainer shapes (every pipeline stage): its trainable parameters
+(with LoRA, the adapters alone) are the ones with gradients and optimizer state. The activations are
+counted from a forward on the meta device in the plan's compute dtype, with and without activation
+checkpointing (`estimate_activations`). Under context parallelism that forward runs one rank's share
+of the sequence with the planned cp group, as the trainer will. Building the model for it runs the
+model provider and the trainer's checks of what it built (`d9d.trainer.build.model.shape_model`), so
+a job the trainer would refuse is refused here too.
 """
 
 import copy
@@ -23,10 +25,12 @@ from d9d.parallel import (
     CompileConfig,
     MixedPrecision,
     apply_activation_checkpointing,
+    lora_coverage,
     parallelize_context_parallel,
     saved_activation_bytes,
     select_float8_linears,
 )
+from d9d.parallel.pipeline import declared_ties
 from d9d.trainer.build.model import shape_model
 from d9d.trainer.job.resolve import ResolvedJob
 from d9d.trainer.job.rules import shards_parameters
@@ -78,30 +82,23 @@ def estimate_memory(
 
 
 def plan_memory(job: ResolvedJob, plan: JobPlan, context: DistributedContext) -> MemoryPlan:
-    """Build this rank's stages on the meta device as the trainer will (refusing what it refuses),
-    then estimate the memory of the whole model split by the plan's mesh.
+    """Build the model on the meta device as the trainer will (refusing what it refuses), then estimate
+    the memory of the whole model split by the plan's mesh, from the parameters that train in it.
 
     Raises:
         TrainingError: the model provider's parallelization left the job unable to run (e.g. a
             parallelism not applied, a renamed parameter), as the trainer refuses it.
         ParallelizeError: a parallelize function refused the model (e.g. no context-parallel support).
     """
-    for stage in plan.stages:
-        layout = plan.pipeline.layout if plan.pipeline is not None else None
-        shape_model(job, context, plan.precision, layout=layout, stage=stage, data_vocab_size=plan.vocab_size)
-    with torch.device("meta"):
-        model = job.model_provider.initialize_model_stage(
-            InitializeModelStageContext(
-                context=context, precision=plan.precision, base_dir=job.loaded.base_dir
-            )
-        ).model
-    params = list(model.parameters())
+    stages = _shaped_stages(job, plan, context)
+    params = _whole_model_parameters(stages)  # a DTensor counts its global size: the whole model's
+    trainable = [p for p in params if p.requires_grad]  # with LoRA, the adapters alone
     param_bytes = sum(p.numel() * p.element_size() for p in params)
-    trainable_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    trainable_bytes = sum(p.numel() * p.element_size() for p in trainable)
     states = plan.optimizer_states
     state_bytes = None  # the parameter's dtype
     if states.dtype is not None:
-        state_bytes = sum(p.numel() for p in params if p.requires_grad) * states.dtype.itemsize
+        state_bytes = sum(p.numel() for p in trainable) * states.dtype.itemsize
     mesh = plan.mesh
     state = estimate_memory(
         param_bytes,
@@ -114,18 +111,56 @@ def plan_memory(job: ResolvedJob, plan: JobPlan, context: DistributedContext) ->
         state_bytes=state_bytes,
     )
     activations, note = _activations(job, plan, context)
-    float8 = job.config.trainer.precision.float8
+    float8, lora = job.config.trainer.precision.float8, job.config.peft.lora
     return MemoryPlan(
-        float8=select_float8_linears(model, float8) if float8 is not None else None,
+        float8=select_float8_linears(_unshaped(job, plan, context), float8) if float8 is not None else None,
         float8_all_gather=float8 is not None and float8.gathers_float8(shards_parameters(plan.mesh)),
         host_state=state.total if job.config.trainer.memory.cpu_offload else 0,
         parameters=sum(p.numel() for p in params),
         param_bytes=param_bytes,
         trainable_bytes=trainable_bytes,
+        trainable_parameters=sum(p.numel() for p in trainable),
         state=state,
         activations=activations,
         activations_note=note,
+        lora=lora_coverage(stages, lora) if lora is not None else None,
     )
+
+
+def _shaped_stages(job: ResolvedJob, plan: JobPlan, context: DistributedContext) -> list[nn.Module]:
+    """Every stage of the model (the whole model without pp) on the meta device as the trainer shapes
+    it (`shape_model`: adapters, frozen weights, parallelisms) and checks it; this rank's first, so what
+    the trainer would refuse on this rank is refused first."""
+    layout = plan.pipeline.layout if plan.pipeline is not None else None
+    mine = {stage.index for stage in plan.stages if stage is not None}
+    others = [stage for stage in layout.stages if stage.index not in mine] if layout is not None else []
+    return [
+        shape_model(job, context, plan.precision, layout=layout, stage=stage, data_vocab_size=plan.vocab_size)
+        for stage in [*plan.stages, *others]
+    ]
+
+
+def _whole_model_parameters(stages: list[nn.Module]) -> list[nn.Parameter]:
+    """The whole model's parameters over its stages: each name once, and each tie (the stages'
+    `tied_parameters()`, e.g. an embedding table and the head that shares it) once."""
+    by_name: dict[str, nn.Parameter] = {}
+    for stage in stages:
+        for name, param in stage.named_parameters():
+            by_name.setdefault(name, param)
+    for tie in declared_ties(stages):
+        for name in [name for name in tie if name in by_name][1:]:  # the first copy stands for the tie
+            del by_name[name]
+    return list({id(p): p for p in by_name.values()}.values())
+
+
+def _unshaped(job: ResolvedJob, plan: JobPlan, context: DistributedContext) -> nn.Module:
+    """The whole model as the provider initializes it, on the meta device (what float8 selects from)."""
+    with torch.device("meta"):
+        return job.model_provider.initialize_model_stage(
+            InitializeModelStageContext(
+                context=context, precision=plan.precision, base_dir=job.loaded.base_dir
+            )
+        ).model
 
 
 def _activations(
@@ -163,8 +198,10 @@ def estimate_activations(
 ) -> ActivationEstimate:
     """Run the task's loss on the meta device (no memory) and count what autograd saves for backward.
 
-    The model is cast to the compute dtype (`precision.param_dtype`, as FSDP2 computes); blocks are the entries of the model's
-    largest ModuleList/ModuleDict. `seq_len` is the dataset's full sequence length. Under context
+    The model is shaped by its provider on one process (adapters and frozen weights as the job
+    trains them: a frozen weight's input is saved only where something before it trains) and cast to
+    the compute dtype (`precision.param_dtype`, as FSDP2 computes); blocks are the entries of the
+    model's largest ModuleList/ModuleDict. `seq_len` is the dataset's full sequence length. Under context
     parallelism the model gets the context's cp group (`parallelize_context_parallel`; on a
     planning context a fake process group) and the forward runs rank 0's share of each sequence
     (seq_len / cp tokens), so everything is counted at that length except the K/V that attention
@@ -190,11 +227,9 @@ def estimate_activations(
     tokens = f"{microbatch_size} × {local}"
     if mesh.tensor_parallel > 1 or pipeline is not None:
         return _split_activations(job, context, seq_len, microbatch_size, precision, pipeline, tokens)
-    with torch.device("meta"):
-        base = job.model_provider.initialize_model_stage(
-            InitializeModelStageContext(context=context, base_dir=job.loaded.base_dir, precision=precision)
-        ).model
-    base = base.to(precision.param_dtype)
+    # shaped on one process (no FSDP, which needs real memory); the cp group is the context's, below
+    one = context if context.is_local else DistributedContext.single_process()
+    base = _shaped(job, one, precision, None, None, ActivationCheckpointingConfig())
     shape = (microbatch_size, seq_len)  # ids and labels are two tensors, as a dataset gives them
     batch: Any = {
         name: torch.zeros(shape, dtype=torch.long, device="meta") for name in ("input_ids", "labels")

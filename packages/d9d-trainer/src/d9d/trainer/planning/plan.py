@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from d9d.mesh import MeshConfig
-from d9d.parallel import Float8Selection, MixedPrecision, SequenceShare
+from d9d.parallel import Float8Selection, LoraCoverage, MixedPrecision, SequenceShare
 from d9d.parallel.pipeline import PipelineBubble, PipelineLayout, StageSpec
 from d9d.trainer.providers.data import Batching
 from d9d.trainer.providers.optim import OptimizerStates
@@ -111,10 +111,14 @@ class ActivationEstimate:
 class MemoryPlan:
     """The memory estimate of a plan, per rank.
 
+    Counted on the whole model as the trainer shapes it (every pipeline stage), so with `peft.lora` the
+    adapters are parameters and only they train: gradients and optimizer state are theirs alone.
+
     Attributes:
-        parameters: parameters of the whole model.
+        parameters: parameters of the whole model (LoRA adapters included).
         param_bytes: bytes of the whole model's parameters (float32 master weights).
-        trainable_bytes: bytes of its trainable parameters.
+        trainable_bytes: bytes of its trainable parameters (`requires_grad`: with LoRA, the adapters).
+        trainable_parameters: how many parameters those are.
         state: parameters, gradients and optimizer state on one rank.
         activations: one microbatch's saved activations; None when they cannot be estimated.
         activations_note: why there is no activation estimate ("" when there is one).
@@ -124,17 +128,21 @@ class MemoryPlan:
         float8_all_gather: whether FSDP2 all-gathers those weights in float8 (as the trainer builds).
         host_state: bytes of `state` kept in host memory (`trainer.memory.cpu_offload`: all of it,
             as the trainer refuses an FSDP2 unit that does not offload); 0 without offload.
+        lora: what each `peft.lora` pattern matched per layer and the projections it misses (None
+            without `peft.lora`).
     """
 
     parameters: int
     param_bytes: int
     trainable_bytes: int
+    trainable_parameters: int
     state: MemoryEstimate
     activations: ActivationEstimate | None
     activations_note: str
     float8: Float8Selection | None = None
     float8_all_gather: bool = False
     host_state: int = 0
+    lora: LoraCoverage | None = None
 
     @property
     def device_state(self) -> int:
