@@ -177,6 +177,14 @@ class Callbacks:
                         f"callback {type(callback).__name__}.on_failure raised {type(exc).__name__}: {exc}"
                     )
 
+    def stop_requested(self) -> bool:
+        """A callback of this rank asked the run to stop (read once a step, agreed in its sync)."""
+        return self.control is not None and self.control.stop_requested
+
+    def take_save_request(self) -> bool:
+        """A callback of this rank asked for a checkpoint since the last step (read once a step)."""
+        return self.control is not None and self.control.take_save_request()
+
     def _control(self) -> RunControl:
         assert self.control is not None, "callbacks before start()"
         return self.control

@@ -231,8 +231,10 @@ class Trainer:
             on_nonfinite=tcfg.on_nonfinite,
             dp_group=None if ctx.is_local else token_group(ctx),
             pp_group=ctx.mesh("dense")["pp"] if pipeline is not None else None,
-            stop_requested=self._stop_requested,
-            save_requested=self._save_requested,
+            stop_requested=lambda: (
+                self._stops.requested or self._callbacks.stop_requested()
+            ),  # a signal, a callback
+            save_requested=self._callbacks.take_save_request,
             context_parallel=context_parallel_of(model) or ContextParallel(),
             timer=self._timer,
             busy_time=None if ctx.is_local else self._busy.busy,
@@ -254,16 +256,6 @@ class Trainer:
             )
         else:
             self._train_step = MicrobatchStep(model, job.task, self._optimizer, self._scheduler, settings)
-
-    def _stop_requested(self) -> bool:
-        """A signal or a callback of this rank asks the run to stop (read once a step)."""
-        control = self._callbacks.control
-        return self._stops.requested or (control is not None and control.stop_requested)
-
-    def _save_requested(self) -> bool:
-        """A callback of this rank asked for a checkpoint since the last step."""
-        control = self._callbacks.control
-        return control is not None and control.take_save_request()
 
     def _run_parts(self, guards: RunGuards, profiler: StepProfiler) -> RunParts:
         return RunParts(
