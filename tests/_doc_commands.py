@@ -28,6 +28,7 @@ import runpy
 import shlex
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -170,6 +171,24 @@ def copy_examples(dest: Path) -> Path:
     shutil.copytree(ROOT / "examples", dest / "examples", ignore=shutil.ignore_patterns(
         "runs", "demo", "export*", "__pycache__", "*.png"))  # fmt: skip
     return dest
+
+
+def left_behind(root: Path) -> list[str]:
+    """The files the commands run in `root` wrote that a clone of the repository would show as new.
+
+    A path of the copy stands for the same path in the checkout: a file the checkout tracks (the copied
+    examples) or its `.gitignore` ignores (`runs/`, a prepared corpus, ...) is not counted.
+    """
+    written = [p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()]
+    listed = subprocess.run(["git", "ls-files", "-z", "examples"], cwd=ROOT, capture_output=True, text=True)
+    assert listed.returncode == 0, f"git ls-files in {ROOT}: {listed.stderr.strip()}"
+    tracked = set(listed.stdout.split("\0"))
+    new = [w for w in written if w not in tracked]
+    checked = subprocess.run(["git", "check-ignore", "--no-index", "--stdin", "-z"], cwd=ROOT,
+                             input="\0".join(new), capture_output=True, text=True)  # fmt: skip
+    assert checked.returncode in (0, 1), f"git check-ignore: {checked.stderr.strip()}"
+    ignored = set(checked.stdout.split("\0"))
+    return sorted(w for w in new if w not in ignored)
 
 
 @dataclass

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from _doc_commands import ROOT, Command, PageRunner, copy_examples, page_commands
+from _doc_commands import ROOT, Command, PageRunner, copy_examples, left_behind, page_commands
 
 PAGES = sorted((ROOT / "docs").glob("*.md"))
 #: Single commands not run, with why (whole blocks are marked not-run in the page itself).
@@ -84,6 +84,9 @@ def run_page(tmp_path_factory):
 def test_a_docs_page_runs_as_printed(page, run_page):
     runner = run_page(page)
     assert [r.command for r in runner.ran] == _runnable(page)
+    stray = left_behind(runner.root)
+    assert not stray, f"{page}'s commands leave files a clone shows as untracked: {stray[:5]} (write them "
+    "under a run directory, or add them to .gitignore)"
     if page == "docs/fine-tune.md":  # its FSDP-2 command trains a run of its own, not the one before it
         (fsdp2,) = [r for r in runner.ran if "trainer.run.name=finetune-fsdp2" in r.command.text]
         assert "run is already complete" not in fsdp2.output and "checkpoint committed" in fsdp2.output

@@ -7,7 +7,7 @@ for its reason in `EXCLUDED`: the install, the test suite itself, and the torchr
 docs/quickstart.md prints too and its test runs.
 """
 
-from _doc_commands import ROOT, PageRunner, copy_examples, page_commands
+from _doc_commands import ROOT, PageRunner, copy_examples, left_behind, page_commands
 
 README = "README.md"
 COMMANDS, MISPLACED = page_commands(ROOT / README)
@@ -38,3 +38,4 @@ def test_the_readme_commands_run_as_printed(tmp_path):
     runner.run_page(COMMANDS)
     ran = [r.command.text.split()[2] for r in runner.ran]
     assert ran.count("python") == 1 and ran.count("d9d") >= 3, ran
+    assert not left_behind(tmp_path), f"README commands leave untracked files: {left_behind(tmp_path)[:5]}"
