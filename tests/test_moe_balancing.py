@@ -1,10 +1,25 @@
 """MoE balancing through the trainer: the MoE quickstart with the auxiliary loss, the router z-loss and
 the auxiliary-loss-free score bias records its expert load every step, and a run that crashes after a
-checkpoint resumes to the uninterrupted one bit for bit (the score bias is checkpointed state)."""
+checkpoint resumes to the uninterrupted one bit for bit (the score bias is checkpointed state). The
+auxiliary loss and the z-loss weigh the same on data- and context-parallel ranks as on one process,
+expert-parallel or not (their statistics over the ranks whose gradients the step sums)."""
+
+from pathlib import Path
 
 import pytest
 import torch
-from _quickstart import MOE, compare_runs, overrides, records, run_forked, train, train_and_gather
+from _quickstart import (
+    MOE,
+    NO_CLIP,
+    SGD,
+    RunResult,
+    compare_runs,
+    overrides,
+    records,
+    run_forked,
+    train,
+    train_and_gather,
+)
 
 BALANCED = [
     "model.moe={num_experts: 4, top_k: 2, moe_intermediate_size: 64, "
@@ -30,3 +45,33 @@ def test_a_balanced_moe_run_records_its_load_and_resumes_bit_exact_after_a_crash
     biases = {k: v for k, v in resumed.weights.items() if k.endswith("router.score_bias")}
     assert len(biases) == 2 and all(torch.equal(v, full.weights[k]) for k, v in biases.items())
     assert any(bool(v.abs().sum() > 0) for v in biases.values())  # the bias did move
+
+
+#: Strong balancing terms (the e2e's are 0.01 and 0.001), so a wrong weight of them moves every number.
+STRONG = [
+    "model.moe={num_experts: 4, top_k: 2, moe_intermediate_size: 64, "
+    "balancing: {aux_loss_coef: 1.0, z_loss_coef: 0.1}}"
+]
+#: One microbatch per data-parallel rank, so each step's auxiliary loss is the global batch's, as one
+#: process with the whole batch in one microbatch computes it (d9d.parallel.expert.balancing).
+MESHES = {
+    "fsdp2": ["mesh.data_parallel_shard=2", "data.microbatch_size=8"],
+    "cp2": ["mesh.context_parallel=2", "data.microbatch_size=16"],
+}
+
+
+def _strong(save_dir: Path, name: str, *extra: str) -> list[str]:
+    return overrides(
+        save_dir, name, 3, *STRONG, *SGD, *NO_CLIP, "trainer.checkpointing.period_steps=0", *extra
+    )
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> RunResult:
+    return train(1, _strong(tmp_path_factory.mktemp("moe-one"), "one", "data.microbatch_size=16"))
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_balancing_losses_on_data_or_context_parallel_ranks_equal_one_process(tmp_path, one_process, mesh):
+    run = train(2, _strong(tmp_path, mesh, *MESHES[mesh]))
+    compare_runs(run, one_process, rel=1e-5)

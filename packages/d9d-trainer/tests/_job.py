@@ -1,10 +1,12 @@
 """A tiny causal LM job for trainer tests: model provider, dataset provider, config builder."""
 
+import os
 from typing import Any
 
 import msgspec
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from d9d.parallel import apply_activation_checkpointing, apply_lora, compile_blocks, parallelize_hsdp
 from d9d.trainer.providers import (
@@ -136,10 +138,32 @@ def job_config(
     return config
 
 
+def record_states(trainer: Any) -> list[dict[str, torch.Tensor]]:
+    """Wrap the trainer's step: the list fills with this rank's weights and optimizer state (its local
+    shards) after each step."""
+    after: list[dict[str, torch.Tensor]] = []
+    run = trainer.train_step.run
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
+
+    def recording(microbatches: Any, step: int) -> Any:
+        output = run(microbatches, step)
+        state = {k: local(v) for k, v in trainer.model.state_dict().items()}
+        for i, s in enumerate(trainer.optimizer.state.values()):
+            state |= {f"opt{i}.{k}": local(v) for k, v in s.items() if isinstance(v, torch.Tensor)}
+        after.append(state)
+        return output
+
+    trainer.train_step.run = recording
+    return after
+
+
 class NaNAtStepTask:
-    """Causal-LM loss that turns NaN on its 3rd step (6th microbatch with 2 per step locally)."""
+    """Causal-LM loss that turns NaN on its 3rd step (its 9th microbatch: 4 per step on one process)."""
 
     config_type = None
+    at_call = 9  # the first microbatch of step 3
 
     def __init__(self, config: Any = None) -> None:
         from d9d.trainer import CausalLMTask
@@ -151,10 +175,38 @@ class NaNAtStepTask:
         return self._inner.batch_weight(batch)
 
     def compute_loss(self, context: Any) -> Any:
-        from d9d.trainer.providers import LossResult
-
         self._calls += 1
         result = self._inner.compute_loss(context)
-        if self._calls == 9:  # first microbatch of step 3 (4 microbatches per step)
-            return LossResult(loss_sum=result.loss_sum * float("nan"), weight=result.weight)
+        return self.fault(result) if self._calls == self.at_call else result
+
+    def fault(self, result: Any) -> Any:
+        """The microbatch's result, spoiled."""
+        from d9d.trainer.providers import LossResult
+
+        return LossResult(loss_sum=result.loss_sum * float("nan"), weight=result.weight)
+
+
+class InfGradAtStepTask(NaNAtStepTask):
+    """The loss stays finite on step 3, but the gradient flowing back from its first microbatch's loss
+    is multiplied by `value` (inf: every gradient becomes ±inf, or nan where it was 0)."""
+
+    value = float("inf")
+
+    def fault(self, result: Any) -> Any:
+        result.loss_sum.register_hook(lambda grad: grad * self.value)
         return result
+
+
+class NaNGradAtStepTask(InfGradAtStepTask):
+    """A finite loss with NaN gradients on step 3."""
+
+    value = float("nan")
+
+
+class InfGradOnRank1Task(InfGradAtStepTask):
+    """A finite loss with inf gradients on step 3 of rank 1 alone (2 microbatches per step on 2 ranks)."""
+
+    at_call = 5
+
+    def fault(self, result: Any) -> Any:
+        return super().fault(result) if os.environ.get("RANK") == "1" else result

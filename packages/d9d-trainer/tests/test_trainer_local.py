@@ -7,7 +7,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _job import job_config
+from _job import job_config, record_states
 
 from d9d.trainer import Trainer
 from d9d.trainer.observe.metrics_file import METRICS_FILE
@@ -93,18 +93,7 @@ def test_nonfinite_loss_can_skip_the_step(tmp_path):
     config["providers"]["task"] = "_job:NaNAtStepTask"
     config["trainer"]["on_nonfinite"] = "skip"
     with Trainer.from_config(config) as trainer:
-        after: list[dict[str, torch.Tensor]] = []  # weights and AdamW moments after each step
-        run = trainer.train_step.run
-
-        def recording(microbatches, step):
-            output = run(microbatches, step)
-            state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
-            for i, s in enumerate(trainer.optimizer.state.values()):
-                state |= {f"opt{i}.{k}": v.clone() for k, v in s.items() if isinstance(v, torch.Tensor)}
-            after.append(state)
-            return output
-
-        trainer.train_step.run = recording
+        after = record_states(trainer)  # weights and AdamW moments after each step
         result = trainer.train()
         params = trainer.model.state_dict()
         assert all(torch.isfinite(v).all() for v in params.values())

@@ -1,10 +1,11 @@
-"""Load-balance statistics: tokens per expert and the auxiliary loss, local and over 2 ranks."""
+"""Load-balance statistics: tokens per expert and the auxiliary loss, local and over 2 ranks (data or
+context parallel)."""
 
 import torch
 
 from d9d.mesh import DistributedContext, MeshConfig
 from d9d.mesh.testing import run_distributed
-from d9d.parallel.expert import load_balance_stats
+from d9d.parallel.expert import MoE, MoEBalancing, load_balance_stats, parallelize_expert_parallel
 
 
 def test_tokens_per_expert_counts_every_routing_slot():
@@ -52,3 +53,35 @@ def test_aux_loss_shares_over_data_parallel_ranks_sum_to_the_global_batch_loss_2
     for counts, _ in results:
         assert torch.equal(counts, reference.tokens_per_expert)
     torch.testing.assert_close(results[0][1] + results[1][1], reference.aux_loss)
+
+
+def _moe() -> MoE:
+    torch.manual_seed(3)
+    return MoE(16, 32, 4, 2, balancing=MoEBalancing(aux_loss_coef=1.0, z_loss_coef=1.0))
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(4))
+
+
+def _expert_parallel_over_context_ranks() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ctx = DistributedContext.from_env(MeshConfig(context_parallel=2, expert_parallel=2))
+    moe = parallelize_expert_parallel(_moe(), ctx)
+    moe(_tokens().chunk(2, dim=1)[ctx.coordinate("cp")])  # each cp rank holds half of every sequence
+    stats = moe.last_stats
+    ctx.close()
+    return stats.tokens_per_expert, stats.aux_loss.detach(), stats.z_loss.detach()
+
+
+def test_expert_parallel_statistics_span_the_context_parallel_ranks_2ranks():
+    """Context-parallel ranks hold different tokens of the same sequences and sum their gradients: the
+    statistics of an expert-parallel layer are taken over them, each rank's losses its share."""
+    moe = _moe()
+    moe(_tokens())
+    reference = moe.last_stats
+    assert reference is not None
+    results = run_distributed(_expert_parallel_over_context_ranks, 2)
+    for counts, _, _ in results:
+        assert torch.equal(counts, reference.tokens_per_expert)
+    torch.testing.assert_close(results[0][1] + results[1][1], reference.aux_loss.detach())
+    torch.testing.assert_close(results[0][2] + results[1][2], reference.z_loss.detach())

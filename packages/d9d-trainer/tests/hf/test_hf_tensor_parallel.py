@@ -2,7 +2,10 @@
 architecture it is offered for: three steps on TP 2 (real gloo processes) equal one process in every
 loss, grad norm and final weight, the export loads in transformers with the trained logits; one
 architecture on TP 2 x FSDP 2 (4 ranks), and LoRA on TP 2 with adapters PEFT loads. What it cannot
-split exactly is refused before anything is built, in one line naming the key and the fix."""
+split exactly is refused before anything is built, in one line naming the key and the fix; what it
+can split is accepted, per style (a table of configs: a dim tp splits that divides, one that does
+not, and the dims it never splits), and two accepted configs whose other dims do not divide train
+like one process."""
 
 import sys
 from pathlib import Path
@@ -129,3 +132,93 @@ def test_what_tensor_parallelism_cannot_split_is_one_line_naming_the_key_and_the
     assert tensor_parallel_problem(llama, 2, prefix="model", shapes={}) is None
     no_plan = tensor_parallel_problem(transformers.GPT2Config(), 2, prefix="transformer", shapes={})
     assert no_plan is not None and "has no tensor-parallel plan" in no_plan
+
+
+#: (model_type, config.json changes, tp, what the refusal names or None: accepted). Per splitting
+#: style, a dim that divides tp is accepted and one that does not is refused naming it; the dims tp
+#: does not split (the hidden size, the vocabulary, the heads of a gathered projection) never refuse.
+_SPLITS = [
+    ("llama", {}, 2, None),
+    ("qwen3", {}, 2, None),  # its per-head q/k norms: replicated, nothing to divide
+    ("phi3", {}, 2, None),
+    # colwise cuts a weight's rows and rowwise its columns: the hidden size (q_proj's columns, o_proj's
+    # and down_proj's rows) is never cut
+    ("qwen3", {"hidden_size": 33, "head_dim": 8}, 2, None),
+    ("mistral", {"hidden_size": 33, "head_dim": 8}, 2, None),
+    # the embedding and the LM head are replicated: any vocabulary, tied or not
+    ("llama", {"vocab_size": 97}, 2, None),
+    ("llama", {"vocab_size": 97, "tie_word_embeddings": True}, 2, None),
+    # colwise heads (q/k/v_proj): both head counts must divide
+    ("qwen3", {"num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 8}, 2, None),
+    (
+        "qwen3",
+        {"num_attention_heads": 3, "num_key_value_heads": 3, "head_dim": 8},
+        2,
+        "num_attention_heads=3 ",
+    ),
+    (
+        "qwen3",
+        {"num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 8},
+        2,
+        "num_key_value_heads=3 ",
+    ),
+    ("qwen3", {"num_key_value_heads": 1}, 2, "num_key_value_heads=1 "),
+    ("llama", {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 4}, 4, None),
+    ("llama", {}, 4, "num_key_value_heads=2 "),
+    # a gathered fused qkv (phi3's colwise_gather_output) does not split the heads: its rows must divide
+    ("phi3", {"hidden_size": 24, "num_attention_heads": 3, "num_key_value_heads": 3, "head_dim": 8}, 2, None),
+    # the MLP's intermediate size: colwise gate/up rows and rowwise down_proj columns
+    ("llama", {"intermediate_size": 66}, 2, None),
+    ("llama", {"intermediate_size": 63}, 2, "mlp.down_proj.weight has 63 columns"),
+    (
+        "qwen3",
+        {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 4, "intermediate_size": 66},
+        4,
+        "mlp.down_proj.weight has 66 columns",
+    ),
+    # phi3's fused gate_up (gathered) has 2 x 63 rows; its rowwise_split_input down_proj has 63 columns
+    ("phi3", {"intermediate_size": 63}, 2, "mlp.down_proj.weight has 63 columns"),
+    # MoE: transformers' expert styles are not applied: refused whatever the sizes
+    ("mixtral", {}, 2, "'moe_tp_experts', 'packed_colwise'"),
+]
+
+
+def _split_id(model_type: str, changes: dict[str, Any], tp: int, named: str | None) -> str:
+    sizes = ",".join(f"{key}={value}" for key, value in changes.items())
+    return f"{model_type}[{sizes}]-tp{tp}-{'accepted' if named is None else 'refused'}"
+
+
+@pytest.mark.parametrize(
+    ("model_type", "changes", "tp", "named"), _SPLITS, ids=[_split_id(*c) for c in _SPLITS]
+)
+def test_tensor_parallelism_accepts_every_config_it_can_split_and_refuses_naming_the_dim(
+    tmp_path, model_type, changes, tp, named
+):
+    folder = save_tiny(model_type, tmp_path / "model", config=changes)
+    provider = HFCausalLMProvider(HFCausalLMConfig(folder=str(folder)))
+    if named is None:
+        provider.check_mesh(MeshConfig(tensor_parallel=tp))  # accepted: no refusal
+        return
+    with pytest.raises(HFModelError) as refused:
+        provider.check_mesh(MeshConfig(tensor_parallel=tp))
+    (line,) = str(refused.value).splitlines()
+    assert line.startswith(f"mesh.tensor_parallel={tp}: the Hugging Face backend") and named in line, line
+    assert "; set mesh.tensor_parallel: 1" in line, line
+
+
+@pytest.mark.parametrize(
+    ("model_type", "changes"),
+    [
+        ("qwen3", {"hidden_size": 33, "head_dim": 8, "vocab_size": 97}),  # an odd hidden size and vocabulary
+        ("phi3", {"hidden_size": 24, "num_attention_heads": 3, "num_key_value_heads": 3, "head_dim": 8}),
+    ],
+    ids=["odd-hidden-and-vocab", "gathered-odd-heads"],
+)
+def test_configs_accepted_with_dims_tp_does_not_split_train_like_one_process(tmp_path, model_type, changes):
+    folder = save_tiny(model_type, tmp_path / "model", config=changes)
+    HFCausalLMProvider(HFCausalLMConfig(folder=str(folder))).check_mesh(MeshConfig(tensor_parallel=2))
+    one = train(hf_job(folder, tmp_path / "runs", name="one"), tmp_path / "export-one")
+    config = hf_job(folder, tmp_path / "runs", name="tp2", mesh={"tensor_parallel": 2})
+    tp = run_distributed(train, 2, config, tmp_path / "export-tp2", timeout=120)[0]
+    assert tp["split"] and one["losses"][-1] < one["losses"][0]  # split, and it trains
+    _assert_equal_runs(tp, one)

@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
         moe_layers,
         moe_regularization_loss,
         moe_score_bias_names,
+        set_statistics_group,
         update_expert_biases,
     )
     from d9d.parallel.expert.dispatch import (

@@ -14,11 +14,25 @@ The load of a step is the routing slots per expert of every MoE layer, summed ov
 microbatches and the data-parallel ranks (`expert_loads` after each microbatch);
 `expert_load_summary` turns it into the three numbers a step records: the least and the most loaded
 expert relative to the mean, and the coefficient of variation (std / mean), worst layer first.
+
+How the two losses add up over a step (what "the same global batch" means for them). A microbatch's
+statistics are taken over its tokens on every rank that holds part of it, the ranks whose gradients
+are summed (data × context parallel: `set_statistics_group`, which the trainer's step applies with
+or without expert parallelism), each rank adding its share. A step of n microbatches adds each
+microbatch's terms divided by n, so they weigh the same whatever the number of microbatches, as the
+task's loss does. The z-loss is a mean over tokens: the same for any split of the global batch into
+microbatches or over ranks. The auxiliary loss multiplies two means over the tokens counted
+together, so it is the mean over the step's microbatches of each one's loss, a microbatch being the
+i-th microbatch of every data-parallel rank together (dp × microbatch_size samples): n microbatches
+of identical data give that microbatch's loss, and dp ranks of one microbatch each give one process
+with the global batch in one microbatch; other splits of distinct data differ, as they would in one
+process with another microbatch size.
 """
 
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -31,6 +45,7 @@ __all__ = [
     "moe_layers",
     "moe_regularization_loss",
     "moe_score_bias_names",
+    "set_statistics_group",
     "update_expert_biases",
 ]
 
@@ -38,6 +53,16 @@ __all__ = [
 def moe_layers(module: nn.Module) -> list[MoE]:
     """The `MoE` layers of `module`, in module order (take it once: the step's helpers below use it)."""
     return [m for m in module.modules() if isinstance(m, MoE)]
+
+
+def set_statistics_group(layers: Sequence[MoE], group: dist.ProcessGroup | None) -> None:
+    """Take the layers' load-balance statistics (token counts, balancing losses) over `group`: the ranks
+    holding different tokens of each microbatch, whose gradients are summed (data × context parallel).
+    None, or a group of one rank: this rank's tokens alone."""
+    if group is not None and dist.get_world_size(group) == 1:
+        group = None
+    for layer in layers:
+        layer.stats_group = group
 
 
 def moe_score_bias_names(module: nn.Module) -> list[str]:

@@ -23,6 +23,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from d9d.mesh import DistributedContext
+from d9d.parallel._mesh_axes import sub_mesh
 from d9d.parallel.errors import UnsupportedParallelismError
 from d9d.parallel.expert.dispatch import AllToAllDispatcher
 from d9d.parallel.expert.errors import ExpertParallelError
@@ -51,7 +52,8 @@ def parallelize_expert_parallel(
 
     Args:
         module: an `MoE` or a model containing `MoE` layers; changed in place.
-        mesh: the job's `DistributedContext`, or its `expert` device mesh (axes ep_replicate and
+        mesh: the job's `DistributedContext` (the load-balance statistics are then taken over its
+            data- and context-parallel ranks), or its `expert` device mesh (axes ep_replicate and
             ep_shard, optionally pp). With a mesh, every rank of it is assumed to hold different
             tokens (no tensor or context parallelism).
         shard_expert_replicas: fully_shard each expert bank over `ep_replicate`, summing gradients
@@ -121,9 +123,9 @@ def _expert_mesh_and_stats_group(
     if not isinstance(mesh, DistributedContext):
         return mesh, _token_group(mesh)
     _check_supported(mesh)
-    expert_mesh = mesh.mesh("expert")
-    batch_mesh = mesh.mesh("batch")
-    return expert_mesh, batch_mesh["dp"].get_group() if batch_mesh["dp"].size() > 1 else None
+    batch_mesh = mesh.mesh("batch")  # dp and cp ranks hold different tokens (tp ranks share theirs)
+    axes = [axis for axis in ("dp", "cp") if batch_mesh[axis].size() > 1]
+    return mesh.mesh("expert"), sub_mesh(batch_mesh, axes).get_group() if axes else None
 
 
 def _ep_shard_mesh(expert_mesh: DeviceMesh) -> DeviceMesh:

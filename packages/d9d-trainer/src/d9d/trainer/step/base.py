@@ -12,7 +12,13 @@ from torch import nn
 
 from d9d.mesh import get_logger
 from d9d.parallel import ContextParallel, MixedPrecision, clip_grad_norm_, grad_norm, reduce_partial_grads
-from d9d.parallel.expert import expert_load_summary, expert_loads, moe_layers, update_expert_biases
+from d9d.parallel.expert import (
+    expert_load_summary,
+    expert_loads,
+    moe_layers,
+    set_statistics_group,
+    update_expert_biases,
+)
 from d9d.trainer.errors import TrainingError
 from d9d.trainer.observe.timing import StepTimer
 from d9d.trainer.providers.task import Task
@@ -116,6 +122,9 @@ class StepBase:
         self.scheduler = scheduler
         self.settings = settings
         self.moes = moe_layers(model)  # the MoE layers: their load, balancing losses and score biases
+        # their statistics over the ranks whose gradients the step sums (dp x cp), expert-parallel or not:
+        # each rank's balancing terms are then its share, as its loss is (d9d.parallel.expert.balancing)
+        set_statistics_group(self.moes, settings.dp_group)
         self._loads: torch.Tensor | None = None  # this step's tokens per expert, summed over microbatches
 
     def local_part(self, microbatches: Sequence[Any]) -> list[Any]:
