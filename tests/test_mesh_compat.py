@@ -30,6 +30,7 @@ CASES = {
         "mesh.pipeline_parallel=4 is more than model.num_layers=2",
     ),
     "ep2-dense-model": (["mesh.data_parallel_shard=2", "mesh.expert_parallel=2"], "the model has no experts"),
+    "tp2-moe-model": (["mesh.tensor_parallel=2", *MOE], "mesh.tensor_parallel=2 with MoE layers (model.moe)"),
 }
 
 

@@ -55,6 +55,12 @@ def check_mesh(config: ReferenceModelConfig, mesh: MeshConfig) -> None:
                     f"model.{key}={value} is not divisible by mesh.tensor_parallel={tp}: tensor parallelism "
                     f"splits the heads; choose a tensor_parallel that divides {value}"
                 )
+        if config.moe is not None:
+            raise ValueError(
+                f"mesh.tensor_parallel={tp} with MoE layers (model.moe) is not supported yet: the experts have "
+                "no tensor-parallel plan; split a MoE model with mesh.expert_parallel and data parallelism, "
+                "or set mesh.tensor_parallel: 1"
+            )
         if config.tie_word_embeddings:
             raise ValueError(
                 "mesh.tensor_parallel > 1 with model.tie_word_embeddings: true is not supported (the "
