@@ -21,7 +21,7 @@ class PipelineStep(StepBase):
     """Runs `d9d.parallel.pipeline.Pipeline` over the microbatches; the last stage's loss is normalized by the
     global batch's weight, as the plain step's. Each stage forward of a microbatch draws from the
     stream of (microbatch, stage) (`TrainingRandomness.seed_microbatch`), whatever the schedule's
-    order, so torch's metadata-inference forward in a launch's first step moves no microbatch's masks."""
+    order (torch's metadata-inference forward of a launch's first step seeds none)."""
 
     def __init__(
         self,
