@@ -75,8 +75,8 @@ class StepSettings:
     """This rank's seconds of the step so far not spent waiting in collectives (`d9d.trainer.observe.stragglers`),
     read at the sync and gathered there with the requests."""
     randomness: TrainingRandomness | None = None
-    """This rank's random streams: the step seeds torch's generator from them before each microbatch
-    (a pipeline step: once); None leaves the generator alone."""
+    """This rank's random streams: the step seeds torch's generator from them before each microbatch's
+    forward (a pipeline: each stage's); None leaves the generator alone."""
 
     def local_batch(self, batch: Any) -> Any:
         """This rank's part of a microbatch: its share of every sequence under context parallelism

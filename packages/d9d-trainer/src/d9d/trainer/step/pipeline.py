@@ -1,8 +1,7 @@
 """The pipeline step: the step's microbatches through a pipeline schedule (one or several stages per rank)."""
 
-import contextlib
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -67,7 +66,7 @@ class PipelineStep(StepBase):
         randomness = self.settings.randomness
         if randomness is not None and not probe:  # the probe is no microbatch: it seeds no stream
             randomness.seed_microbatch(self._step, microbatch, self.pipeline.n_microbatches, stage=stage)
-        return contextlib.nullcontext()
+        return nullcontext()
 
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
         result = self.pipeline_task.pipeline_loss(output, target)
