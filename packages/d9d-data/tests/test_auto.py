@@ -1,7 +1,9 @@
 """AutoDataProvider in one process: ranks are simulated with `DataPlacement` (real ranks: test_distributed)."""
 
+import random
 import tracemalloc
 
+import numpy as np
 import pytest
 import torch
 
@@ -177,6 +179,33 @@ def test_workers_give_the_same_stream_as_the_main_process():
         assert [_flatten(next(workers)) for _ in range(3)] == expected[3:]
         workers.load_state_dict(state)
         assert [_flatten(next(workers)) for _ in range(3)] == expected[3:]
+
+
+class WorkerDraws(IndexDataset):
+    """Sample i is [i, a draw of torch's, numpy's and Python's generators] where it is loaded."""
+
+    def __getitem__(self, index):
+        draws = [float(torch.rand(())), float(np.random.rand()), random.random()]
+        return torch.tensor([float(index), *draws], dtype=torch.float64)
+
+
+def _worker_draws(placement, stages="all", steps=3):
+    """The generator draws of the samples the rank's 2 loader workers load in `steps` steps."""
+    config = AutoDataConfig(global_batch_size=8, microbatch_size=2, seed=11, num_workers=2, prefetch=1)
+    with AutoDataProvider(config, WorkerDraws(20), context=placement, pipeline_stages=stages) as data:
+        return [v for _ in range(steps) for mb in next(data) for v in mb[:, 1:].flatten().tolist()]
+
+
+def test_loader_workers_draw_per_data_parallel_rank():
+    # (a placement is what a rank's DistributedContext gives; forked test ranks are daemonic and
+    # cannot start loader workers)
+    dp0, dp1 = (_worker_draws(DataPlacement(r, 2)) for r in (0, 1))
+    assert len(set(dp0)) == len(dp0)  # each sample its own draws: other workers, other positions
+    assert not set(dp0) & set(dp1)  # data-parallel ranks draw other numbers
+    assert _worker_draws(DataPlacement(0, 2)) == dp0  # the same rank again (or a tensor-parallel peer)
+    # the first and the last pipeline stage load the same samples: the same draws
+    first, last = (_worker_draws(DataPlacement(0, 2, p, 2), "first_and_last") for p in (0, 1))
+    assert first == last == dp0
 
 
 def test_pipeline_ranks_without_data_load_nothing_but_keep_the_same_state():

@@ -1,5 +1,5 @@
 """The torch `DataLoader` of one data-parallel rank: its microbatch index lists from where a step
-starts, and a loader seed that follows that position rather than the restarts."""
+starts, and a loader seed that follows that position and the rank's slice rather than the restarts."""
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -80,14 +80,17 @@ def make_loader(
         # Its own generator: a loader draws a base seed when an iterator starts, which from the
         # global one would move the training randomness (dropout) by where the iterator started
         # (a resumed run starts it after restoring the RNG state, the first run before step 1).
-        # Seeded by where it starts, so workers' seeds follow the data position, not the restarts.
-        generator=torch.Generator().manual_seed(_loader_seed(config.seed, indices.epoch, indices.position)),
+        # Seeded by where it starts, so workers' seeds follow the data position, not the restarts, and
+        # by the rank's slice: data-parallel ranks' workers draw differently, ranks sharing data alike.
+        generator=torch.Generator().manual_seed(
+            _loader_seed(config.seed, indices.epoch, indices.position, indices.rank_slice[0])
+        ),
     )
 
 
-def _loader_seed(seed: int, epoch: int, position: int) -> int:
-    """The loader's base seed from (seed, epoch, position), the same in every process."""
-    return ((seed * 1_000_003 + epoch) * 1_000_003 + position) % (2**63)
+def _loader_seed(seed: int, epoch: int, position: int, first: int) -> int:
+    """The loader's base seed from (seed, epoch, position, the rank's first position in a global batch)."""
+    return (((seed * 1_000_003 + epoch) * 1_000_003 + position) * 1_000_003 + first) % (2**63)
 
 
 def _init_worker(_worker_id: int) -> None:

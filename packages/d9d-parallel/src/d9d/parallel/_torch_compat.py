@@ -4,7 +4,9 @@ One function per difference; each docstring says which versions differ and how. 
 d9d.parallel calls these instead of checking versions itself.
 """
 
+import contextlib
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -13,7 +15,11 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _PipelineSchedule
 
-__all__ = ["all_gather_autograd", "schedule_step", "skip_warmup_to_own_rank"]
+__all__ = ["all_gather_autograd", "around_stage_forward", "schedule_step", "skip_warmup_to_own_rank"]
+
+#: `context(stage_index, microbatch_index, probe)`: the context one stage forward runs in; `probe` is
+#: torch's metadata-inference forward of the first step (not a microbatch of the step).
+StageForwardContext = Callable[[int, int, bool], contextlib.AbstractContextManager[None]]
 
 
 def all_gather_autograd(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -93,3 +99,22 @@ def skip_warmup_to_own_rank(stage: PipelineStage) -> None:
         return [op for op in legacy() if op.group_peer != own]
 
     stage._get_init_p2p_neighbors_ops = to_other_ranks  # type: ignore[method-assign]
+
+
+def around_stage_forward(stage: PipelineStage, context: StageForwardContext) -> bool:
+    """Run every forward of `stage` inside `context(stage_index, microbatch_index, probe)`; False where
+    this torch cannot.
+
+    torch 2.15's `PipelineStage.register_forward_context` calls its factory with each forward's stage,
+    microbatch index and whether it is the metadata-inference probe; versions without that method
+    give no such place, and the caller falls back to one context around the whole step.
+    """
+    register = getattr(stage, "register_forward_context", None)
+    if register is None:
+        return False
+
+    def factory(info: Any) -> contextlib.AbstractContextManager[None]:
+        return context(info.stage_index, info.microbatch_index, info.is_metadata_inference)
+
+    register(factory)
+    return True

@@ -54,6 +54,7 @@ from d9d.trainer.run.tokenizer import RunTokenizer
 from d9d.trainer.step.base import StepSettings, TrainStep, token_group
 from d9d.trainer.step.microbatches import MicrobatchStep
 from d9d.trainer.step.pipeline import PipelineStep
+from d9d.trainer.step.randomness import TrainingRandomness
 
 __all__ = ["TrainResult", "Trainer"]
 
@@ -224,6 +225,7 @@ class Trainer:
         self._timer = StepTimer.for_device(ctx.device)  # the step-time breakdown, read when records flush
         self._busy = BusyClock()  # each rank's time outside collective waits, gathered in the step's sync
         self._stops = StopRequests()
+        self._randomness = TrainingRandomness.of(ctx, tcfg.determinism.seed)
         settings = StepSettings(
             device=ctx.device,
             precision=plan.precision,
@@ -238,6 +240,7 @@ class Trainer:
             context_parallel=context_parallel_of(model) or ContextParallel(),
             timer=self._timer,
             busy_time=None if ctx.is_local else self._busy.busy,
+            randomness=self._randomness,
         )
         self._evaluator = Evaluator(eval_set, model, job.task, settings)
         self._train_step: TrainStep
@@ -273,6 +276,7 @@ class Trainer:
             watchdog=guards.watchdog,
             failures=guards.failures,
             faults=guards.faults,
+            randomness=self._randomness,
         )
 
     # ------------------------------------------------------------------ accessors

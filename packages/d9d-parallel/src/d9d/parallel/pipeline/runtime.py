@@ -16,7 +16,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 
-from d9d.parallel._torch_compat import schedule_step, skip_warmup_to_own_rank
+from d9d.parallel._torch_compat import (
+    StageForwardContext,
+    around_stage_forward,
+    schedule_step,
+    skip_warmup_to_own_rank,
+)
 from d9d.parallel.pipeline.config import PipelineConfig, check_pipeline_microbatches
 from d9d.parallel.pipeline.errors import PipelineError
 from d9d.parallel.pipeline.layout import PipelineLayout
@@ -218,6 +223,13 @@ class Pipeline:
             total = total.to(torch.float32)
             dist.broadcast(total, group_src=src_rank, group=group)
         return total
+
+    def around_stage_forwards(self, context: StageForwardContext) -> bool:
+        """Run every stage forward of this rank inside `context(stage_index, microbatch_index, probe)`
+        (e.g. to seed each microbatch's dropout); `probe` marks torch's metadata-inference forward of
+        the first step, which is no microbatch. False, and nothing registered, where this torch's
+        stages have no such hook (torch 2.15 has it). One context per pipeline."""
+        return all([around_stage_forward(stage, context) for stage in self.stages])
 
     def _check_shapes(self, arg_mbs: list[tuple[Any, ...]]) -> None:
         # torch sizes the activation buffers between stages at the first step; other shapes would

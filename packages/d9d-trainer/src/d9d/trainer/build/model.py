@@ -139,9 +139,9 @@ def materialize_model(job: ResolvedJob, context: DistributedContext, model: nn.M
         materialize_and_initialize(
             model, context.device, determinism.seed, init_device=init_device, loaded=loaded
         )
-        # The randomness of training (dropout) starts from the seed too, the same on every rank (tensor
-        # parallel ranks must draw the same masks for the activations they share), so a job gives the
-        # same numbers in a fresh process, a notebook or a forked test; resumes restore the state.
+        # What runs before the first step draws from the seed too, so a job gives the same numbers in a
+        # fresh process, a notebook or a forked test; each step re-seeds per rank and microbatch
+        # (d9d.trainer.step.randomness).
         torch.manual_seed(determinism.seed)
     except Exception as exc:
         if not is_out_of_memory(exc):

@@ -218,8 +218,10 @@ class GradientClippingConfig(Section):
 
 class DeterminismConfig(Section):
     """Seed of model initialization (the same on every rank, so every mesh starts from one model) and
-    of training's randomness (dropout: torch's generator is seeded with it after initialization, the
-    same on every rank; a resume restores each rank's generator state from the checkpoint).
+    of training's randomness: each step's data and each microbatch's dropout draw from streams derived
+    from it per data-parallel rank and microbatch (`d9d.trainer.step.randomness`), so data-parallel
+    ranks draw different masks, tensor-parallel ranks the same, and a resume draws what an
+    uninterrupted run draws (docs/checkpointing.md, "Randomness").
 
     `init_device`: where weights are initialized, `auto` (the job's device: fast on GPUs) or `cpu`
     (slower on GPUs, but bit-identical initial weights across device types; CPU and CUDA random

@@ -46,6 +46,7 @@ from d9d.trainer.run.checkpoints import RunCheckpoints
 from d9d.trainer.run.evaluation import Evaluator
 from d9d.trainer.run.signals import StopRequests
 from d9d.trainer.step.base import StepOutput, TrainStep
+from d9d.trainer.step.randomness import TrainingRandomness
 
 __all__ = ["RunLoop", "RunParts", "StepSource"]
 
@@ -71,6 +72,7 @@ class RunParts:
         watchdog: a hung or failed rank stops every rank (None on one process).
         failures: the failure board: one report per failure.
         faults: fault injection for d9d's own fault tests.
+        randomness: this rank's random streams (the step's data draws from the one of its step).
     """
 
     model: torch.nn.Module
@@ -87,6 +89,7 @@ class RunParts:
     watchdog: StepWatchdog | None
     failures: FailureBoard
     faults: FaultInjection
+    randomness: TrainingRandomness | None = None
 
 
 class StepSource:
@@ -97,9 +100,13 @@ class StepSource:
         self._preparer = task if isinstance(task, PreparesSteps) else None
         self._model = parts.model
         self._context = context
+        self._randomness = parts.randomness
 
     def next(self, step: int) -> Any:
-        """The microbatches of step `step` (1-based), drawn now: after step `step - 1` updated the weights."""
+        """The microbatches of step `step` (1-based), drawn now: after step `step - 1` updated the weights,
+        with the generators seeded for the step's data (`TrainingRandomness.seed_data`)."""
+        if self._randomness is not None:
+            self._randomness.seed_data(step)
         if self._preparer is None:
             return next(self._data)
         return self._preparer.prepare_step(

@@ -22,6 +22,7 @@ from d9d.parallel.expert import (
 from d9d.trainer.errors import TrainingError
 from d9d.trainer.observe.timing import StepTimer
 from d9d.trainer.providers.task import Task
+from d9d.trainer.step.randomness import TrainingRandomness
 
 __all__ = ["StepOutput", "StepSettings", "TrainStep", "token_group"]
 
@@ -79,6 +80,9 @@ class StepSettings:
     busy_time: Callable[[], float] | None = None
     """This rank's seconds of the step so far not spent waiting in collectives (`d9d.trainer.observe.stragglers`),
     read at the sync and gathered there with the requests."""
+    randomness: TrainingRandomness | None = None
+    """This rank's random streams: the step seeds torch's generator from them before each microbatch's
+    forward (a pipeline: each stage's); None leaves the generator alone."""
 
     def local_batch(self, batch: Any) -> Any:
         """This rank's part of a microbatch: its share of every sequence under context parallelism

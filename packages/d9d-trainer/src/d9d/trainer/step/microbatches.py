@@ -19,7 +19,9 @@ class MicrobatchStep(StepBase):
     Each microbatch's summed loss is divided by the global batch's weight, so the accumulated (and
     data-parallel summed) gradient is exactly the single-device gradient of the global mean loss.
     Sharded FSDP2 units reduce-scatter every microbatch (no unsharded gradient outlives its block);
-    only replicated units defer their all-reduce to the last microbatch.
+    only replicated units defer their all-reduce to the last microbatch. Each microbatch draws its
+    randomness (dropout) from its own stream, keyed by its place in the global batch
+    (`TrainingRandomness.seed_microbatch`).
     """
 
     def run(self, microbatches: Sequence[Any], step: int) -> StepOutput:
@@ -32,7 +34,10 @@ class MicrobatchStep(StepBase):
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=settings.device)
         last = len(microbatches) - 1
+        randomness = settings.randomness
         for i, batch in enumerate(microbatches):
+            if randomness is not None:
+                randomness.seed_microbatch(step, i, len(microbatches))
             with self.microbatch_range(i):
                 set_gradient_accumulation(model, final=i == last)
                 with precision_autocast(settings.precision, settings.device):

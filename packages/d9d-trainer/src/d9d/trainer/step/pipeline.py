@@ -1,6 +1,7 @@
 """The pipeline step: the step's microbatches through a pipeline schedule (one or several stages per rank)."""
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -17,7 +18,9 @@ __all__ = ["PipelineStep"]
 
 class PipelineStep(StepBase):
     """Runs `d9d.parallel.pipeline.Pipeline` over the microbatches; the last stage's loss is normalized by the
-    global batch's weight, as the plain step's."""
+    global batch's weight, as the plain step's. Each stage forward of a microbatch draws from the
+    stream of (microbatch, stage) (`TrainingRandomness.seed_microbatch`), whatever the schedule's
+    order (torch's metadata-inference forward of a launch's first step seeds none)."""
 
     def __init__(
         self,
@@ -53,6 +56,17 @@ class PipelineStep(StepBase):
             loss_fn=self._loss,
             device=settings.device,
         )
+        self._step = 0
+        # Without per-stage forward contexts (older torch): one stream per step, in schedule order.
+        self._per_step_stream = settings.randomness is not None and not self.pipeline.around_stage_forwards(
+            self._stage_forward
+        )
+
+    def _stage_forward(self, stage: int, microbatch: int, probe: bool) -> AbstractContextManager[None]:
+        randomness = self.settings.randomness
+        if randomness is not None and not probe:  # the probe is no microbatch: it seeds no stream
+            randomness.seed_microbatch(self._step, microbatch, self.pipeline.n_microbatches, stage=stage)
+        return nullcontext()
 
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
         result = self.pipeline_task.pipeline_loss(output, target)
@@ -70,6 +84,9 @@ class PipelineStep(StepBase):
         pairs = [self.pipeline_task.pipeline_inputs(mb) for mb in microbatches]
         inputs = [x.to(device) for x, _ in pairs]
         targets = [y.to(device) for _, y in pairs]
+        self._step = step
+        if self._per_step_stream and self.settings.randomness is not None:
+            self.settings.randomness.seed_pipeline(step)
         share = self.pipeline.step(inputs, targets, broadcast_loss=True)
         assert share is not None
         self.add_expert_load()  # the stage's MoE layers hold the step's last microbatch
