@@ -16,7 +16,7 @@ from torch import nn
 
 from d9d.ckpt import CheckpointInfo, CheckpointManager, capture_rng_state, restore_rng_state
 from d9d.data import ReportsSources
-from d9d.mesh import get_logger
+from d9d.mesh import DEGREE_KEYS, get_logger
 from d9d.trainer.build.starting_weights import StartingWeights
 from d9d.trainer.config.job import OptimizerConfig, ProvidersConfig
 from d9d.trainer.config.trainer import EVAL_METRICS, CheckpointingConfig
@@ -242,8 +242,13 @@ _WATCHED = (
 )
 
 
+#: Keys a config may leave out, by watched section, with the value that then applies.
+_DEFAULTS: dict[str, dict[str, Any]] = {"mesh": dict.fromkeys(DEGREE_KEYS, 1)}
+
+
 def config_changes(saved: Any, current: Any) -> dict[str, tuple[Any, Any]]:
-    """{key path: (value in the checkpoint's config, value now)} for the watched sections' leaves."""
+    """{key path: (value in the checkpoint's config, value now)} for the watched sections' leaves; a
+    mesh degree left out of either config counts as its default, 1."""
     changes: dict[str, tuple[Any, Any]] = {}
     if not isinstance(saved, dict) or not isinstance(current, dict):
         return changes
@@ -252,7 +257,7 @@ def config_changes(saved: Any, current: Any) -> dict[str, tuple[Any, Any]]:
         node: Any = config
         for part in path.split("."):
             node = node.get(part, {}) if isinstance(node, dict) else {}
-        return node
+        return {**_DEFAULTS[path], **node} if path in _DEFAULTS and isinstance(node, dict) else node
 
     def walk(path: str, before: Any, now: Any) -> None:
         if isinstance(before, dict) and isinstance(now, dict):
