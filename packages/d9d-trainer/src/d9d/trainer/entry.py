@@ -4,7 +4,9 @@
 The config is loaded and checked, and a finished run recognized, before torch or the trainer is
 imported: a bad config or a launch that does not fit the mesh fails at once, and a run whose latest
 checkpoint reached `total_steps` says so from that checkpoint's commit record (`finished_run`),
-without building the model or loading the checkpoint.
+without building the model or loading the checkpoint. Its providers are still imported and
+constructed from their sections first (which imports torch), so a wrong key in a provider's section
+fails a finished run as it fails any other.
 """
 
 import json
@@ -57,13 +59,17 @@ def finished_run(loaded: LoadedJob) -> TrainResult | None:
     """The result of a run that is already complete, decided from its checkpoints' commit records alone.
 
     A run is complete when its latest committed checkpoint reached `trainer.schedule.total_steps`.
-    Then this logs "run is already complete" (as `Trainer.train()` does after a resume) and returns a
-    result with no steps; nothing is built, imported or loaded. None when the run must be built: it is
-    not complete, its directory holds a `save-<step>` that is not committed (the resume reports it),
-    or `export.dir` is set and does not hold that checkpoint's export yet (`run_job` records each
-    export it writes in the run's `exported.json`: the step and the folder).
+    Then this checks the whole config as a build would (`resolve_job`: every provider imported and
+    constructed from its section; nothing built, loaded or written), logs "run is already complete"
+    (as `Trainer.train()` does after a resume) and returns a result with no steps. None when the run
+    must be built: it is not complete, its directory holds a `save-<step>` that is not committed (the
+    resume reports it), or `export.dir` is set and does not hold that checkpoint's export yet
+    (`run_job` records each export it writes in the run's `exported.json`: the step and the folder).
 
     Every rank reads the same (shared) run directory, as a resume does, so all ranks decide alike.
+
+    Raises:
+        ConfigError: a provider's (or a callback's) section does not fit it, as `resolve_job` says.
     """
     tcfg, paths = loaded.config.trainer, loaded.paths
     run_dir, export_dir = paths.run_dir, paths.export_dir
@@ -74,7 +80,9 @@ def finished_run(loaded: LoadedJob) -> TrainResult | None:
     if export_dir is not None and not _exported(run_dir, found[-1].step, export_dir):
         return None
     from d9d.mesh import configure_logging, get_logger  # structlog: only to say it
+    from d9d.trainer.job.resolve import resolve_job  # the providers' own modules (and torch)
 
+    resolve_job(loaded)  # the providers' sections are checked when they are constructed
     latest = found[-1]
     configure_logging(format=tcfg.logging.format, level=tcfg.logging.level, log_dir=paths.log_dir)
     exported = {"export": str(export_dir)} if export_dir is not None else {}
