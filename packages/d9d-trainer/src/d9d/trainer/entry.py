@@ -45,7 +45,7 @@ def run_job(config_path: str | Path, overrides: Sequence[str] = ()) -> TrainResu
         trainer = Trainer.from_config(loaded)
         with trainer:
             result = trainer.train()
-            if result.stopped_by is None and loaded.config.export.dir is not None:
+            if not result.preempted and loaded.config.export.dir is not None:
                 out = trainer.export()  # a run stopped by a signal is unfinished: no export
                 if trainer.context.is_main_process:
                     _record_export(trainer.run_dir, trainer.step, out)
@@ -123,7 +123,8 @@ def _exported(run_dir: Path, step: int, export_dir: Path) -> bool:
 
 def run_command(config_path: str | Path, overrides: Sequence[str] = ()) -> None:
     """`run_job` with a command's exit: Ctrl-C prints how to resume and exits `EXIT_INTERRUPTED`
-    (130); a run stopped and saved by SIGTERM exits `EXIT_PREEMPTED`; a finished run returns.
+    (130); a run stopped and saved by SIGTERM exits `EXIT_PREEMPTED`; a finished run returns (one a
+    callback stopped included: it is finished, and a requeue on a non-zero status would loop).
 
     Errors propagate, for the caller to report (`report_job_error`).
     """
@@ -134,7 +135,7 @@ def run_command(config_path: str | Path, overrides: Sequence[str] = ()) -> None:
 
         print(INTERRUPTED_MESSAGE, file=sys.stderr, flush=True)
         sys.exit(EXIT_INTERRUPTED)
-    if result.stopped_by is not None:  # saved after SIGTERM / Ctrl-C: run the same command to resume
+    if result.preempted:  # saved after SIGTERM / Ctrl-C: run the same command to resume
         from d9d.trainer.run.signals import EXIT_PREEMPTED
 
         sys.exit(EXIT_PREEMPTED)
