@@ -2,14 +2,19 @@
 
 One process: the events come in order with the run's own numbers (each `on_step` record is the
 metrics.jsonl line, `on_eval` the eval the record holds, `on_checkpoint` a committed directory), a
-callback from the config and one passed in Python see the same. FSDP 2: a stop and a save asked on
-rank 0 alone take effect on both ranks at the same step (agreed in the step's one sync), and the run
-resumed with the same command ends with the uninterrupted run's losses, grad norms and weights. A
-callback that raises on rank 1 stops both ranks with its error. Bad `trainer.callbacks` entries are
-cases of tests/bad_input/cases.yaml.
+callback from the config and one passed in Python see the same. The docs' `LossTarget`, run as
+docs/extending.md prints it: its stop ends the run, finished, at the step the page says (one after
+the flush that brought the record), exit 0, and the same command again says the run already stopped
+and trains nothing. FSDP 2: a stop and a save asked on rank 0 alone take effect on both ranks at the
+same step (agreed in the step's one sync), both end the run as finished, and the run resumed without
+the callback ends with the uninterrupted run's losses, grad norms and weights. A callback that raises
+on rank 1 stops both ranks with its error. Bad `trainer.callbacks` entries are cases of
+tests/bad_input/cases.yaml.
 """
 
 import json
+import os
+import shutil
 import sys
 import textwrap
 from pathlib import Path
@@ -19,9 +24,12 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _quickstart import CONFIG, overrides, records, run_forked, train
+from _quickstart import CONFIG, TINY, overrides, records, run_forked, train
 from test_evaluation import EVAL
 
+from d9d.ckpt import list_checkpoints
+from d9d.ckpt.checkpoint.extra import decode_state
+from d9d.ckpt.checkpoint.layout import EXTRA_FILE
 from d9d.mesh.testing import DistributedTestError, run_distributed
 
 #: A callback that writes every event to <run_dir>/events-<rank>.jsonl and does what its config asks
@@ -71,7 +79,8 @@ RECORDER = textwrap.dedent("""
             self._write(run, "checkpoint", at=step, path=str(path), committed=Path(path, "commit.json").is_file())
 
         def on_train_end(self, run, result):
-            self._write(run, "train_end", final_step=result.final_step, stopped_by=result.stopped_by)
+            self._write(run, "train_end", final_step=result.final_step, stopped_by=result.stopped_by,
+                        preempted=result.preempted)
 
         def on_failure(self, run, error):
             self._write(run, "failure", error=str(error))
@@ -157,6 +166,53 @@ def test_events_come_in_order_with_the_runs_own_numbers_from_the_config_and_from
     assert events[-1]["stopped_by"] is None
 
 
+#: docs/extending.md's command, with the tiny quickstart model and records every 4 steps (the page's
+#: config writes them every 10): the callback sees step k's record at the first flush at or after k.
+_LOSS_TARGET = "trainer.callbacks=[{target: callbacks.py:LossTarget, config: {loss: 4.0}}]"
+_PERIOD = 4
+_TINY_SETS = [*(a for a in TINY if not a.startswith(("trainer.logging.period_steps", "trainer.checkpointing"))),
+              f"trainer.logging.period_steps={_PERIOD}", "trainer.checkpointing.period_steps=0",
+              "trainer.schedule.total_steps=40", "trainer.logging.progress_bar=false"]  # fmt: skip
+
+
+def _d9d_train(cwd: Path, sets: list[str]) -> tuple[int, str]:
+    """`d9d train config.yaml --set ...` in `cwd` (forked from this process): its exit status and output."""
+    from click.testing import CliRunner
+
+    from d9d.cli import cli
+
+    os.chdir(cwd)
+    result = CliRunner().invoke(cli, ["train", "config.yaml", *(a for s in sets for a in ("--set", s))])
+    return result.exit_code, result.output
+
+
+def test_the_docs_loss_target_ends_the_run_finished_and_the_same_command_says_it_already_stopped(tmp_path):
+    for folder in ("quickstart", "data"):
+        shutil.copytree(Path(CONFIG).parents[1] / folder, tmp_path / "examples" / folder)
+    cwd, sets = tmp_path / "examples" / "quickstart", ["trainer.run.name=extended", _LOSS_TARGET, *_TINY_SETS]
+    code, output = run_forked(_d9d_train, cwd, sets)
+    assert code == 0, output[-3000:]  # a finish, not a pre-emption (75)
+    run_dir = cwd / "runs" / "extended"
+    losses = {r["step"]: r["loss"] for r in records(run_dir)}
+    met = min(step for step, loss in losses.items() if loss < 4.0)
+    seen = min(s for s in losses if s >= met and (s == 1 or s % _PERIOD == 0))  # the flush that brings it
+    end = max(losses)
+    assert end == seen + 1 and end < 40, (met, seen, end)  # read in the next step's sync, which runs
+    assert [info.step for info in list_checkpoints(run_dir)] == [end]  # that step saved
+    reason = f"loss {losses[met]:.3f} below 4.0 at step {met}"
+    extra = decode_state((run_dir / f"save-{end}" / EXTRA_FILE).read_bytes(), "extra")
+    assert extra["callback_stop"] == {"callback": "LossTarget", "reason": reason, "step": end}
+    assert f"stopped at step {end} by callback LossTarget ({reason}); checkpoint saved" in output
+    assert json.loads((run_dir / "loss-target.json").read_text())["stopped_by"] == reason
+
+    metrics = (run_dir / "metrics.jsonl").read_text()
+    code, again = run_forked(_d9d_train, cwd, sets)  # a scheduler's requeue: the same command
+    assert code == 0, again[-3000:]
+    assert f"run already stopped at step {end} by callback LossTarget ({reason})" in again
+    assert (run_dir / "metrics.jsonl").read_text() == metrics  # no step trained
+    assert [info.step for info in list_checkpoints(run_dir)] == [end]
+
+
 def _final(run_dir: Path, weights: dict[str, torch.Tensor]) -> tuple[list[float], list[float]]:
     written = records(run_dir)
     return [r["loss"] for r in written], [r["grad_norm"] for r in written]
@@ -173,10 +229,8 @@ def test_rank_0_alone_stops_and_saves_both_ranks_and_the_resumed_run_equals_an_u
         assert [e["at"] for e in events if e["event"] == "checkpoint"] == [2, 4], (rank, events)
         assert [e["record"]["step"] for e in events if e["event"] == "step"] == [1, 2, 3, 4]
         end = events[-1]
-        assert end["event"] == "train_end" and end["final_step"] == 4
-        assert end["stopped_by"] == (
-            "recorder at step 3" if rank == 0 else "a signal or a callback on another rank"
-        )
+        assert end["event"] == "train_end" and end["final_step"] == 4 and end["preempted"] is False
+        assert end["stopped_by"] == ("recorder at step 3" if rank == 0 else "a callback on another rank")
     assert sorted(p.name for p in run_dir.glob("save-*")) == ["save-2", "save-4"]
     resumed = train(2, overrides(tmp_path, "cut", 6, *fsdp))  # the same command, without the callback
     assert [r["step"] for r in resumed.records] == [1, 2, 3, 4, 5, 6]

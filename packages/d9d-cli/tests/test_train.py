@@ -30,6 +30,32 @@ def test_train_runs_and_a_finished_run_exits_0(runner, tiny_run):
     assert len(_losses(tiny_run.run_dir)) == 4
 
 
+def _files(run_dir: Path) -> dict[str, int]:
+    return {str(p.relative_to(run_dir)): p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+
+
+def test_a_finished_run_checks_its_providers_sections_before_it_says_it_is_complete(runner, tiny_run, capsys):
+    """A key the model provider does not have (`model.num_head`) fails a finished run as it fails a new
+    one: exit 2, the same one line, through `d9d train` and train.py's `main()`; nothing is written."""
+    from d9d.trainer import main
+
+    save_dir = f"trainer.checkpointing.save_dir={tiny_run.run_dir.parent}"
+    before = _files(tiny_run.run_dir)
+    typo = runner.invoke(cli, ["train", str(tiny_run.config), "--set", save_dir, "--set", "model.num_head=4"])
+    assert typo.exit_code == 2, typo.output
+    (line,) = typo.stderr.strip().splitlines()
+    assert line.startswith("error: ") and "model.num_head" in line and "already complete" not in typo.output
+    fresh = runner.invoke(cli, ["train", str(tiny_run.config), "--set", "model.num_head=4"])  # no run yet
+    assert fresh.exit_code == 2 and fresh.stderr.strip() == line, fresh.stderr
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:  # `python train.py CONFIG ...`
+        main([str(tiny_run.config), save_dir, "model.num_head=4"])
+    assert exited.value.code == 2 and capsys.readouterr().err.strip() == line
+    assert _files(tiny_run.run_dir) == before
+    valid = runner.invoke(cli, ["train", str(tiny_run.config), "--set", save_dir])
+    assert valid.exit_code == 0 and "run is already complete" in valid.output, valid.output
+
+
 @pytest.mark.parametrize(
     ("sets", "expected"),
     [

@@ -17,21 +17,22 @@ from d9d.trainer.run.checkpoints import SavePolicy
 
 
 @pytest.mark.parametrize(
-    ("step", "last", "requested", "stopping", "early", "period", "on_signal", "due"),
+    ("step", "last", "requested", "stopping", "finishing", "period", "on_signal", "due"),
     [
         (4, False, False, False, False, 2, True, True),  # periodic
         (3, False, False, False, False, 2, True, False),
         (3, True, False, False, False, 2, True, True),  # the last step always saves
         (3, False, True, False, False, 2, True, True),  # a callback asked
-        (3, False, False, False, True, 2, True, True),  # early stopping ends the run
+        (3, False, False, False, True, 2, True, True),  # early stopping or a callback ends the run
+        (3, False, False, False, True, 2, False, True),  # ... finished: saved whatever save_on_signal says
         (3, False, False, True, False, 2, True, True),  # a signal, save_on_signal
         (3, False, False, True, False, 2, False, False),  # a signal, save_on_signal: false
         (4, False, False, False, False, 0, True, False),  # period 0: only at the end
     ],
 )
-def test_the_save_policy(step, last, requested, stopping, early, period, on_signal, due):
+def test_the_save_policy(step, last, requested, stopping, finishing, period, on_signal, due):
     policy = SavePolicy(period=period, on_signal=on_signal)
-    assert policy.due(step, last=last, requested=requested, stopping=stopping, stopping_early=early) is due
+    assert policy.due(step, last=last, requested=requested, stopping=stopping, finishing=finishing) is due
 
 
 def _weights(model: torch.nn.Module) -> float:

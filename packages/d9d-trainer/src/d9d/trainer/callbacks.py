@@ -17,10 +17,13 @@ A callback subclasses `Callback` and overrides the events it wants (each a no-op
 notifications; set it False to run it on every rank, e.g. to look at each rank's model shard.
 
 A callback steers the run through `run` (a `RunControl`): `run.request_stop(reason)` ends the run
-and `run.request_save()` saves a checkpoint, both at the end of the next step: the request rides on
-the step's one existing sync (the finiteness check's read, agreed over every rank), so a request
-made on rank 0 alone stops or saves every rank at the same step, and costs nothing. A stopped run
-saves (unless `trainer.checkpointing.save_on_signal: false`) and resumes with the same command.
+and `run.request_save()` saves a checkpoint, both at the end of the next step to start: the request
+rides on that step's one existing sync (the finiteness check's read, agreed over every rank), so a
+request made on rank 0 alone stops or saves every rank at the same step, and costs nothing. A run a
+callback stopped is finished, as one early stopping ended: that step is saved, the checkpoint
+records which callback stopped it (`d9d.trainer.run.callback_stop`), the command exits 0, and
+starting it again says the run already stopped while that callback is still among the run's (a
+signal's stop, by contrast, is resumed: exit 75).
 
 A callback that raises stops the job with its error on every rank, like any other failure.
 
@@ -31,7 +34,7 @@ run in that order: the config's first.
 """
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -68,13 +71,16 @@ class RunControl:
         self.model = model
         self.step = 0
         self._stop_reason: str | None = None
+        self._stop_callback: str | None = None
+        self._calling: str | None = None  # the callback whose event runs now (`Callbacks` sets it)
         self._save = False
 
     def request_stop(self, reason: str) -> None:
-        """End the run at the end of the next step (saving it, unless save_on_signal is false);
-        `reason` is logged and becomes `TrainResult.stopped_by`."""
+        """End the run, finished, at the end of the next step to start (which is saved); `reason` is
+        logged and becomes `TrainResult.stopped_by`. The first request counts."""
         if self._stop_reason is None:
             self._stop_reason = reason
+            self._stop_callback = self._calling
 
     def request_save(self) -> None:
         """Save a checkpoint at the end of the next step (one, however often it is asked)."""
@@ -89,6 +95,12 @@ class RunControl:
     def stop_reason(self) -> str | None:
         """The reason given to `request_stop` on this rank, None without one."""
         return self._stop_reason
+
+    @property
+    def stop_callback(self) -> str | None:
+        """The class name of the callback that called `request_stop` on this rank from one of its
+        events (None: no request, or one made outside an event)."""
+        return self._stop_callback
 
     def take_save_request(self) -> bool:
         """Whether a save was requested on this rank since the last call (the loop reads it once a step)."""
@@ -133,6 +145,8 @@ class Callbacks:
 
     def __init__(self, callbacks: Sequence[Callback], *, is_main_process: bool) -> None:
         self._callbacks = [c for c in callbacks if is_main_process or not c.main_process_only]
+        #: The class names of the job's callbacks, those of every rank (the same on each).
+        self.names = frozenset(type(c).__name__ for c in callbacks)
         self.control: RunControl | None = None
 
     def __bool__(self) -> bool:
@@ -141,24 +155,28 @@ class Callbacks:
     def start(self, control: RunControl) -> None:
         self.control = control
         for callback in self._callbacks:
-            callback.on_job_built(control)
+            with self._calling(callback):
+                callback.on_job_built(control)
 
     def steps(self, records: Sequence[Mapping[str, Any]]) -> None:
         control = self._control()
         for record in records:
             control.step = int(record["step"])
             for callback in self._callbacks:
-                callback.on_step(control, record)
+                with self._calling(callback):
+                    callback.on_step(control, record)
 
     def evaluated(self, result: "EvalResult") -> None:
         control = self._control()
         for callback in self._callbacks:
-            callback.on_eval(control, result)
+            with self._calling(callback):
+                callback.on_eval(control, result)
 
     def committed(self, step: int, path: Path) -> None:
         control = self._control()
         for callback in self._callbacks:
-            callback.on_checkpoint(control, step, path)
+            with self._calling(callback):
+                callback.on_checkpoint(control, step, path)
 
     def ended(self, result: "TrainResult") -> None:
         control = self._control()
@@ -188,3 +206,13 @@ class Callbacks:
     def _control(self) -> RunControl:
         assert self.control is not None, "callbacks before start()"
         return self.control
+
+    @contextlib.contextmanager
+    def _calling(self, callback: Callback) -> Iterator[None]:
+        """While one callback's event runs: a stop it requests is known as its (`stop_callback`)."""
+        control = self._control()
+        control._calling = type(callback).__name__
+        try:
+            yield
+        finally:
+            control._calling = None

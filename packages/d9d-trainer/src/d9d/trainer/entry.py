@@ -4,7 +4,9 @@
 The config is loaded and checked, and a finished run recognized, before torch or the trainer is
 imported: a bad config or a launch that does not fit the mesh fails at once, and a run whose latest
 checkpoint reached `total_steps` says so from that checkpoint's commit record (`finished_run`),
-without building the model or loading the checkpoint.
+without building the model or loading the checkpoint. Its providers are still imported and
+constructed from their sections first (which imports torch), so a wrong key in a provider's section
+fails a finished run as it fails any other.
 """
 
 import json
@@ -43,7 +45,7 @@ def run_job(config_path: str | Path, overrides: Sequence[str] = ()) -> TrainResu
         trainer = Trainer.from_config(loaded)
         with trainer:
             result = trainer.train()
-            if result.stopped_by is None and loaded.config.export.dir is not None:
+            if not result.preempted and loaded.config.export.dir is not None:
                 out = trainer.export()  # a run stopped by a signal is unfinished: no export
                 if trainer.context.is_main_process:
                     _record_export(trainer.run_dir, trainer.step, out)
@@ -57,13 +59,17 @@ def finished_run(loaded: LoadedJob) -> TrainResult | None:
     """The result of a run that is already complete, decided from its checkpoints' commit records alone.
 
     A run is complete when its latest committed checkpoint reached `trainer.schedule.total_steps`.
-    Then this logs "run is already complete" (as `Trainer.train()` does after a resume) and returns a
-    result with no steps; nothing is built, imported or loaded. None when the run must be built: it is
-    not complete, its directory holds a `save-<step>` that is not committed (the resume reports it),
-    or `export.dir` is set and does not hold that checkpoint's export yet (`run_job` records each
-    export it writes in the run's `exported.json`: the step and the folder).
+    Then this checks the whole config as a build would (`resolve_job`: every provider imported and
+    constructed from its section; nothing built, loaded or written), logs "run is already complete"
+    (as `Trainer.train()` does after a resume) and returns a result with no steps. None when the run
+    must be built: it is not complete, its directory holds a `save-<step>` that is not committed (the
+    resume reports it), or `export.dir` is set and does not hold that checkpoint's export yet
+    (`run_job` records each export it writes in the run's `exported.json`: the step and the folder).
 
     Every rank reads the same (shared) run directory, as a resume does, so all ranks decide alike.
+
+    Raises:
+        ConfigError: a provider's (or a callback's) section does not fit it, as `resolve_job` says.
     """
     tcfg, paths = loaded.config.trainer, loaded.paths
     run_dir, export_dir = paths.run_dir, paths.export_dir
@@ -74,7 +80,9 @@ def finished_run(loaded: LoadedJob) -> TrainResult | None:
     if export_dir is not None and not _exported(run_dir, found[-1].step, export_dir):
         return None
     from d9d.mesh import configure_logging, get_logger  # structlog: only to say it
+    from d9d.trainer.job.resolve import resolve_job  # the providers' own modules (and torch)
 
+    resolve_job(loaded)  # the providers' sections are checked when they are constructed
     latest = found[-1]
     configure_logging(format=tcfg.logging.format, level=tcfg.logging.level, log_dir=paths.log_dir)
     exported = {"export": str(export_dir)} if export_dir is not None else {}
@@ -115,7 +123,8 @@ def _exported(run_dir: Path, step: int, export_dir: Path) -> bool:
 
 def run_command(config_path: str | Path, overrides: Sequence[str] = ()) -> None:
     """`run_job` with a command's exit: Ctrl-C prints how to resume and exits `EXIT_INTERRUPTED`
-    (130); a run stopped and saved by SIGTERM exits `EXIT_PREEMPTED`; a finished run returns.
+    (130); a run stopped and saved by SIGTERM exits `EXIT_PREEMPTED`; a finished run returns (one a
+    callback stopped included: it is finished, and a requeue on a non-zero status would loop).
 
     Errors propagate, for the caller to report (`report_job_error`).
     """
@@ -126,7 +135,7 @@ def run_command(config_path: str | Path, overrides: Sequence[str] = ()) -> None:
 
         print(INTERRUPTED_MESSAGE, file=sys.stderr, flush=True)
         sys.exit(EXIT_INTERRUPTED)
-    if result.stopped_by is not None:  # saved after SIGTERM / Ctrl-C: run the same command to resume
+    if result.preempted:  # saved after SIGTERM / Ctrl-C: run the same command to resume
         from d9d.trainer.run.signals import EXIT_PREEMPTED
 
         sys.exit(EXIT_PREEMPTED)

@@ -18,8 +18,12 @@ class TrainResult:
     final_step: int
     losses: list[float]
     stopped_by: str | None = None
-    """What stopped the run early, after saving: a signal ("SIGTERM"), a callback's `request_stop`
-    reason, or (on the other ranks) "a signal or a callback on another rank"; None when it finished."""
+    """What stopped the run early: a signal ("SIGTERM"; `preempted`), a callback's `request_stop`
+    reason (the run is finished: saved, it exports, a re-run says it already stopped), or on a rank
+    that did not ask "a signal on another rank" / "a callback on another rank"; None otherwise."""
+    preempted: bool = False
+    """A signal stopped the run to be resumed (saved unless `save_on_signal: false`): the command exits
+    `EXIT_PREEMPTED` (75) and does not export. False for every other end, a callback's stop included."""
     early_stopped: str | None = None
     """Why `eval.early_stopping` ended the run (saved, and finished: it exports); None when it did not."""
     data_ended: bool = False

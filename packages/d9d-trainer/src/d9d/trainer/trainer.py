@@ -233,9 +233,8 @@ class Trainer:
             on_nonfinite=tcfg.on_nonfinite,
             dp_group=None if ctx.is_local else token_group(ctx),
             pp_group=ctx.mesh("dense")["pp"] if pipeline is not None else None,
-            stop_requested=lambda: (
-                self._stops.requested or self._callbacks.stop_requested()
-            ),  # a signal, a callback
+            stop_requested=lambda: self._stops.requested,  # a signal: stop, to resume
+            finish_requested=self._callbacks.stop_requested,  # a callback: end the run, finished
             save_requested=self._callbacks.take_save_request,
             context_parallel=context_parallel_of(model) or ContextParallel(),
             timer=self._timer,

@@ -5,7 +5,7 @@ now, the settings that changed). The checkpoint mechanics themselves are d9d.ckp
 Each save's commit record holds the numbers of the last eval at or before its step (`EVAL_METRICS`,
 with that eval's step), which `keep_best` ranks by and `d9d checkpoints` shows; a resume takes them
 back, so a save before the next eval records them again. The early-stopping counter rides in the
-extra state."""
+extra state, and so does, in the save of the step a callback stopped the run at, its `CallbackStop`."""
 
 from dataclasses import dataclass
 from typing import Any
@@ -16,13 +16,14 @@ from torch import nn
 
 from d9d.ckpt import CheckpointInfo, CheckpointManager, capture_rng_state, restore_rng_state
 from d9d.data import ReportsSources
-from d9d.mesh import get_logger
+from d9d.mesh import DEGREE_KEYS, get_logger
 from d9d.trainer.build.starting_weights import StartingWeights
 from d9d.trainer.config.job import OptimizerConfig, ProvidersConfig
 from d9d.trainer.config.trainer import EVAL_METRICS, CheckpointingConfig
 from d9d.trainer.errors import TrainingError
 from d9d.trainer.job.resolve import ResolvedJob
 from d9d.trainer.results import EvalResult
+from d9d.trainer.run.callback_stop import CallbackStop
 from d9d.trainer.run.early_stopping import EarlyStopping
 from d9d.trainer.run.tokenizer import RunTokenizer
 
@@ -37,7 +38,7 @@ class SavePolicy:
 
     Attributes:
         period: every `period_steps` steps (0: never periodically).
-        on_signal: when a signal or a callback stops the run (`save_on_signal`).
+        on_signal: when a signal stops the run (`save_on_signal`).
     """
 
     period: int
@@ -47,11 +48,12 @@ class SavePolicy:
     def of(cls, config: CheckpointingConfig) -> "SavePolicy":
         return cls(period=config.period_steps, on_signal=config.save_on_signal)
 
-    def due(self, step: int, *, last: bool, requested: bool, stopping: bool, stopping_early: bool) -> bool:
+    def due(self, step: int, *, last: bool, requested: bool, stopping: bool, finishing: bool) -> bool:
         """Save after `step`: the run's last step, a periodic one, one a callback asked to save, one
-        after which early stopping ends the run, or one after which a stop request ends it."""
+        after which the run ends as finished (early stopping, a callback's stop), or one after which
+        a signal stops it (with `save_on_signal`)."""
         periodic = self.period > 0 and step % self.period == 0
-        return last or periodic or requested or stopping_early or (stopping and self.on_signal)
+        return last or periodic or requested or finishing or (stopping and self.on_signal)
 
 
 class RunCheckpoints:
@@ -76,6 +78,8 @@ class RunCheckpoints:
         self.manager = manager
         self._tokenizer = tokenizer
         self.early_stopping = early_stopping
+        #: What stopped the run, from the checkpoint it resumed from (None: no callback did).
+        self.callback_stop: CallbackStop | None = None
         self.policy = SavePolicy.of(job.config.trainer.checkpointing)
         self._eval_metrics: dict[str, float] | None = None  # of the last eval, recorded by each save
         self._eval_step: int | None = None
@@ -150,6 +154,7 @@ class RunCheckpoints:
         self._eval_metrics, self._eval_step = latest.meta.metrics, latest.meta.metrics_step
         if self.early_stopping is not None:
             self.early_stopping.load_state_dict(extra.get("early_stopping") or {})
+        self.callback_stop = CallbackStop.from_state(extra.get("callback_stop"))
         resumed = int(extra["step"])
         _log.info("resumed", step=resumed, checkpoint=str(latest.path))
         saved_world = extra.get("world")
@@ -166,9 +171,10 @@ class RunCheckpoints:
         mesh = self._job.config.mesh
         return {"size": mesh.world_size, "mesh": mesh.describe_degrees()}
 
-    def save(self, step: int) -> CheckpointInfo | None:
-        """Save model, optimizer, data position, LR schedule, RNG and config as `save-<step>`; the
-        committed checkpoint (None with async_save: the manager's `poll()`/`wait()` returns it)."""
+    def save(self, step: int, callback_stop: CallbackStop | None = None) -> CheckpointInfo | None:
+        """Save model, optimizer, data position, LR schedule, RNG and config as `save-<step>` (and
+        `callback_stop`, when a callback ends the run at `step`); the committed checkpoint (None with
+        async_save: the manager's `poll()`/`wait()` returns it)."""
         lora = self._job.config.peft.lora is not None
         extra = {
             "step": step,
@@ -183,6 +189,7 @@ class RunCheckpoints:
                 if self.early_stopping is not None
                 else {}
             ),
+            **({"callback_stop": callback_stop.state()} if callback_stop is not None else {}),
         }
         if self._tokenizer is not None:  # the run directory keeps the tokenizer its weights train with
             self._tokenizer.record()
@@ -242,8 +249,13 @@ _WATCHED = (
 )
 
 
+#: Keys a config may leave out, by watched section, with the value that then applies.
+_DEFAULTS: dict[str, dict[str, Any]] = {"mesh": dict.fromkeys(DEGREE_KEYS, 1)}
+
+
 def config_changes(saved: Any, current: Any) -> dict[str, tuple[Any, Any]]:
-    """{key path: (value in the checkpoint's config, value now)} for the watched sections' leaves."""
+    """{key path: (value in the checkpoint's config, value now)} for the watched sections' leaves; a
+    mesh degree left out of either config counts as its default, 1."""
     changes: dict[str, tuple[Any, Any]] = {}
     if not isinstance(saved, dict) or not isinstance(current, dict):
         return changes
@@ -252,7 +264,7 @@ def config_changes(saved: Any, current: Any) -> dict[str, tuple[Any, Any]]:
         node: Any = config
         for part in path.split("."):
             node = node.get(part, {}) if isinstance(node, dict) else {}
-        return node
+        return {**_DEFAULTS[path], **node} if path in _DEFAULTS and isinstance(node, dict) else node
 
     def walk(path: str, before: Any, now: Any) -> None:
         if isinstance(before, dict) and isinstance(now, dict):

@@ -2,9 +2,10 @@
 named phase below; `Trainer.train()` only calls `RunLoop.run()`.
 
 Each decision belongs to the object that owns it: when to evaluate (`Evaluator.due`), when to save
-(`SavePolicy`), when eval loss stopped improving (`EarlyStopping`), whether a signal or a callback
-asked to stop (agreed over every rank in the step's one sync, `StepOutput.stop`), when the data ends
-(`DeclaresStepsLeft`).
+(`SavePolicy`), when eval loss stopped improving (`EarlyStopping`), whether a signal asked to stop
+(to resume: `StepOutput.stop`) or a callback to end the run (finished: `StepOutput.finish`, recorded
+in the save as a `CallbackStop`), each agreed over every rank in the step's one sync, when the data
+ends (`DeclaresStepsLeft`).
 
 Between two steps there is one place where a training method acts without forking the trainer: the
 step's microbatches come from `StepSource`, which is the data provider's next batch, or, for a task
@@ -42,6 +43,7 @@ from d9d.trainer.observe.tracking import Trackers, open_trackers
 from d9d.trainer.planning.plan import JobPlan
 from d9d.trainer.providers.task import PreparesSteps, PrepareStepContext
 from d9d.trainer.results import EvalResult, TrainResult
+from d9d.trainer.run.callback_stop import CallbackStop
 from d9d.trainer.run.checkpoints import RunCheckpoints
 from d9d.trainer.run.evaluation import Evaluator
 from d9d.trainer.run.signals import StopRequests
@@ -116,9 +118,12 @@ class StepSource:
 
 @dataclass
 class _Outcome:
-    """How the steps of one `run()` ended: by a stop request, by early stopping, or neither."""
+    """How the steps of one `run()` ended: by a signal (`preempted`), a callback's stop
+    (`callback_stop`), early stopping, or none of them."""
 
     stopped_by: str | None = None
+    preempted: bool = False
+    callback_stop: CallbackStop | None = None
     early_stopped: str | None = None
 
 
@@ -167,7 +172,7 @@ class RunLoop:
         self._summarize(records, start, end, began, outcome, data_ended)
         return self._ended(control, TrainResult(
             start_step=start, final_step=self.step, losses=records.losses, stopped_by=outcome.stopped_by,
-            early_stopped=outcome.early_stopped, data_ended=data_ended,
+            preempted=outcome.preempted, early_stopped=outcome.early_stopped, data_ended=data_ended,
         ))  # fmt: skip
 
     def resume(self, step: int | None = None) -> bool:
@@ -196,7 +201,8 @@ class RunLoop:
         return self._total if left is None else min(self._total, start + left)
 
     def _nothing_to_train(self, start: int, end: int) -> TrainResult | None:
-        """The result of a run with no step left: complete, stopped early, or its data used up."""
+        """The result of a run with no step left: complete, stopped early or by a callback, or its
+        data used up."""
         if start >= self._total:
             _log.info("run is already complete", step=start, total_steps=self._total)
             return TrainResult(start_step=start, final_step=start, losses=[])
@@ -204,6 +210,14 @@ class RunLoop:
         if early is not None and early.exhausted:  # resumed from the save that stopped it: finished
             _log.info("run already stopped early", step=start, reason=early.reason())
             return TrainResult(start_step=start, final_step=start, losses=[], early_stopped=early.reason())
+        stop = self._parts.checkpoints.callback_stop
+        if stop is not None and stop.holds(self._parts.callbacks.names):  # resumed from the save it ended
+            _log.info(f"run already stopped at step {stop.step} by {stop.describe()}; it is finished (take the "
+                      "callback out of trainer.callbacks to train on)", step=start)  # fmt: skip
+            return TrainResult(start_step=start, final_step=start, losses=[], stopped_by=stop.reason)
+        if stop is not None:
+            _log.info(f"the run stopped at step {stop.step} by {stop.describe()}, which this launch does not "
+                      "have: it trains on", step=start)  # fmt: skip
         if end == start:
             _log.warning("the data is used up: no step left to train (dataset exhausted: stop)", step=start,
                          total_steps=self._total)  # fmt: skip
@@ -294,12 +308,16 @@ class RunLoop:
             if not self.stepped:
                 self.stepped = True
                 self._on_first_step()
-            evaluation = parts.evaluator.after_step(step, self._total, stopping=output.stop)  # eval
+            ending = output.stop or output.finish  # skips a periodic eval
+            evaluation = parts.evaluator.after_step(step, self._total, stopping=ending)  # eval
             records.add(step, output, lr=lr, step_time_s=time.perf_counter() - began, evaluation=evaluation,
                         phases=parts.timer.take(), source_tokens=self._source_tokens())  # fmt: skip
             control.step = step
             stop_early = self._evaluated(evaluation)
-            self._save_if_due(records, output, stop_early, end)
+            finished = (
+                self._callback_stop(control) if output.finish and not stop_early and step < end else None
+            )
+            self._save_if_due(records, output, stop_early, end, finished)
         return output, stop_early
 
     def _evaluated(self, evaluation: EvalResult | None) -> bool:
@@ -315,34 +333,44 @@ class RunLoop:
             parts.callbacks.evaluated(evaluation)
         return stop_early
 
-    def _save_if_due(self, records: StepRecords, output: StepOutput, stop_early: bool, end: int) -> None:
-        """Save when the save policy says so; else take the commit of an asynchronous save, if any."""
+    def _save_if_due(self, records: StepRecords, output: StepOutput, stop_early: bool, end: int,
+                     finished: CallbackStop | None) -> None:  # fmt: skip
+        """Save when the save policy says so (with `finished`, the callback's stop that ends the run
+        here); else take the commit of an asynchronous save, if any."""
         checkpoints, timer = self._parts.checkpoints, self._parts.timer
         due = checkpoints.policy.due(self.step, last=self.step == end, requested=output.save,
-                                     stopping=output.stop, stopping_early=stop_early)  # fmt: skip
+                                     stopping=output.stop, finishing=stop_early or output.finish)  # fmt: skip
         if not due:
             self._committed(checkpoints.manager.poll())
             return
         records.flush()  # a committed checkpoint never has fewer records than steps
         timer.begin("checkpoint")  # its stall goes on the next step's record
-        self._committed(checkpoints.save(self.step))
+        self._committed(checkpoints.save(self.step, finished))
         timer.mark("checkpoint")
+
+    def _callback_stop(self, control: RunControl) -> CallbackStop:
+        """The stop a callback asked for, ending the run at this step (on a rank whose callbacks did
+        not ask: "a callback on another rank")."""
+        reason = control.stop_reason or "a callback on another rank"
+        return CallbackStop(callback=control.stop_callback, reason=reason, step=self.step)
 
     def _stopped(self, outcome: _Outcome, output: StepOutput, stop_early: bool, control: RunControl,
                  end: int) -> bool:  # fmt: skip
-        """Whether the run stops before `end`: early stopping, or a stop request of any rank."""
+        """Whether the run stops before `end`: early stopping, a callback's stop (finished, even with
+        a signal at the same step), or a signal (to resume) of any rank."""
         if self.step >= end:
             return False
         early = self._parts.checkpoints.early_stopping
         if stop_early and early is not None:
             outcome.early_stopped = early.reason()
             return True
+        if output.finish:
+            outcome.callback_stop = self._callback_stop(control)
+            outcome.stopped_by = outcome.callback_stop.reason
+            return True
         if output.stop:
-            outcome.stopped_by = (
-                self._parts.stops.signal_name
-                or control.stop_reason
-                or "a signal or a callback on another rank"
-            )
+            outcome.stopped_by = self._parts.stops.signal_name or "a signal on another rank"
+            outcome.preempted = True
             return True
         return False
 
@@ -379,11 +407,14 @@ class RunLoop:
             last_checkpoint=str(latest[-1].path) if latest else None,
             last_checkpoint_stall_s=round(unrecorded["time_checkpoint_s"], 3),
         )
-        if outcome.stopped_by is not None:
+        if outcome.preempted:
             on_signal = self._job.config.trainer.checkpointing.save_on_signal
             saved = "saved" if on_signal else "not saved (save_on_signal: false)"
             _log.warning(f"stopped by {outcome.stopped_by} at step {self.step}; checkpoint {saved}; resume with "
                          "the same command", step=self.step)  # fmt: skip
+        if outcome.callback_stop is not None:
+            _log.info(f"stopped at step {self.step} by {outcome.callback_stop.describe()}; checkpoint saved; the "
+                      "run is finished", step=self.step)  # fmt: skip
         if outcome.early_stopped is not None:
             _log.info(
                 f"stopped at step {self.step} by {outcome.early_stopped}; checkpoint saved", step=self.step

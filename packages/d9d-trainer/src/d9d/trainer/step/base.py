@@ -38,7 +38,10 @@ class StepOutput:
         grad_norm: the global gradient norm before clipping, the same on every rank.
         weight: the global batch's weight (e.g. labelled tokens), float64.
         applied: False when the step was skipped (non-finite loss or norm, `on_nonfinite: skip`).
-        stop: some rank was asked to stop (a signal, a callback): every rank stops after this step.
+        stop: some rank got a stop signal (SIGTERM, Ctrl-C): every rank stops after this step, to be
+            resumed.
+        finish: some rank's callback asked the run to stop (`RunControl.request_stop`): every rank
+            ends the run after this step, as finished.
         save: some rank's callback asked for a checkpoint: every rank saves after this step.
         expert_load: for a model with MoE layers, [min / mean, max / mean, std / mean] of the
             step's tokens per expert, worst layer each (`d9d.parallel.expert.expert_load_summary`); None
@@ -56,6 +59,7 @@ class StepOutput:
     expert_load: torch.Tensor | None = None
     save: bool = False
     rank_busy: torch.Tensor | None = None
+    finish: bool = False
 
 
 @dataclass(frozen=True)
@@ -70,7 +74,9 @@ class StepSettings:
     """The ranks whose tokens make up the global batch: data parallel × context parallel."""
     pp_group: Any = None
     stop_requested: Callable[[], bool] | None = None
-    """Whether this rank asks the run to stop (read once a step, agreed over all ranks in its sync)."""
+    """Whether a signal asks this rank to stop (read once a step, agreed over all ranks in its sync)."""
+    finish_requested: Callable[[], bool] | None = None
+    """Whether a callback of this rank asks the run to end, finished (read and agreed like `stop_requested`)."""
     save_requested: Callable[[], bool] | None = None
     """Whether this rank asks for a checkpoint after the step (read and agreed like `stop_requested`)."""
     context_parallel: ContextParallel = field(default_factory=ContextParallel)
@@ -198,12 +204,12 @@ class StepBase:
             norm = clip_grad_norm_(params, settings.max_norm, pp_group=settings.pp_group)
         else:
             norm = grad_norm(params, pp_group=settings.pp_group)
-        finite, stop, save, busy = self._read_flags(torch.isfinite(loss) & torch.isfinite(norm))
+        finite, (stop, finish, save), busy = self._read_flags(torch.isfinite(loss) & torch.isfinite(norm))
         if finite:
             self.optimizer.step()
             self.scheduler.step()
             return StepOutput(loss=loss, grad_norm=norm, weight=weight, applied=True, stop=stop, save=save,
-                              rank_busy=busy)  # fmt: skip
+                              rank_busy=busy, finish=finish)  # fmt: skip
         if float(weight) <= 0:
             raise TrainingError(f"step {step} has no labelled tokens in the whole global batch")
         if settings.on_nonfinite == "stop":
@@ -216,31 +222,31 @@ class StepBase:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return StepOutput(loss=loss, grad_norm=norm, weight=weight, applied=False, stop=stop, save=save,
-                          rank_busy=busy)  # fmt: skip
+                          rank_busy=busy, finish=finish)  # fmt: skip
 
-    def _read_flags(self, finite: torch.Tensor) -> tuple[bool, bool, bool, torch.Tensor | None]:
-        """(finite, stop, save, every rank's busy time) in one host sync; with several ranks the
-        requests are agreed (MAX over all ranks) and the busy times gathered, in one all-gather of
-        [stop, save, busy] from every rank. The busy times stay on the device (read when the records
-        flush)."""
+    def _read_flags(self, finite: torch.Tensor) -> tuple[bool, tuple[bool, bool, bool], torch.Tensor | None]:
+        """(finite, the requests (stop, finish, save), every rank's busy time) in one host sync; with
+        several ranks the requests are agreed (MAX over all ranks) and the busy times gathered, in one
+        all-gather of [stop, finish, save, busy] from every rank. The busy times stay on the device
+        (read when the records flush)."""
         settings = self.settings
-        stop_source, save_source = settings.stop_requested, settings.save_requested
-        if stop_source is None and save_source is None:
-            return bool(finite), False, False, None
-        asked = [stop_source is not None and stop_source(), save_source is not None and save_source()]
+        sources = (settings.stop_requested, settings.finish_requested, settings.save_requested)
+        if all(source is None for source in sources):
+            return bool(finite), (False, False, False), None
+        asked = [source is not None and source() for source in sources]
         busy = settings.busy_time() if settings.busy_time is not None else 0.0
         mine = torch.tensor([1.0 if flag else 0.0 for flag in asked] + [busy], dtype=torch.float64)
         mine = mine.to(settings.device)
         rank_busy = None
         if dist.is_initialized() and dist.get_world_size() > 1:
             world = dist.get_world_size()
-            every = torch.empty(world * 3, dtype=torch.float64, device=settings.device)
+            every = torch.empty(world * 4, dtype=torch.float64, device=settings.device)
             dist.all_gather_into_tensor(every, mine)
-            table = every.view(world, 3)
-            requests = table[:, :2].amax(dim=0)
-            rank_busy = table[:, 2] if settings.busy_time is not None else None
+            table = every.view(world, 4)
+            requests = table[:, :3].amax(dim=0)
+            rank_busy = table[:, 3] if settings.busy_time is not None else None
         else:
-            requests = mine[:2]
-        flags = finite.reshape(1).to(requests.dtype) + 2 * requests[0] + 4 * requests[1]
+            requests = mine[:3]
+        flags = finite.reshape(1).to(requests.dtype) + 2 * requests[0] + 4 * requests[1] + 8 * requests[2]
         packed = int(flags.item())  # every flag, one read
-        return bool(packed & 1), bool(packed & 2), bool(packed & 4), rank_busy
+        return bool(packed & 1), (bool(packed & 2), bool(packed & 4), bool(packed & 8)), rank_busy
