@@ -1,6 +1,8 @@
 """One config on any world: a `mesh:` degree of `auto` takes the processes the launch hands the job,
 and a run resumed on another world (as torchrun's elastic agent restarts it after a node left) logs the
-old and new world once and ends with the weights of an uninterrupted one-process run."""
+old and new world once and ends with the weights of an uninterrupted one-process run. With
+expert_parallel, auto leaves it out of the count (an MoE on 2 auto ranks with ep 2 trains like one
+process), and a world it cannot divide is refused in one line on every rank."""
 
 import os
 import subprocess
@@ -8,7 +10,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _quickstart import CONFIG, NO_CLIP, SGD, TINY, exported_weights, train
+from _quickstart import CONFIG, MOE, NO_CLIP, SGD, TINY, build_error, compare_runs, exported_weights, train
+
+from d9d.ckpt import list_checkpoints
+from d9d.mesh.testing import run_distributed
+from d9d.trainer import load_job_config
 
 
 def _args(save_dir: Path, name: str, steps: int, *extra: str) -> list[str]:
@@ -61,3 +67,31 @@ def test_plan_resolves_auto_for_the_launch_it_is_asked_about():
         "auto needs a world of a multiple of 2 processes (the product of the other degrees), but 3"
         in odd.stderr
     )
+
+
+def test_auto_with_expert_parallel_fills_the_world_and_trains_an_moe_like_one_process(tmp_path):
+    auto = ["mesh.data_parallel_shard=auto", "mesh.expert_parallel=2"]
+    # expert_parallel regroups the ranks auto counts and adds none: 4 processes are 4 FSDP shards
+    mesh = load_job_config(CONFIG, [*MOE, *auto], world_size=4).config.mesh
+    assert (mesh.data_parallel_shard, mesh.expert_parallel, mesh.world_size) == (4, 2, 4)
+    reference = train(1, _args(tmp_path, "ref", 2, *MOE))
+    ran = train(2, _args(tmp_path, "auto-ep", 2, *MOE, *auto))  # each rank resolves auto from WORLD_SIZE
+    assert [c.meta.mesh for c in list_checkpoints(tmp_path / "auto-ep")][-1] == {
+        "pipeline_parallel": 1, "data_parallel_replicate": 1, "data_parallel_shard": 2,
+        "context_parallel": 1, "tensor_parallel": 1, "expert_parallel": 2,
+    }  # fmt: skip
+    compare_runs(ran, reference, rel=1e-5)
+
+
+def test_auto_with_an_expert_parallel_the_world_cannot_fit_is_one_line_on_every_rank(tmp_path):
+    args = _args(tmp_path, "no-fit", 2, *MOE, "mesh.data_parallel_shard=auto", "mesh.expert_parallel=4")
+    assert (
+        run_distributed(build_error, 2, args)
+        == [
+            f"ConfigError: {CONFIG}: mesh.data_parallel_shard: auto is 2 on 2 processes, so a pipeline stage "
+            "holds 2 ranks, which mesh.expert_parallel=4 does not divide; launch a multiple of 4 processes or "
+            "set mesh.expert_parallel to one of [1, 2]"
+        ]
+        * 2
+    )
+    assert not (tmp_path / "no-fit").exists()  # nothing written

@@ -3,6 +3,8 @@ as configured, and the mixture under `AutoDataProvider` resumes exactly on anoth
 degree and microbatch size."""
 
 import itertools
+import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -17,6 +19,7 @@ from d9d.data import (
     MixtureDataset,
     epoch_order,
 )
+from d9d.data.datasets.mixture import BLOCK, apportion
 
 
 class Tagged:
@@ -252,3 +255,59 @@ def test_a_source_of_another_length_or_another_kind_of_dataset_is_refused_on_res
         plain.load_state_dict(first.state_dict())
     with pytest.raises(DataStateError, match="is not a mixture's stream, but this dataset is a mixture"):
         first.load_state_dict(plain.state_dict())
+
+
+def _weight_sets(seed: int, cases: int):
+    """(weights, total) cases from a seeded generator: spread, many orders of magnitude apart,
+    small integers (many equal remainders) and all equal; totals of one block or any up to 5000."""
+    rng = np.random.default_rng(seed)
+    for case in range(cases):
+        n = int(rng.integers(1, 13))
+        weights = [
+            rng.uniform(0.01, 1.0, n),
+            10.0 ** rng.uniform(-4, 4, n),
+            rng.integers(1, 6, n).astype(float),
+            np.full(n, rng.uniform(0.1, 10.0)),
+        ][case % 4].tolist()
+        yield weights, BLOCK if case % 3 == 0 else int(rng.integers(0, 5000))
+
+
+def test_apportioned_counts_sum_to_the_total_each_within_one_of_its_share_largest_remainders_first():
+    for weights, total in _weight_sets(seed=40, cases=2000):
+        counts = apportion(weights, total)
+        norm = sum(Fraction(w) for w in weights)
+        exact = [Fraction(w) / norm * total for w in weights]  # the share in exact arithmetic
+        assert sum(counts) == total, (weights, total, counts)
+        assert all(math.floor(x) <= c <= math.ceil(x) for c, x in zip(counts, exact, strict=True)), (
+            weights,
+            total,
+            counts,
+        )
+        # the slots left after the floors go to the largest remainders
+        raised = [x - math.floor(x) for c, x in zip(counts, exact, strict=True) if c > math.floor(x)]
+        kept = [x - math.floor(x) for c, x in zip(counts, exact, strict=True) if c == math.floor(x)]
+        assert not raised or not kept or min(raised) >= max(kept) - 1e-9, (weights, total, counts)
+
+
+def test_equal_weights_split_evenly_and_the_extra_slots_go_to_the_earliest_sources():
+    for n in range(1, 13):
+        for total in (0, 1, n - 1, n, n + 1, 1000, BLOCK, 4097):
+            for weight in (1.0, 0.1, 7.3):
+                expected = [total // n + (i < total % n) for i in range(n)]
+                assert apportion([weight] * n, total) == expected, (n, total, weight)
+    assert sum(apportion([1.0] * 6, BLOCK)) == BLOCK  # six equal sources over one block
+
+
+@pytest.mark.parametrize(
+    "weights", [[1.0] * 6, [5.0, 3.0, 2.0], [1.0, 0.002, 0.5, 0.25], [0.37, 0.21, 0.9, 0.05, 0.11]]
+)
+def test_each_block_of_a_mixture_holds_the_apportioned_slots_and_every_prefix_stays_within_one(weights):
+    mixture = MixtureDataset([Tagged(50, i) for i in range(len(weights))], weights)
+    counts = np.asarray(apportion(weights, BLOCK))
+    assert mixture.shares == (counts / BLOCK).tolist()
+    for block in range(3):
+        sources = mixture.source_of(np.arange(block * BLOCK, (block + 1) * BLOCK))
+        assert np.bincount(sources, minlength=len(weights)).tolist() == counts.tolist()
+        taken = np.cumsum(np.eye(len(weights), dtype=np.int64)[sources], axis=0)  # per prefix, per source
+        share = np.arange(1, BLOCK + 1)[:, None] * counts[None, :] / BLOCK
+        assert np.all(np.abs(taken - share) < 1), weights

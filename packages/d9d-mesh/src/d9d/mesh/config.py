@@ -1,5 +1,6 @@
 """`MeshConfig`: the parallelism degrees of a job (the `mesh:` section of a config)."""
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -50,11 +51,7 @@ class MeshConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
                     f"mesh.{key} must be >= 1, got {value}; use 1 to switch this parallelism off"
                 )
         if self.non_pipeline_size % self.expert_parallel != 0:
-            raise MeshConfigError(
-                f"mesh.expert_parallel={self.expert_parallel} must divide data_parallel_replicate × "
-                f"data_parallel_shard × context_parallel × tensor_parallel = {self.non_pipeline_size}; "
-                f"choose one of {_divisors(self.non_pipeline_size)}"
-            )
+            raise _expert_parallel_error(self.expert_parallel, self.non_pipeline_size)
 
     @property
     def data_parallel(self) -> int:
@@ -89,14 +86,15 @@ class MeshConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
 
 def resolve_auto_degree(mesh: Mapping[str, Any], world_size: int) -> dict[str, Any]:
     """A raw `mesh:` section with its `auto` degree (at most one) set to what `world_size` leaves it:
-    the world divided by the product of the other degrees (expert_parallel does not count).
+    the world divided by the product of the other degrees (expert_parallel does not count, but must
+    divide the ranks of a pipeline stage that the resolved degrees make).
 
     So one config runs on whatever world the launcher hands it, e.g. under torchrun's elastic agent
     after a node left or joined. Values that are not integers are left for the schema to refuse.
 
     Raises:
         MeshConfigError: more than one `auto`, `auto` on expert_parallel, or a world that the other
-            degrees do not divide.
+            degrees (with expert_parallel: pipeline_parallel × expert_parallel) do not divide.
     """
     autos = [key for key, value in mesh.items() if value == AUTO]
     if not autos:
@@ -114,18 +112,50 @@ def resolve_auto_degree(mesh: Mapping[str, Any], world_size: int) -> dict[str, A
         )
     if key not in DEGREE_KEYS:
         return dict(mesh)  # an unknown key: the schema names it
-    others = 1
-    for other in DEGREE_KEYS[:-1]:
-        value = mesh.get(other, 1)
-        if other != key and isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-            others *= value
-    if world_size % others != 0:
+    others = math.prod(_number(mesh, other) for other in DEGREE_KEYS[:-1] if other != key)
+    pipeline, expert = _number(mesh, "pipeline_parallel"), _number(mesh, "expert_parallel")
+    if key == "pipeline_parallel":  # a stage is what the numbers make it, whatever the world
+        if others % expert != 0:
+            raise _expert_parallel_error(expert, others)
+        step = others
+    else:  # a stage holds world / pipeline_parallel ranks: expert_parallel must divide them too
+        step = math.lcm(others, pipeline * expert)
+    if world_size % step == 0:
+        return {**mesh, key: world_size // others}
+    if step == others:
         raise MeshConfigError(
             f"mesh.{key}: auto needs a world of a multiple of {others} processes (the product of the other "
             f"degrees), but {world_size} were launched; launch a multiple of {others} or set mesh.{key} "
             "to a number"
         )
-    return {**mesh, key: world_size // others}
+    if world_size % others != 0:
+        raise MeshConfigError(
+            f"mesh.{key}: auto needs a world of a multiple of {step} processes (of {others}, the product of "
+            f"the other degrees, and of pipeline_parallel × expert_parallel = {pipeline * expert}, so that "
+            f"mesh.expert_parallel={expert} divides each pipeline stage), but {world_size} were launched; "
+            f"launch a multiple of {step} processes"
+        )
+    stage = world_size // pipeline
+    raise MeshConfigError(
+        f"mesh.{key}: auto is {world_size // others} on {world_size} processes, so a pipeline stage holds "
+        f"{stage} ranks, which mesh.expert_parallel={expert} does not divide; launch a multiple of {step} "
+        f"processes or set mesh.expert_parallel to one of {_divisors(stage)}"
+    )
+
+
+def _number(mesh: Mapping[str, Any], key: str) -> int:
+    """Degree `key` of a raw `mesh:` section, 1 where it is absent or not a valid degree (the schema
+    refuses those)."""
+    value = mesh.get(key, 1)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else 1
+
+
+def _expert_parallel_error(expert: int, stage: int) -> MeshConfigError:
+    """The error of an expert_parallel that does not divide the `stage` ranks it regroups."""
+    return MeshConfigError(
+        f"mesh.expert_parallel={expert} must divide data_parallel_replicate × data_parallel_shard × "
+        f"context_parallel × tensor_parallel = {stage}; choose one of {_divisors(stage)}"
+    )
 
 
 def _divisors(n: int) -> list[int]:

@@ -264,7 +264,8 @@ def problem_report(
 
 def verifier_of(name: str, world_size: int) -> int:
     """The rank that verifies file `name` of a checkpoint while it loads: the rank that wrote a rank's
-    shards and rank file (on the same world size it is the rank that reads them), rank 0 the rest."""
+    shards and rank file, modulo `world_size` (so a load on fewer ranks still verifies every file),
+    rank 0 the rest."""
     match = _RANK_OWNED.fullmatch(name)
     return int(match.group(1) or match.group(2)) % world_size if match else 0
 

@@ -4,7 +4,9 @@ Rank 0 checks the files and reads the shared metadata once (`integrity.py`) and 
 found; each rank reads only its own rank file and compares the checkpoint's keys, shapes and dtypes
 with the state its model and optimizer expect. The ranks agree on what they found, so a checkpoint
 that is damaged or does not fit is refused on every rank with the model untouched. With
-`verify_on_load`, each rank checksums its share of the files on a thread while the load reads them.
+`verify_on_load`, each rank checksums its share of the files on a thread while the load reads them
+(`verifier_of`: every file has a verifier on any world size); a read that fails still waits for the
+checksums and the ranks agree, so every rank names the damaged file, or else the read's failure.
 """
 
 from dataclasses import dataclass, field
@@ -14,6 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from d9d.ckpt.checkpoint._failure import describe
@@ -117,12 +120,20 @@ class Loader:
         verification = self._start_verification(info, report)
         found = self._examine(info, report, model, optimizer)
         self._agree_to_read(info, found, verification, model)
+        failure = None
         if model is not None and report.metadata is not None:
-            self._read_into(info, report.metadata, found.state, model, optimizer)
-        damaged = self._verified(verification)
-        if damaged:
+            failure = self._read_into(info, report.metadata, found.state, model, optimizer)
+        damaged, failures = self._after_read(verification, failure)
+        if damaged or failures:
             hint = self._group.broadcast(recovery_hint(info.path) if self._group.rank == 0 else None)
-            raise CheckpointDamagedError(problem_report(info.path, damaged, hint, loaded=model is not None))
+            if damaged:  # a damaged file explains a failed read: name the file
+                raise CheckpointDamagedError(
+                    problem_report(info.path, damaged, hint, loaded=model is not None)
+                )
+            raise CheckpointDamagedError(
+                f"reading checkpoint {info.path} failed after it passed its checks ({failures[0]}); "
+                f"the model state is undefined: load again, or {hint}"
+            )
         _log.info("checkpoint loaded", step=info.step, path=str(info.path))
         return LoadedCheckpoint(info=info, extra_state=report.extra_state, rank_state=found.rank_state)
 
@@ -210,8 +221,9 @@ class Loader:
         state: dict[str, Any],
         model: nn.Module,
         optimizer: torch.optim.Optimizer | None,
-    ) -> None:
-        """Read the checked checkpoint into the model and optimizer (collective)."""
+    ) -> str | None:
+        """Read the checked checkpoint into the model and optimizer (collective): None, or one line on
+        why the read failed (DCP fails it on every rank; its `CheckpointException` is no `Exception`)."""
         try:
             with quiet_local_dcp():
                 dcp.load(
@@ -221,19 +233,19 @@ class Loader:
                     no_dist=self._group.is_local,
                 )
             set_live_state(model, optimizer, state, info.meta.format, trainable_only=info.meta.trainable_only)
-        except Exception as exc:
-            raise CheckpointDamagedError(
-                f"reading checkpoint {info.path} failed after it passed its checks "
-                f"({type(exc).__name__}: {exc}); the model state is undefined: load again, or "
-                f"{recovery_hint(info.path)}"
-            ) from exc
+        except (Exception, CheckpointException) as exc:
+            return describe(exc)
+        return None
 
-    def _verified(self, verification: BackgroundVerification | None) -> list[str]:
-        """Every rank's checksum problems, once each rank's verification thread ended (collective)."""
+    def _after_read(
+        self, verification: BackgroundVerification | None, failure: str | None
+    ) -> tuple[list[str], list[str]]:
+        """Every rank's checksum problems and read failures, once each rank's verification thread
+        ended (collective: a rank whose read failed still joins, so every rank raises the same)."""
         mine = verification.result() if verification is not None else []
-        if not self._verify_on_load:
-            return mine
-        return list(dict.fromkeys(p for rank in self._group.all_gather(mine) for p in rank))
+        gathered = self._group.all_gather((mine, failure))
+        damaged = list(dict.fromkeys(p for problems, _ in gathered for p in problems))
+        return damaged, list(dict.fromkeys(f for _, f in gathered if f is not None))
 
 
 def _check_fit(
