@@ -4,8 +4,9 @@ What counts as a command: every line of a ```bash / ```sh / ```shell block (a ``
 `$ ` lines), continuation lines joined, comments dropped, except a `uv run ...` inside a comment
 (`# or: uv run d9d train config.yaml`), which is a command too; and every inline `uv run ...` span
 of the text. A block is not run when the last line before its fence is `<!-- not-run: REASON -->`;
-single commands are left out by the test's own table (`excluded`), each with its reason. A command
-line in any other code block (an indented one, a ```text one) fails the test: put it in a shell block.
+its commands must exit with status N instead of 0 when that line is `<!-- exits: N REASON -->` (e.g.
+`d9d plan` of a job that does not fit, shown on purpose). Single commands are left out by the test's
+own table (`excluded`), each with its reason. A command line in any other code block (an indented one, a ```text one) fails the test: put it in a shell block.
 
 How they run: in one copy of the repository's `examples/` per page (`copy_examples`), from the copy's
 root, `cd` moving on for the rest of the page as in a shell. Each command runs in a process forked
@@ -46,6 +47,7 @@ STEPS = 2
 CONTINUED_STEPS = 4
 _STEPS_KEY = "trainer.schedule.total_steps"
 _NOT_RUN = re.compile(r"^<!--\s*not-run:\s*(.+?)\s*-->$")
+_EXITS = re.compile(r"^<!--\s*exits:\s*(\d+)\s+\S.*-->$")
 _FENCE = re.compile(r"^(\s*)(```+|~~~+)\s*([\w-]*)")
 #: A line that starts like a command, in a code block that is not a shell block.
 _LOOKS_LIKE_COMMAND = re.compile(r"^\s*(\$ |(uv|d9d|torchrun|python|pip|cd) )")
@@ -61,6 +63,7 @@ class Command:
     page: str
     line: int
     not_run: str | None = None  # the reason of the block's `<!-- not-run: ... -->` marker
+    exits: int = 0  # the exit status its block's `<!-- exits: N ... -->` marker expects
 
     def __str__(self) -> str:
         return f"{self.page}:{self.line}: {self.text}"
@@ -86,12 +89,15 @@ def page_commands(page: Path) -> tuple[list[Command], list[Misplaced]]:
     misplaced: list[Misplaced] = []
     prose: list[tuple[int, str]] = []  # (line number, text) outside fenced blocks
     markers: dict[int, str] = {}  # line of each not-run marker -> its reason, until a block takes it
+    statuses: dict[int, int] = {}  # line of each exits marker -> its status, until a block takes it
     i = 0
     while i < len(lines):
         fence = _FENCE.match(lines[i])
         if fence is None:
             if m := _NOT_RUN.match(lines[i].strip()):
                 markers[i + 1] = m.group(1)
+            elif m := _EXITS.match(lines[i].strip()):
+                statuses[i + 1] = int(m.group(1))
             elif lines[i].startswith("    ") and _LOOKS_LIKE_COMMAND.match(lines[i]):
                 misplaced.append(Misplaced(name, i + 1, lines[i].strip()))  # an indented code block
             prose.append((i + 1, lines[i]))
@@ -106,12 +112,14 @@ def page_commands(page: Path) -> tuple[list[Command], list[Misplaced]]:
         i += 1  # the closing fence
         before = next((n for n, t in reversed(prose) if t.strip()), 0)
         reason = markers.pop(before, None) if language in SHELL_LANGUAGES else None
+        status = statuses.pop(before, 0) if language in SHELL_LANGUAGES else 0
         if language in SHELL_LANGUAGES:
-            found += [Command(text, name, n, reason) for n, text in _shell_commands(block, language)]
+            found += [Command(text, name, n, reason, status) for n, text in _shell_commands(block, language)]
         else:
             misplaced += [Misplaced(name, n, t.strip()) for n, t in block if _LOOKS_LIKE_COMMAND.match(t)]
         prose.append((start, ""))  # a block ends the paragraph before it
     assert not markers, f"{name}: not-run markers not right before a shell block, lines {sorted(markers)}"
+    assert not statuses, f"{name}: exits markers not right before a shell block, lines {sorted(statuses)}"
     found += [Command(text, name, n) for n, text in _inline_commands(prose)]
     found.sort(key=lambda c: c.line)
     return found, misplaced
@@ -241,7 +249,9 @@ class PageRunner:
                 "tests/_doc_commands.py to run it"
             )
         ran = Ran(command, argv, time.perf_counter() - start, output)
-        assert code == 0, f"{command}\nexit status {code} (ran {argv} in {self.cwd}):\n{output[-4000:]}"
+        assert code == command.exits, (
+            f"{command}\nexit status {code}, not {command.exits} (ran {argv} in {self.cwd}):\n{output[-4000:]}"
+        )
         self.ran.append(ran)
         return ran
 

@@ -120,6 +120,22 @@ def test_the_parser_finds_every_command_a_page_can_hold(tmp_path):
         page_commands(page)
 
 
+def test_an_exits_marker_sets_the_status_a_blocks_commands_must_end_with(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "<!-- exits: 3 the job does not fit -->\n```bash\ncd .\n```\n\n```bash\ncd .\n```\n", encoding="utf-8"
+    )
+    commands, _ = page_commands(page)
+    assert [(c.line, c.exits) for c in commands] == [(3, 3), (7, 0)]
+    runner = PageRunner(tmp_path, {})
+    runner.run(commands[1])
+    with pytest.raises(AssertionError, match=r"page\.md:3: cd \.\nexit status 0, not 3"):
+        runner.run(commands[0])
+    page.write_text("<!-- exits: 3 no block follows -->\n\ntext\n", encoding="utf-8")
+    with pytest.raises(AssertionError, match="exits markers not right before a shell block"):
+        page_commands(page)
+
+
 def test_a_command_the_runner_does_not_know_fails_naming_page_and_line(tmp_path):
     with pytest.raises(AssertionError, match=r"docs/x\.md:3: make all: .*mark this one not run"):
         PageRunner(tmp_path, {}).run(Command("make all", "docs/x.md", 3))

@@ -155,10 +155,12 @@ def test_a_lora_jobs_activations_are_planned_as_it_trains_them(mode, tmp_path):
 
 def test_a_schedule_without_a_closed_form_is_planned_as_an_upper_bound_and_says_so(tmp_path):
     args = _args(str(tmp_path), ["mesh.pipeline_parallel=2", "pipelining.schedule=interleaved_1f1b"])
-    acts = run_forked(_plan_of_rank_0, args)
+    memory = run_forked(_plan_of_rank_0, args)
+    acts = memory.activations
     assert acts.in_flight == (8, 8)  # two chunks on pp rank 0, 8 microbatches each
     assert acts.in_flight_note.startswith("interleaved_1f1b: an upper bound")
-    assert len(acts.per_pp_rank) == 2 and all(b > 0 for b in acts.per_pp_rank)
+    assert memory.pp_ranks[0].activations == acts  # pp rank 0's is this rank's
+    assert len(memory.pp_ranks) == 2 and all(r.activations.checkpointed > 0 for r in memory.pp_ranks)
 
 
 def _plan_of_rank_0(args: list[str]) -> Any:
@@ -170,4 +172,4 @@ def _plan_of_rank_0(args: list[str]) -> Any:
     with DistributedContext.for_planning(job.config.mesh) as ctx:
         plan = plan_job(job, ctx, device="cpu", memory=True)
     assert plan.memory is not None
-    return plan.memory.activations
+    return plan.memory

@@ -39,7 +39,7 @@ def _dp_shard(overrides: tuple[str, ...]) -> int | None:
 def test_a_job_that_fits_has_no_levers_and_says_its_margin(tmp_path):
     loaded = _loaded(tmp_path)
     plan = plan_config(loaded)
-    device = _device_for(plan.memory.peak_total, 2.0)
+    device = _device_for(plan.memory.total, 2.0)
     fit = plan_fit(plan, loaded, device)
     assert fit.fits and fit.levers == ()
     assert fit.budget == int(device * FIT_HEADROOM)
@@ -49,7 +49,7 @@ def test_a_job_that_fits_has_no_levers_and_says_its_margin(tmp_path):
 def test_every_lever_is_the_job_re_planned_with_its_overrides(tmp_path):
     loaded = _loaded(tmp_path, "mesh.data_parallel_replicate=2")
     plan = plan_config(loaded)
-    fit = plan_fit(plan, loaded, _device_for(plan.memory.peak_total, 0.9))
+    fit = plan_fit(plan, loaded, _device_for(plan.memory.total, 0.9))
     assert not fit.fits and fit.levers
     keys = [_keys(lever.overrides) for lever in fit.levers]
     assert frozenset({AC_FULL.partition("=")[0]}) in keys
@@ -58,7 +58,7 @@ def test_every_lever_is_the_job_re_planned_with_its_overrides(tmp_path):
     for lever in fit.levers:
         again = plan_config(load_job_config(job_config(str(tmp_path / "runs"), dataset={"seq_len": 64}),
                                             ["mesh.data_parallel_replicate=2", *lever.overrides]))  # fmt: skip
-        assert again.memory.peak_total == lever.total
+        assert again.memory.total == lever.total
         assert lever.fits == (lever.total <= fit.budget)
         assert again.mesh.world_size == lever.world_size
     reshard = fit.levers[keys.index(frozenset({"mesh.data_parallel_replicate", "mesh.data_parallel_shard"}))]
@@ -78,7 +78,7 @@ def test_every_lever_is_the_job_re_planned_with_its_overrides(tmp_path):
 def test_a_lever_is_offered_only_where_it_applies(tmp_path, overrides, absent):
     loaded = _loaded(tmp_path, *overrides)
     plan = plan_config(loaded)
-    fit = plan_fit(plan, loaded, _device_for(plan.memory.peak_total, 0.99))
+    fit = plan_fit(plan, loaded, _device_for(plan.memory.total, 0.99))
     assert not fit.fits and fit.levers
     assert all(absent not in lever.overrides for lever in fit.levers)
 
@@ -86,7 +86,7 @@ def test_a_lever_is_offered_only_where_it_applies(tmp_path, overrides, absent):
 def test_more_ranks_is_the_smallest_doubling_of_dp_shard_that_fits(tmp_path):
     loaded = _loaded(tmp_path, "mesh.data_parallel_shard=2", "data.global_batch_size=32")
     plan = plan_config(loaded)
-    fit = plan_fit(plan, loaded, _device_for(plan.memory.peak_total, 0.7))
+    fit = plan_fit(plan, loaded, _device_for(plan.memory.total, 0.7))
     (scaled,) = [lever for lever in fit.levers if lever.overrides[0].startswith("mesh.data_parallel_shard=")]
     shard = _dp_shard(scaled.overrides)
     assert scaled.fits and shard is not None and shard > 2

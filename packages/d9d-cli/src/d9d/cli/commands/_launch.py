@@ -15,15 +15,34 @@ from d9d.cli.errors import CliError
 if TYPE_CHECKING:
     from d9d.mesh import MeshConfig
 
-__all__ = ["check_launch_size", "launch_command", "launch_shape", "slurm_script", "with_launch"]
+__all__ = [
+    "DEFAULT_GPUS_PER_NODE",
+    "check_launch_size",
+    "launch_command",
+    "launch_shape",
+    "nodes_of",
+    "slurm_script",
+    "with_launch",
+]
+
+#: GPUs (processes) per node when the launch is given as a world size (`--gpus-per-node`'s default).
+DEFAULT_GPUS_PER_NODE = 8
 
 
 def launch_shape(
-    world_size: int | None, nnodes: int | None, nproc_per_node: int | None
+    world_size: int | None, nnodes: int | None, nproc_per_node: int | None, gpus_per_node: int | None = None
 ) -> tuple[int, int] | None:
-    """(nodes, processes per node) asked for on the command line, or None for "what the mesh needs"."""
+    """(nodes, processes per node) asked for on the command line, or None for "what the mesh needs".
+
+    --world-size N is (1, N) here; `check_launch_size` spreads it over nodes of `gpus_per_node`.
+    """
     if world_size is not None and (nnodes is not None or nproc_per_node is not None):
         raise click.UsageError("give either --world-size or --nnodes/--nproc-per-node, not both")
+    if gpus_per_node is not None and nproc_per_node is not None:
+        raise click.UsageError(
+            "--gpus-per-node spreads --world-size (or the mesh's size) over nodes; with --nproc-per-node "
+            "the processes per node are given: drop one of them"
+        )
     if world_size is not None:
         return 1, world_size
     if nnodes is not None and nproc_per_node is None:
@@ -34,18 +53,48 @@ def launch_shape(
 
 
 def check_launch_size(
-    shape: tuple[int, int] | None, mesh: "MeshConfig", *, by_world_size: bool
+    shape: tuple[int, int] | None,
+    mesh: "MeshConfig",
+    *,
+    by_world_size: bool,
+    gpus_per_node: int | None = None,
 ) -> tuple[int, int]:
     """(nodes, processes per node) of the launch: `shape`, else what the mesh needs; a mismatch is an error.
 
     `by_world_size` says the shape came from --world-size (not --nnodes/--nproc-per-node), for the error.
+    A world size (given or the mesh's) is spread over nodes of `gpus_per_node` (None: 8) by `nodes_of`.
     """
     need = mesh.world_size
     nodes, per_node = shape if shape is not None else (1, need)
     if nodes * per_node != need:
         given = "--world-size" if by_world_size else f"--nnodes {nodes} × --nproc-per-node {per_node}"
         raise _mismatch(mesh.describe_degrees(), need, mesh.data_parallel_shard, nodes * per_node, given)
+    if shape is None or by_world_size:
+        given = "--world-size" if by_world_size else f"the mesh's size ({mesh.describe_degrees()})"
+        return nodes_of(need, gpus_per_node, given)
     return nodes, per_node
+
+
+def nodes_of(world: int, gpus_per_node: int | None, given: str = "--world-size") -> tuple[int, int]:
+    """(nodes, processes per node) for `world` processes on nodes of `gpus_per_node` GPUs (None: 8):
+    one node when they fit on one, else world / gpus_per_node full nodes.
+
+    Raises:
+        CliError: `world` is more than a node holds and not a multiple of it (`given` says where
+            `world` came from); the error names a shape that divides it.
+    """
+    per_node = gpus_per_node or DEFAULT_GPUS_PER_NODE
+    if world <= per_node:
+        return 1, world
+    if world % per_node == 0:
+        return world // per_node, per_node
+    fits = max(d for d in range(1, per_node + 1) if world % d == 0)
+    default = "" if gpus_per_node else ", the default"
+    raise CliError(
+        f"{given} gives {world} processes, which do not fill nodes of {per_node} GPUs (--gpus-per-node "
+        f"{per_node}{default}): make the world a multiple of {per_node}, or give the nodes instead "
+        f"(e.g. --nnodes {world // fits} --nproc-per-node {fits}, or --gpus-per-node {fits})"
+    )
 
 
 def _mismatch(degrees: str, need: int, dp_shard: int, world: int, given: str) -> CliError:

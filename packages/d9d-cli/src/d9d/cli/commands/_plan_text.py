@@ -13,7 +13,14 @@ if TYPE_CHECKING:  # the trainer imports torch: only inside the command at run t
     from d9d.parallel.pipeline import StageSpec
     from d9d.trainer import JobConfig
     from d9d.trainer.config.job import PipeliningConfig
-    from d9d.trainer.planning import FitPlan, JobPlan, PipelinePlan, SequencePlan
+    from d9d.trainer.planning import (
+        ActivationEstimate,
+        FitPlan,
+        JobPlan,
+        PipelinePlan,
+        RankMemory,
+        SequencePlan,
+    )
 
 __all__ = ["format_fit", "plan_lines"]
 
@@ -76,53 +83,83 @@ def _states_text(job_plan: "JobPlan") -> str:
 
 
 def _memory_lines(job_plan: "JobPlan", config: "JobConfig") -> list[str]:
+    """The memory estimate of the rank that needs the most: its state, activations and total (under
+    pipeline parallelism the `peak` pp rank's, named, then every pp rank's total)."""
     memory = job_plan.memory
     assert memory is not None
-    mesh, est, acts = job_plan.mesh, memory.state, memory.activations
-    compute = str(job_plan.precision.param_dtype).removeprefix("torch.")
-    split = (
-        f"pp {mesh.pipeline_parallel} × dp_shard {mesh.data_parallel_shard} × cp {mesh.context_parallel} × "
-        f"tp {mesh.tensor_parallel}"
-    )
-    ac = config.trainer.activation_checkpointing
+    peak = memory.peak
+    state, acts = (peak.state, peak.activations) if peak is not None else (memory.state, memory.activations)
+    host = peak.host_state if peak is not None else memory.host_state
     lines = [
         *_model_lines(job_plan, config),
-        f"memory per rank (estimate; 1/{est.shard_factor} of the model: {split}):",
-        f"  parameters  {format_size(est.params):>10}",
-        f"  gradients   {format_size(est.grads):>10}",
-        f"  optimizer   {format_size(est.optimizer):>10}  ({_states_text(job_plan)})",
+        _memory_header(job_plan, peak),
+        f"  parameters  {format_size(state.params):>10}",
+        f"  gradients   {format_size(state.grads):>10}",
+        f"  optimizer   {format_size(state.optimizer):>10}  ({_states_text(job_plan)})",
+        _activations_line(job_plan, config, acts, memory.activations_note),
     ]
-    if acts is not None:
-        flight = ""
-        if any(n > 1 for n in acts.in_flight):
-            flight = f" × {'+'.join(str(n) for n in acts.in_flight)} in flight"
-        dtype = compute
-        if config.trainer.precision.param_dtype == "auto":
-            dtype = f"{compute}, the auto dtype on CUDA (a CPU run computes in float32: about 2×)"
+    whose = f"pp rank {peak.pp_rank}, the most of any rank" if peak is not None else ""
+    if host:
+        on_device = "on the device: parameters, gradients and optimizer state are offloaded to the host"
         lines.append(
-            f"  activations {format_size(acts.checkpointed):>10}  (one microbatch of {acts.tokens} tokens"
-            f"{flight} in {dtype}, checkpointing {ac.mode}; none: {format_size(acts.plain)}, full: "
-            f"{format_size(acts.full)})"
-        )
-    else:
-        lines.append(f"  activations {'?':>10}  ({memory.activations_note})")
-    if memory.host_state:
-        lines.append(
-            f"  total       {format_size(memory.total):>10}  (on the device: parameters, gradients and "
-            "optimizer state are offloaded to the host)"
+            f"  total       {format_size(memory.total):>10}  ({'; '.join(filter(None, [whose, on_device]))})"
         )
         lines.append(
-            f"  host        {format_size(memory.host_state):>10}  (trainer.memory.cpu_offload: parameters + "
+            f"  host        {format_size(host):>10}  (trainer.memory.cpu_offload: parameters + "
             "gradients + optimizer state, pinned)"
         )
     else:
-        lines.append(f"  total       {format_size(memory.total):>10}")
+        lines.append(f"  total       {format_size(memory.total):>10}" + (f"  ({whose})" if whose else ""))
+    if peak is not None:
+        ranks = ", ".join(
+            f"pp rank {r.pp_rank}: {format_size(r.total)} ({_stage_names(r.stages)})" for r in memory.pp_ranks
+        )
+        lines.append(f"  total per pp rank (state + activations): {ranks}")
     if acts is not None:
-        if acts.per_pp_rank:
-            per_rank = ", ".join(f"pp rank {r}: {format_size(b)}" for r, b in enumerate(acts.per_pp_rank))
-            lines.append(f"  activations per pp rank (checkpointing {ac.mode}): {per_rank}")
-        lines.append(f"  activation estimate assumes: {_activation_assumptions(mesh, acts.in_flight_note)}")
+        note = acts.in_flight_note
+        lines.append(f"  activation estimate assumes: {_activation_assumptions(job_plan.mesh, note)}")
     return lines
+
+
+def _memory_header(job_plan: "JobPlan", peak: "RankMemory | None") -> str:
+    """What the per-rank figures below it are: 1/N of the model, or the named pp rank's stages."""
+    mesh = job_plan.mesh
+    split = f"dp_shard {mesh.data_parallel_shard} × cp {mesh.context_parallel} × tp {mesh.tensor_parallel}"
+    if peak is None:
+        factor = job_plan.memory.state.shard_factor if job_plan.memory is not None else 1
+        return f"memory per rank (estimate; 1/{factor} of the model: pp {mesh.pipeline_parallel} × {split}):"
+    stages = "; ".join(f"stage {s.index}: {_stage_content(s)}" for s in peak.stages)
+    return (
+        f"memory per rank (estimate; pp rank {peak.pp_rank}, which needs the most: {stages}, split over "
+        f"{split}):"
+    )
+
+
+def _stage_names(stages: "tuple[StageSpec, ...]") -> str:
+    """`stage 1`, `stages 0, 3`."""
+    indices = ", ".join(str(s.index) for s in stages)
+    return f"stage{'s' if len(stages) > 1 else ''} {indices}"
+
+
+def _activations_line(
+    job_plan: "JobPlan", config: "JobConfig", acts: "ActivationEstimate | None", note: str
+) -> str:
+    """One microbatch's saved activations (times those in flight), with none and full checkpointing."""
+    if acts is None:
+        return f"  activations {'?':>10}  ({note})"
+    compute = str(job_plan.precision.param_dtype).removeprefix("torch.")
+    flight = ""
+    if any(n > 1 for n in acts.in_flight):
+        flight = f" × {'+'.join(str(n) for n in acts.in_flight)} in flight"
+    dtype = compute
+    if config.trainer.precision.param_dtype == "auto":
+        dtype = f"{compute}, the auto dtype on CUDA (a CPU run computes in float32: about 2×)"
+    ac = config.trainer.activation_checkpointing
+    return (
+        f"  activations {format_size(acts.checkpointed):>10}  (one microbatch of {acts.tokens} tokens"
+        f"{flight} in {dtype}, checkpointing {ac.mode}; none: {format_size(acts.plain)}, full: "
+        f"{format_size(acts.full)})"
+    )
 
 
 def _model_lines(job_plan: "JobPlan", config: "JobConfig") -> list[str]:
@@ -257,7 +294,7 @@ def _activation_assumptions(mesh: "MeshConfig", in_flight: str) -> str:
             "keeps whole counts whole)"
         )
     if mesh.pipeline_parallel > 1:
-        parts.append(f"this rank's stages; {in_flight}")
+        parts.append(f"that pp rank's stages; {in_flight}")
     return "; ".join(parts)
 
 

@@ -6,15 +6,17 @@ It prints the mesh layout, the batching, under context parallelism each rank's s
 under pipeline parallelism each pp rank's stages and the schedule's theoretical bubble, the precision
 and a per-rank memory estimate (`plan_job(..., memory=True)`), whether that fits a device's memory
 and, when it does not, which `--set` changes would make it fit (`d9d.trainer.planning.plan_fit`), and the
-launch command.
+launch command on nodes of `--gpus-per-node` GPUs. A job that does not fit exits with
+`EXIT_DOES_NOT_FIT` (3) after printing its plan, so a script can gate a launch on it.
 """
 
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import click
 
-from d9d.cli.commands._launch import check_launch_size, launch_shape, with_launch
+from d9d.cli.commands._launch import DEFAULT_GPUS_PER_NODE, check_launch_size, launch_shape, with_launch
 from d9d.cli.commands._options import check_config_path, overrides_option
 from d9d.cli.commands._plan_text import format_fit, plan_lines
 from d9d.cli.commands._text import parse_size
@@ -25,14 +27,29 @@ if TYPE_CHECKING:  # the trainer imports torch: only inside the command at run t
     from d9d.trainer import LoadedJob
     from d9d.trainer.planning import JobPlan
 
-__all__ = ["plan"]
+__all__ = ["EXIT_DOES_NOT_FIT", "plan"]
+
+#: Exit status of a plan that does not fit the device (printed in full first); 2 stays the status of
+#: a config or launch the trainer refuses, 1 of a crash.
+EXIT_DOES_NOT_FIT = 3
 
 
 @click.command(short_help="Validate a config for a launch size, without GPUs.")
 @click.argument("config", type=click.Path())
-@click.option("--world-size", type=click.IntRange(min=1), help="Processes in total (one node).")
+@click.option(
+    "--world-size",
+    type=click.IntRange(min=1),
+    help="Processes in total, on nodes of --gpus-per-node (e.g. 64: 8 nodes of 8).",
+)
 @click.option("--nnodes", type=click.IntRange(min=1), help="Nodes (with --nproc-per-node).")
 @click.option("--nproc-per-node", type=click.IntRange(min=1), help="Processes per node.")
+@click.option(
+    "--gpus-per-node",
+    type=click.IntRange(min=1),
+    help=f"GPUs (processes) per node for the launch of --world-size or of the mesh's size: one node "
+    f"up to that many, else world / G nodes, and a world that is not a multiple of G is refused "
+    f"(default {DEFAULT_GPUS_PER_NODE}).",
+)
 @click.option(
     "--seq-len",
     type=click.IntRange(min=1),
@@ -51,7 +68,7 @@ __all__ = ["plan"]
     default="torchrun",
     show_default=True,
     help="torchrun: end with the command for every node; slurm: print an sbatch script instead, "
-    "the plan in its comments (d9d plan ... --launcher slurm > job.sbatch; sbatch job.sbatch).",
+    "the plan in its comments (d9d plan ... --launcher slurm > job.sbatch && sbatch job.sbatch: a job that does not fit exits 3).",
 )
 @overrides_option
 @reports_errors
@@ -60,6 +77,7 @@ def plan(
     world_size: int | None,
     nnodes: int | None,
     nproc_per_node: int | None,
+    gpus_per_node: int | None,
     seq_len: int | None,
     device_memory: str | None,
     launcher: str,
@@ -75,8 +93,13 @@ def plan(
     per-rank estimate of parameter + gradient + optimizer memory and of one microbatch's activations
     (from the model built on the meta device), whether that fits in --device-memory (or the local
     GPU) with 10% to spare and, when it does not, the --set changes that would make it fit, each
-    re-planned, and the launch command.
-    Without a size, plans for the size the mesh needs.
+    re-planned, and the launch command on nodes of --gpus-per-node GPUs (8 by default).
+    Under pipeline parallelism the memory is that of the pp rank that needs the most (named), with
+    every pp rank's total. Without a size, plans for the size the mesh needs.
+
+    Exit status: 0 when the job fits (or no device memory is known: the fit line says to pass
+    --device-memory), 3 when it does not fit (the plan and its levers are printed first), 2 for a
+    config or launch the trainer refuses.
 
     \b
     Examples:
@@ -89,10 +112,11 @@ def plan(
       d9d plan config.yaml --world-size 2 --set mesh.pipeline_parallel=2 \\
           --set pipelining.schedule=zbv
       d9d plan config.yaml --device-memory 80GiB
+      d9d plan config.yaml --world-size 64 --gpus-per-node 4 --set mesh.data_parallel_shard=64
       d9d plan config.yaml --nnodes 4 --nproc-per-node 8 --set mesh.data_parallel_shard=auto \\
-          --launcher slurm > job.sbatch
+          --launcher slurm > job.sbatch && sbatch job.sbatch
     """
-    shape = launch_shape(world_size, nnodes, nproc_per_node)
+    shape = launch_shape(world_size, nnodes, nproc_per_node, gpus_per_node)
     device_bytes = _device_memory_option(device_memory)
     check_config_path(config)
     from d9d.trainer import load_job_config
@@ -100,11 +124,13 @@ def plan(
     # a mesh degree of `auto` takes what the launch shape leaves it
     launched = shape[0] * shape[1] if shape is not None else None
     loaded = load_job_config(config, list(overrides), world_size=launched)
-    nodes, per_node = check_launch_size(shape, loaded.config.mesh, by_world_size=world_size is not None)
+    nodes, per_node = check_launch_size(
+        shape, loaded.config.mesh, by_world_size=world_size is not None, gpus_per_node=gpus_per_node
+    )
     from d9d.trainer.planning import plan_config
 
     job_plan = plan_config(loaded, seq_len=seq_len, device="cuda")  # rank 0 of the launch, for CUDA
-    fit_lines = _fit_lines(job_plan, loaded, device_bytes)
+    fits, fit_lines = _fit_lines(job_plan, loaded, device_bytes)
     lines = [f"config: {config}", *plan_lines(job_plan, loaded.config), *fit_lines]
     lines = with_launch(
         lines,
@@ -117,6 +143,9 @@ def plan(
         d9d=d9d_invocation(),
     )
     click.echo("\n".join(lines))
+    if not fits:
+        sys.stdout.flush()
+        sys.exit(EXIT_DOES_NOT_FIT)
 
 
 def _device_memory_option(text: str | None) -> int | None:
@@ -129,14 +158,15 @@ def _device_memory_option(text: str | None) -> int | None:
         raise CliError(f"--device-memory {exc}") from None
 
 
-def _fit_lines(job_plan: "JobPlan", loaded: "LoadedJob", device_bytes: int | None) -> list[str]:
-    """Whether the plan fits the device (--device-memory, else the local GPU) and, when not, the levers."""
+def _fit_lines(job_plan: "JobPlan", loaded: "LoadedJob", device_bytes: int | None) -> tuple[bool, list[str]]:
+    """Whether the plan fits the device (--device-memory, else the local GPU; True when neither is
+    known) and its lines: the verdict and, when it does not fit, the levers."""
     source = "--device-memory"
     if device_bytes is None:
         import torch
 
         if not torch.cuda.is_available():
-            return [
+            return True, [
                 "fit: pass --device-memory SIZE (e.g. 80GiB) to check that the job fits a device and "
                 "which --set changes would make it fit"
             ]
@@ -145,4 +175,5 @@ def _fit_lines(job_plan: "JobPlan", loaded: "LoadedJob", device_bytes: int | Non
         source = f"the local GPU, {torch.cuda.get_device_name(index)}"
     from d9d.trainer.planning import plan_fit
 
-    return format_fit(plan_fit(job_plan, loaded, device_bytes), source)
+    fit = plan_fit(job_plan, loaded, device_bytes)
+    return fit.fits, format_fit(fit, source)

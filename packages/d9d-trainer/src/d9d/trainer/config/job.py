@@ -84,17 +84,22 @@ class OptimizerConfig(Section):
 class LRSchedulerConfig(Section):
     """Linear warmup from 0, then cosine or linear decay to `min_lr_ratio × lr`, constant, or `wsd`.
 
-    `wsd` (warmup-stable-decay) holds the peak until the last `decay_ratio` of `total_steps`, then
-    decays linearly to `min_lr_ratio`. The schedule is a function of (step, total_steps): raising
-    total_steps on resume recomputes it for the new total (logged). For `wsd` that continues the
-    stable phase unchanged as long as the decay had not begun; cosine and linear stretch their decay,
-    so the learning rate moves to the new curve's value at the resumed step.
+    `wsd` (warmup-stable-decay) holds the peak until its decay, which takes the last `decay_steps`
+    steps of `total_steps` (null: the last `decay_ratio` of them) down to `min_lr_ratio`, along
+    `decay_shape`: `linear`, or `1-sqrt` (1 − √progress: most of the drop early in the decay). The
+    schedule is a function of (step, total_steps), so raising total_steps on resume recomputes it for
+    the new total: `wsd` keeps its stable phase at the peak and moves the decay to the new end (from
+    a checkpoint before the old decay: no jump); cosine and linear stretch their decay, so the
+    learning rate moves to the new curve's value at the resumed step (from 0 at the end of a
+    finished run to the middle of the new curve); constant does not change. Each is logged.
     """
 
     name: Literal["cosine", "linear", "constant", "wsd"] = "constant"
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0
     decay_ratio: float = 0.1
+    decay_steps: int | None = None
+    decay_shape: Literal["linear", "1-sqrt"] = "linear"
 
     def __post_init__(self) -> None:
         if self.warmup_steps < 0:
@@ -103,6 +108,11 @@ class LRSchedulerConfig(Section):
             raise ValueError(f"lr_scheduler.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not 0.0 < self.decay_ratio <= 1.0:
             raise ValueError(f"lr_scheduler.decay_ratio must be in (0, 1], got {self.decay_ratio}")
+        if self.decay_steps is not None and self.decay_steps < 1:
+            raise ValueError(
+                f"lr_scheduler.decay_steps must be >= 1 (or null: the last decay_ratio of total_steps), "
+                f"got {self.decay_steps}"
+            )
 
 
 class PipeliningConfig(Section):

@@ -8,9 +8,10 @@ from the plan, `d9d plan` prints it.
 A `JobPlan` holds the mesh, the precision, the declared batching, the pipeline layout (this rank's
 stages and the schedule's bubble), the sequence length and where it came from with its
 context-parallel split, the vocabulary size, the optimizer state per parameter and, when asked for,
-the memory estimate per rank with one microbatch's activations. `plan_config` plans a job config as
-`d9d plan` does (rank 0, on a context of the mesh's size), and `plan_fit` says whether a plan fits in a
-device's memory and which config changes (levers) would make it fit, each re-planned. `d9d preflight`
+the memory estimate per rank with one microbatch's activations (under pipeline parallelism every
+pp rank's, `RankMemory`; `MemoryPlan.total` is the rank that needs the most). `plan_config` plans a
+job config as `d9d plan` does (rank 0, on a context of the mesh's size), and `plan_fit` says whether
+a plan fits in a device's memory and which config changes (levers) would make it fit, each re-planned. `d9d preflight`
 checks the nodes of a launch against the plan (`d9d.trainer.planning.preflight`).
 """
 
@@ -28,6 +29,7 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
         MemoryEstimate,
         MemoryPlan,
         PipelinePlan,
+        RankMemory,
         SequencePlan,
     )
 

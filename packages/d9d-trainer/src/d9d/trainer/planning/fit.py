@@ -1,6 +1,6 @@
 """`plan_fit`: whether a planned job fits in a device's memory, and which config changes would make it.
 
-Every figure is a plan's own (`MemoryPlan.peak_total`): a lever is the job re-planned with its
+Every figure is a plan's own (`MemoryPlan.total`): a lever is the job re-planned with its
 overrides (`LoadedJob.with_overrides` + `plan_config`), never a second estimate, so applying a lever's
 `--set` arguments and planning again prints exactly the total predicted here. A change the trainer
 would refuse (a batch that no longer splits, a mesh the model provider rejects) is no lever.
@@ -49,7 +49,7 @@ class Lever:
         overrides: the `key.path=value` overrides that make the change, in order (pass each as
             `--set key.path=value`; `arguments` writes them so).
         reason: what the change does, in one line.
-        total: the bytes the most loaded rank needs with the change (`MemoryPlan.peak_total` of the
+        total: the bytes the most loaded rank needs with the change (`MemoryPlan.total` of the
             re-planned job).
         fits: whether `total` is within the budget (`FitPlan.budget`).
         world_size: the processes the changed job runs on.
@@ -74,7 +74,7 @@ class FitPlan:
     Attributes:
         device_bytes: the device's memory.
         budget: what the job may use of it: `device_bytes` × `FIT_HEADROOM`, rounded down.
-        total: the bytes the job's most loaded rank needs (`MemoryPlan.peak_total`).
+        total: the bytes the job's most loaded rank needs (`MemoryPlan.total`).
         levers: when it does not fit, each lever (or combination) that applies, with its total, in
             the order tried; () when it fits.
         activations_note: why the totals hold no activations ("" when they do: see
@@ -112,7 +112,7 @@ def plan_fit(plan: "JobPlan", config: LoadedJob, device_bytes: int) -> FitPlan:
     if device_bytes <= 0:
         raise ValueError(f"device_bytes must be positive, got {device_bytes}")
     budget = int(device_bytes * FIT_HEADROOM)
-    fit = FitPlan(device_bytes, budget, plan.memory.peak_total, (), plan.memory.activations_note)
+    fit = FitPlan(device_bytes, budget, plan.memory.total, (), plan.memory.activations_note)
     if fit.fits:
         return fit
     return FitPlan(
@@ -296,7 +296,7 @@ class _Search:
         plan = self._replan(overrides)
         if plan is None or plan.memory is None:
             return None
-        total = plan.memory.peak_total
+        total = plan.memory.total
         return Lever(overrides, reason, total, total <= self._budget, plan.mesh.world_size)
 
     def _replan(self, overrides: tuple[str, ...]) -> "JobPlan | None":

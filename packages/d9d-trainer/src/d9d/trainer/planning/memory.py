@@ -11,6 +11,7 @@ a job the trainer would refuse is refused here too.
 """
 
 import copy
+from collections.abc import Iterable
 from typing import Any, cast
 
 import msgspec
@@ -30,11 +31,18 @@ from d9d.parallel import (
     saved_activation_bytes,
     select_float8_linears,
 )
-from d9d.parallel.pipeline import declared_ties
+from d9d.parallel.pipeline import StageSpec, declared_ties
 from d9d.trainer.build.model import shape_model
 from d9d.trainer.job.resolve import ResolvedJob
 from d9d.trainer.job.rules import shards_parameters
-from d9d.trainer.planning.plan import ActivationEstimate, JobPlan, MemoryEstimate, MemoryPlan, PipelinePlan
+from d9d.trainer.planning.plan import (
+    ActivationEstimate,
+    JobPlan,
+    MemoryEstimate,
+    MemoryPlan,
+    PipelinePlan,
+    RankMemory,
+)
 from d9d.trainer.providers.model import InitializeModelStageContext, ParallelizeModelStageContext
 from d9d.trainer.providers.task import LossContext, PipelineTask
 
@@ -83,7 +91,8 @@ def estimate_memory(
 
 def plan_memory(job: ResolvedJob, plan: JobPlan, context: DistributedContext) -> MemoryPlan:
     """Build the model on the meta device as the trainer will (refusing what it refuses), then estimate
-    the memory of the whole model split by the plan's mesh, from the parameters that train in it.
+    the memory of the whole model split by the plan's mesh, from the parameters that train in it, and
+    under pipeline parallelism what each pp rank needs from its own stages (`RankMemory`).
 
     Raises:
         TrainingError: the model provider's parallelization left the job unable to run (e.g. a
@@ -91,53 +100,94 @@ def plan_memory(job: ResolvedJob, plan: JobPlan, context: DistributedContext) ->
         ParallelizeError: a parallelize function refused the model (e.g. no context-parallel support).
     """
     stages = _shaped_stages(job, plan, context)
-    params = _whole_model_parameters(stages)  # a DTensor counts its global size: the whole model's
+    params = _whole_model_parameters(list(stages.values()))  # a DTensor counts its global size
     trainable = [p for p in params if p.requires_grad]  # with LoRA, the adapters alone
-    param_bytes = sum(p.numel() * p.element_size() for p in params)
-    trainable_bytes = sum(p.numel() * p.element_size() for p in trainable)
+    state = _state(plan, params, plan.mesh.pipeline_parallel)
+    offload = job.config.trainer.memory.cpu_offload
+    activations, note = _activations(job, plan, context, plan.pipeline.stages if plan.pipeline else None)
+    pp_size = plan.pipeline.layout.pp_size if plan.pipeline is not None else 0
+    pp_ranks = tuple(_pp_rank(job, plan, context, r, stages, activations) for r in range(pp_size))
+    float8, lora = job.config.trainer.precision.float8, job.config.peft.lora
+    return MemoryPlan(
+        float8=select_float8_linears(_unshaped(job, plan, context), float8) if float8 is not None else None,
+        float8_all_gather=float8 is not None and float8.gathers_float8(shards_parameters(plan.mesh)),
+        host_state=state.total if offload else 0,
+        parameters=sum(p.numel() for p in params),
+        param_bytes=_bytes(params),
+        trainable_bytes=_bytes(trainable),
+        trainable_parameters=sum(p.numel() for p in trainable),
+        state=state,
+        activations=activations,
+        activations_note=note,
+        lora=lora_coverage(list(stages.values()), lora) if lora is not None else None,
+        pp_ranks=pp_ranks,
+    )
+
+
+def _pp_rank(
+    job: ResolvedJob,
+    plan: JobPlan,
+    context: DistributedContext,
+    pp_rank: int,
+    shaped: dict[int, nn.Module],
+    mine: ActivationEstimate | None,
+) -> RankMemory:
+    """What pp rank `pp_rank` needs: its stages' parameters (`shaped`, every stage's module) split over
+    dp_shard × cp × tp, and their activations (`mine`, this rank's, when they are this rank's stages)."""
+    assert plan.pipeline is not None
+    stages = plan.pipeline.layout.stages_of_rank(pp_rank)
+    return RankMemory(
+        pp_rank=pp_rank,
+        stages=stages,
+        state=_state(plan, _parameters(shaped[stage.index] for stage in stages), 1),
+        activations=mine if stages == plan.pipeline.stages else _activations(job, plan, context, stages)[0],
+        offloaded=job.config.trainer.memory.cpu_offload,
+    )
+
+
+def _bytes(params: Iterable[nn.Parameter]) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def _parameters(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
+    """The parameters of `modules` (one pp rank's stages), each tensor once."""
+    return list({id(p): p for module in modules for p in module.parameters()}.values())
+
+
+def _state(plan: JobPlan, params: list[nn.Parameter], pipeline_parallel: int) -> MemoryEstimate:
+    """The per-rank state of `params` (global sizes) split over `pipeline_parallel` and the plan's
+    dp_shard × cp × tp: the whole model's over pp, one pp rank's stages' over 1."""
+    trainable = [p for p in params if p.requires_grad]
     states = plan.optimizer_states
     state_bytes = None  # the parameter's dtype
     if states.dtype is not None:
         state_bytes = sum(p.numel() for p in trainable) * states.dtype.itemsize
     mesh = plan.mesh
-    state = estimate_memory(
-        param_bytes,
-        trainable_bytes,
-        pipeline_parallel=mesh.pipeline_parallel,
+    return estimate_memory(
+        _bytes(params),
+        _bytes(trainable),
+        pipeline_parallel=pipeline_parallel,
         data_parallel_shard=mesh.data_parallel_shard,
         context_parallel=mesh.context_parallel,
         tensor_parallel=mesh.tensor_parallel,
         optimizer_states=states.per_parameter,
         state_bytes=state_bytes,
     )
-    activations, note = _activations(job, plan, context)
-    float8, lora = job.config.trainer.precision.float8, job.config.peft.lora
-    return MemoryPlan(
-        float8=select_float8_linears(_unshaped(job, plan, context), float8) if float8 is not None else None,
-        float8_all_gather=float8 is not None and float8.gathers_float8(shards_parameters(plan.mesh)),
-        host_state=state.total if job.config.trainer.memory.cpu_offload else 0,
-        parameters=sum(p.numel() for p in params),
-        param_bytes=param_bytes,
-        trainable_bytes=trainable_bytes,
-        trainable_parameters=sum(p.numel() for p in trainable),
-        state=state,
-        activations=activations,
-        activations_note=note,
-        lora=lora_coverage(stages, lora) if lora is not None else None,
-    )
 
 
-def _shaped_stages(job: ResolvedJob, plan: JobPlan, context: DistributedContext) -> list[nn.Module]:
-    """Every stage of the model (the whole model without pp) on the meta device as the trainer shapes
-    it (`shape_model`: adapters, frozen weights, parallelisms) and checks it; this rank's first, so what
-    the trainer would refuse on this rank is refused first."""
+def _shaped_stages(job: ResolvedJob, plan: JobPlan, context: DistributedContext) -> dict[int, nn.Module]:
+    """Every stage of the model by index (the whole model, index 0, without pp) on the meta device as
+    the trainer shapes it (`shape_model`: adapters, frozen weights, parallelisms) and checks it; this
+    rank's first, so what the trainer would refuse on this rank is refused first."""
     layout = plan.pipeline.layout if plan.pipeline is not None else None
     mine = {stage.index for stage in plan.stages if stage is not None}
     others = [stage for stage in layout.stages if stage.index not in mine] if layout is not None else []
-    return [
-        shape_model(job, context, plan.precision, layout=layout, stage=stage, data_vocab_size=plan.vocab_size)
+    return {
+        stage.index if stage is not None else 0: shape_model(
+            job, context, plan.precision, layout=layout, stage=stage, data_vocab_size=plan.vocab_size
+        )
         for stage in [*plan.stages, *others]
-    ]
+    }
 
 
 def _whole_model_parameters(stages: list[nn.Module]) -> list[nn.Parameter]:
@@ -164,9 +214,10 @@ def _unshaped(job: ResolvedJob, plan: JobPlan, context: DistributedContext) -> n
 
 
 def _activations(
-    job: ResolvedJob, plan: JobPlan, context: DistributedContext
+    job: ResolvedJob, plan: JobPlan, context: DistributedContext, stages: tuple[StageSpec, ...] | None
 ) -> tuple[ActivationEstimate | None, str]:
-    """The activation estimate, or None and why there is none."""
+    """The activation estimate of `stages` (one pp rank's; None: the whole model), or None and why
+    there is none."""
     sequence = plan.sequence
     if sequence.seq_len is None:
         return None, f"not estimated: pass --seq-len (the sequence length: {sequence.source})"
@@ -180,6 +231,7 @@ def _activations(
             microbatch_size=plan.batching.microbatch_size,
             precision=plan.precision,
             pipeline=plan.pipeline,
+            stages=stages,
         )
     except Exception as exc:  # a forward that cannot run on meta (e.g. MoE routing) is not an error
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -195,6 +247,7 @@ def estimate_activations(
     microbatch_size: int,
     precision: MixedPrecision,
     pipeline: "PipelinePlan | None" = None,
+    stages: tuple[StageSpec, ...] | None = None,
 ) -> ActivationEstimate:
     """Run the task's loss on the meta device (no memory) and count what autograd saves for backward.
 
@@ -215,7 +268,8 @@ def estimate_activations(
     then given as in the one-process path), so what tensor
     parallelism splits and what it keeps whole (e.g. the embedding's output, the loss) is counted as
     it runs. Each stage runs the previous stage's output; the rank's figure adds each of its stages
-    times the microbatches the schedule keeps in flight there (`_in_flight`).
+    times the microbatches the schedule keeps in flight there (`_in_flight`). `stages`: the stages
+    of the pp rank to count (default: this rank's, `pipeline.stages`).
 
     Raises:
         Exception: whatever the model's forward raised on the meta device (e.g. data-dependent MoE
@@ -226,7 +280,11 @@ def estimate_activations(
     local = seq_len // mesh.context_parallel
     tokens = f"{microbatch_size} × {local}"
     if mesh.tensor_parallel > 1 or pipeline is not None:
-        return _split_activations(job, context, seq_len, microbatch_size, precision, pipeline, tokens)
+        if pipeline is not None and stages is None:
+            stages = pipeline.stages
+        return _split_activations(
+            job, context, seq_len, microbatch_size, precision, pipeline, tokens, stages or (None,)
+        )
     # shaped on one process (no FSDP, which needs real memory); the cp group is the context's, below
     one = context if context.is_local else DistributedContext.single_process()
     base = _shaped(job, one, precision, None, None, ActivationCheckpointingConfig())
@@ -265,20 +323,20 @@ def _split_activations(
     precision: MixedPrecision,
     pipeline: "PipelinePlan | None",
     tokens: str,
+    stages: tuple[Any, ...],
 ) -> ActivationEstimate:
-    """`estimate_activations` under tensor or pipeline parallelism: the rank's stages as its provider
-    parallelizes them, on the view of its tp group."""
+    """`estimate_activations` under tensor or pipeline parallelism: a pp rank's `stages` (or (None,),
+    the whole model) as its provider parallelizes them, on the view of this rank's tp group."""
     config = job.config
     ac = config.trainer.activation_checkpointing
     view = context.tensor_parallel_view()
-    stages: tuple[Any, ...] = pipeline.stages if pipeline is not None else (None,)
     in_flight, note = _in_flight(pipeline, stages)
     shape = (microbatch_size, seq_len)
     full_batch: Any = {
         name: torch.zeros(shape, dtype=torch.long, device="meta") for name in ("input_ids", "labels")
     }
 
-    def measure(mode: str, stages: tuple[Any, ...] = stages, in_flight: tuple[int, ...] = in_flight) -> int:
+    def measure(mode: str) -> int:
         models = [_shaped(job, view, precision, stage, pipeline, msgspec.structs.replace(ac, mode=mode))
                   for stage in stages]  # fmt: skip
         batch = full_batch
@@ -314,16 +372,9 @@ def _split_activations(
     plain = measure("none")
     full = measure("full")
     checkpointed = {"none": plain, "full": full}.get(ac.mode) or measure(ac.mode)
-    per_pp_rank: tuple[int, ...] = ()
-    if pipeline is not None:
-        layout = pipeline.layout
-        per_pp_rank = tuple(
-            measure(ac.mode, layout.stages_of_rank(r), _in_flight(pipeline, layout.stages_of_rank(r))[0])
-            for r in range(layout.pp_size)
-        )
     return ActivationEstimate(
         plain=plain, checkpointed=checkpointed, full=full, tokens=tokens, in_flight=in_flight,
-        in_flight_note=note, per_pp_rank=per_pp_rank,
+        in_flight_note=note,
     )  # fmt: skip
 
 

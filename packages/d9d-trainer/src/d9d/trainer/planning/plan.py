@@ -14,7 +14,15 @@ from d9d.parallel.pipeline import PipelineBubble, PipelineLayout, StageSpec
 from d9d.trainer.providers.data import Batching
 from d9d.trainer.providers.optim import OptimizerStates
 
-__all__ = ["ActivationEstimate", "JobPlan", "MemoryEstimate", "MemoryPlan", "PipelinePlan", "SequencePlan"]
+__all__ = [
+    "ActivationEstimate",
+    "JobPlan",
+    "MemoryEstimate",
+    "MemoryPlan",
+    "PipelinePlan",
+    "RankMemory",
+    "SequencePlan",
+]
 
 
 @dataclass(frozen=True)
@@ -94,8 +102,6 @@ class ActivationEstimate:
         tokens: microbatch size × sequence length the forward ran on (this rank's share under cp).
         in_flight: per stage of this rank (stage order), the microbatches it holds at once.
         in_flight_note: how `in_flight` follows from the schedule ("" without pipeline parallelism).
-        per_pp_rank: under pipeline parallelism, `checkpointed` of every pp rank (index: pp
-            coordinate), whose stages and microbatches in flight differ; () without.
     """
 
     plain: int
@@ -104,7 +110,41 @@ class ActivationEstimate:
     tokens: str
     in_flight: tuple[int, ...] = (1,)
     in_flight_note: str = ""
-    per_pp_rank: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """What one pp rank needs under pipeline parallelism: its stages' state and their activations.
+
+    The stages differ (the first holds the embedding, the last the head and the loss's logits, and
+    the schedule keeps a different number of microbatches in flight on each), so every pp rank is
+    counted from its own stages, not as 1/pp of the model.
+
+    Attributes:
+        pp_rank: the pipeline coordinate.
+        stages: the stages it runs, in stage order.
+        state: those stages' parameters, gradients and optimizer state on one of its ranks (split
+            over dp_shard × cp × tp as `estimate_memory` assumes).
+        activations: those stages' saved activations at the step's peak; None when not estimated.
+        offloaded: whether `state` is kept in host memory (`trainer.memory.cpu_offload`).
+    """
+
+    pp_rank: int
+    stages: tuple[StageSpec, ...]
+    state: MemoryEstimate
+    activations: ActivationEstimate | None
+    offloaded: bool = False
+
+    @property
+    def host_state(self) -> int:
+        """Bytes of `state` in host memory (all of it with CPU offload, else 0)."""
+        return self.state.total if self.offloaded else 0
+
+    @property
+    def total(self) -> int:
+        """Device bytes: the state kept there plus the activations with the job's checkpointing."""
+        acts = self.activations.checkpointed if self.activations is not None else 0
+        return self.state.total - self.host_state + acts
 
 
 @dataclass(frozen=True)
@@ -119,8 +159,9 @@ class MemoryPlan:
         param_bytes: bytes of the whole model's parameters (float32 master weights).
         trainable_bytes: bytes of its trainable parameters (`requires_grad`: with LoRA, the adapters).
         trainable_parameters: how many parameters those are.
-        state: parameters, gradients and optimizer state on one rank.
-        activations: one microbatch's saved activations; None when they cannot be estimated.
+        state: parameters, gradients and optimizer state on one rank: 1/`shard_factor` of the whole
+            model (under pipeline parallelism the average pp rank's; each one's is in `pp_ranks`).
+        activations: this rank's saved activations; None when they cannot be estimated.
         activations_note: why there is no activation estimate ("" when there is one).
         float8: the linears `trainer.precision.float8` converts and keeps (None without float8); the
             estimate counts them as without float8 (their weights, gradients and optimizer state
@@ -130,6 +171,8 @@ class MemoryPlan:
             as the trainer refuses an FSDP2 unit that does not offload); 0 without offload.
         lora: what each `peft.lora` pattern matched per layer and the projections it misses (None
             without `peft.lora`).
+        pp_ranks: under pipeline parallelism, what every pp rank needs (index: pp coordinate); ()
+            without.
     """
 
     parameters: int
@@ -143,6 +186,7 @@ class MemoryPlan:
     float8_all_gather: bool = False
     host_state: int = 0
     lora: LoraCoverage | None = None
+    pp_ranks: tuple[RankMemory, ...] = ()
 
     @property
     def device_state(self) -> int:
@@ -150,19 +194,20 @@ class MemoryPlan:
         return self.state.total - self.host_state
 
     @property
-    def total(self) -> int:
-        """Device bytes: the state kept there plus the activations with the job's checkpointing (when
-        estimated). What CPU offload keeps on the host is `host_state`, not counted here."""
-        return self.device_state + (self.activations.checkpointed if self.activations is not None else 0)
+    def peak(self) -> RankMemory | None:
+        """Under pipeline parallelism the pp rank that needs the most device memory (the first of
+        equals); None without."""
+        return max(self.pp_ranks, key=lambda rank: rank.total) if self.pp_ranks else None
 
     @property
-    def peak_total(self) -> int:
-        """`total` of the rank that needs the most: under pipeline parallelism the pp rank with the most
-        activations (every rank holds as much state), else this rank's."""
-        acts = self.activations
-        if acts is None or not acts.per_pp_rank:
-            return self.total
-        return self.device_state + max(acts.per_pp_rank)
+    def total(self) -> int:
+        """Device bytes of the rank that needs the most: the state kept there plus the activations
+        with the job's checkpointing (when estimated); under pipeline parallelism the `peak` pp
+        rank's. What CPU offload keeps on the host (`host_state`) is not counted here."""
+        peak = self.peak
+        if peak is not None:
+            return peak.total
+        return self.device_state + (self.activations.checkpointed if self.activations is not None else 0)
 
 
 @dataclass(frozen=True)

@@ -159,7 +159,7 @@ def run_preflight(
             *_bandwidth_checks(facts, threshold),
         ]
         if ctx.device.type == "cuda":
-            checks += _cuda_checks(facts, memory.peak_total, threshold)
+            checks += _cuda_checks(facts, memory.total, threshold)
         return PreflightReport(
             world_size=ctx.world_size,
             nodes=tuple(f.host for f in facts),

@@ -18,6 +18,7 @@ from d9d.ckpt import CheckpointInfo, CheckpointManager, capture_rng_state, resto
 from d9d.data import ReportsSources
 from d9d.mesh import DEGREE_KEYS, get_logger
 from d9d.trainer.build.starting_weights import StartingWeights
+from d9d.trainer.builtins.optim import BuiltinLRSchedulerProvider
 from d9d.trainer.config.job import OptimizerConfig, ProvidersConfig
 from d9d.trainer.config.trainer import EVAL_METRICS, CheckpointingConfig
 from d9d.trainer.errors import TrainingError
@@ -148,7 +149,7 @@ class RunCheckpoints:
         self._scheduler.base_lrs = [
             group.get("initial_lr", group["lr"]) for group in self._optimizer.param_groups
         ]
-        _reapply_schedule(self._scheduler, self._optimizer)
+        self._explain_schedule(saved_config, *_reapply_schedule(self._scheduler, self._optimizer))
         if loaded.rank_state is not None:
             restore_rng_state(loaded.rank_state)
         self._eval_metrics, self._eval_step = latest.meta.metrics, latest.meta.metrics_step
@@ -165,6 +166,28 @@ class RunCheckpoints:
         for key, (before, now) in config_changes(extra.get("config"), self._job.loaded.raw).items():
             _log.warning("resumed with a changed setting", key=key, checkpoint=before, now=now)
         return resumed
+
+    def _explain_schedule(self, saved_config: Any, steps_done: int, before: float, now: float) -> None:
+        """One line when the resumed learning rate leaves the checkpoint's course: the built-in
+        schedule's own words for a changed total_steps (re-stretched, a wsd checkpoint past its decay,
+        or wsd going on at the peak), else a warning when the learning rate changed (`before`: the
+        one the checkpoint's schedule set for the next step, `now`: the schedule's as configured now)."""
+        provider = self._job.lr_scheduler_provider
+        total, saved_total = self._job.config.trainer.schedule.total_steps, _saved_total(saved_config)
+        note = None
+        if isinstance(provider, BuiltinLRSchedulerProvider) and saved_total is not None:
+            note = provider.new_total_note(steps_done, saved_total, total)
+        if note is not None:
+            level, text = note
+            log = _log.warning if level == "warning" else _log.info
+            log(text, step=steps_done + 1, checkpoint_lr=before, lr=now)
+        elif abs(before - now) > 1e-12 * max(abs(before), abs(now), 1e-30):
+            _log.warning(
+                "learning rate follows the schedule as configured now",
+                step=steps_done + 1,
+                checkpoint=before,
+                now=now,
+            )
 
     def _world(self) -> dict[str, Any]:
         """The processes and mesh this run trains on now (a checkpoint records them)."""
@@ -211,28 +234,32 @@ class RunCheckpoints:
 
 def _reapply_schedule(
     scheduler: torch.optim.lr_scheduler.LRScheduler, optimizer: torch.optim.Optimizer
-) -> None:
-    """Set the learning rate of the resumed step from the schedule as configured now.
+) -> tuple[int, float, float]:
+    """Set the learning rate of the resumed step from the schedule as configured now; (steps done,
+    the checkpoint's learning rate, the one set) of the first parameter group.
 
     The optimizer's checkpoint holds the learning rate the old schedule gave; with a changed
     total_steps (or schedule) the next step must use the new schedule's value, not the old one's
     (which was 0 at the end of a finished cosine run).
     """
-    if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):  # its own state is all it has
-        return
     step = scheduler.last_epoch
     old = [group["lr"] for group in optimizer.param_groups]
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):  # its own state is all it has
+        return step, old[0], old[0]
     new = [base * fn(step) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
     for group, lr in zip(optimizer.param_groups, new, strict=True):
         group["lr"] = lr
     scheduler._last_lr = list(new)  # what get_last_lr() reports for this step
-    if any(abs(a - b) > 1e-12 * max(abs(a), abs(b), 1e-30) for a, b in zip(old, new, strict=True)):
-        _log.warning(
-            "learning rate follows the schedule as configured now",
-            step=step + 1,
-            checkpoint=old[0],
-            now=new[0],
-        )
+    return step, old[0], new[0]
+
+
+def _saved_total(saved_config: Any) -> int | None:
+    """`trainer.schedule.total_steps` of a checkpoint's config, None when it does not say."""
+    if not isinstance(saved_config, dict):
+        return None
+    schedule = _get(saved_config, "trainer", "schedule", None)
+    total = schedule.get("total_steps") if isinstance(schedule, dict) else None
+    return total if isinstance(total, int) else None
 
 
 #: Config sections whose change on resume is worth a line each (what the run now does differently).
