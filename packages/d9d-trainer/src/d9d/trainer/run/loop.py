@@ -302,7 +302,7 @@ class RunLoop:
                 parts.faults.before_step(step)
                 if records.flops_per_token is None:  # the sequence length is known from the first batch on
                     records.flops_per_token = batch_flops_per_token(parts.model, microbatches)
-                lr = parts.scheduler.get_last_lr()[0]  # the learning rate this step uses
+                lr = parts.scheduler.optimizer.param_groups[0]["lr"]  # what this step's update uses
                 output = parts.train_step.run(microbatches, step)  # step
             self.step = step
             if not self.stepped:
