@@ -5,6 +5,7 @@ d9d.parallel calls these instead of checking versions itself.
 """
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -13,7 +14,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _PipelineSchedule
 
-__all__ = ["all_gather_autograd", "schedule_step", "skip_warmup_to_own_rank"]
+__all__ = ["all_gather_autograd", "schedule_step", "skip_warmup_to_own_rank", "traceable_grouped_mm_dtypes"]
 
 
 def all_gather_autograd(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -93,3 +94,24 @@ def skip_warmup_to_own_rank(stage: PipelineStage) -> None:
         return [op for op in legacy() if op.group_peer != own]
 
     stage._get_init_p2p_neighbors_ops = to_other_ranks  # type: ignore[method-assign]
+
+
+def traceable_grouped_mm_dtypes(grouped_mm: Callable[..., torch.Tensor] | None) -> frozenset[torch.dtype]:
+    """The floating dtypes `torch.compile` can trace `grouped_mm` in (run on meta tensors, as tracing does).
+
+    torch 2.11's meta kernel of the grouped GEMM takes bfloat16 only ("Expected inputs of BF16 type"),
+    though its CPU kernel runs float32 too, so a compiled float32 bank fails there; 2.15's takes float32,
+    bfloat16 and float16.
+    """
+    if grouped_mm is None:
+        return frozenset()
+    traceable = set()
+    offs = torch.tensor([16], dtype=torch.int32, device="meta")
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x, w = (torch.empty(shape, dtype=dtype, device="meta") for shape in ((16, 16), (1, 16, 16)))
+        try:
+            grouped_mm(x, w, offs=offs)
+        except RuntimeError:
+            continue
+        traceable.add(dtype)
+    return frozenset(traceable)
