@@ -25,7 +25,9 @@ LIB=
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 # what d9d imports besides torch; numpy, pyyaml and safetensors are on the GPU image, torchao is optional
 NEEDED="msgspec structlog numpy yaml safetensors"
-missing() { for m in "$@"; do $PY -c "import $m" 2>/dev/null || printf '%s ' "$m"; done; }
+missing() {  # the modules of "$@" that $PY cannot find, each followed by a space
+  $PY -c 'import importlib.util as u, sys; print("".join(m + " " for m in sys.argv[1:] if not u.find_spec(m)), end="")' "$@"
+}
 if [ -n "$(missing $NEEDED torchao)" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
   LIB=$(mktemp -d /tmp/d9d-gpu-check-lib.XXXX)
   $PY -m pip install -q --no-index --no-deps --no-compile --target "$LIB" "$WHEELS"/*.whl >"$LIB.log" 2>&1 ||

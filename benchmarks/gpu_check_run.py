@@ -30,6 +30,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 ROOT = Path(__file__).resolve().parents[1]
 #: A check is not started with less than this many seconds left of its share.
@@ -211,9 +212,35 @@ def _under(name: str, folders: tuple[str, ...]) -> bool:
     return any(re.search(rf"(^|/){re.escape(f)}(/|$)", name) for f in folders)
 
 
-def main() -> int:
+def _refuse(line: str) -> NoReturn:
+    print(line, file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _settings() -> tuple[str, float, set[str]]:
+    """DEVICE, BUDGET_S and SKIP from the environment, checked before anything is written.
+
+    Raises:
+        SystemExit: status 2, after one line naming the variable, what it holds and what it takes.
+    """
     device = os.environ.get("DEVICE", "cuda")
-    budget = float(os.environ.get("BUDGET_S") or (540 if device == "cuda" else 1500))
+    if device not in ("cuda", "cpu"):
+        _refuse(f"error: DEVICE={device!r}: set it to cuda (the GPU) or cpu (a dry run at tiny shapes)")
+    raw = os.environ.get("BUDGET_S") or ("540" if device == "cuda" else "1500")
+    try:
+        budget = float(raw)
+    except ValueError:
+        _refuse(f"error: BUDGET_S={raw!r}: set it to the run's seconds, e.g. BUDGET_S=540")
+    skip = set(os.environ.get("SKIP", "").split())
+    names = [c.name for c in plan("python3", device, Path("work"))]
+    if skip - set(names):
+        unknown = " ".join(sorted(skip - set(names)))
+        _refuse(f"error: SKIP names no check: {unknown}; the checks are {' '.join(names)}")
+    return device, budget, skip
+
+
+def main() -> int:
+    device, budget, skip = _settings()
     out = Path(os.environ.get("OUT") or "/tmp/d9d-gpu-check")
     out = out if out.is_absolute() else ROOT / out
     out.mkdir(parents=True, exist_ok=True)
@@ -222,15 +249,10 @@ def main() -> int:
     logs.mkdir()
     os.environ["D9D_GPU_CHECK_LOGS"] = str(logs)  # where a check leaves its traces
     checks = plan(os.environ.get("PY") or sys.executable, device, work)
-    unknown = set(os.environ.get("SKIP", "").split()) - {c.name for c in checks}
-    if unknown:
-        print(f"error: SKIP names no check: {sorted(unknown)}; the checks: {' '.join(c.name for c in checks)}",
-              file=sys.stderr)  # fmt: skip
-        return 2
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     try:
-        return run(checks, budget, set(os.environ.get("SKIP", "").split()), out / "summary.txt", logs)
+        return run(checks, budget, skip, out / "summary.txt", logs)
     finally:
         archive(logs, out / "logs.tgz")
 

@@ -156,3 +156,15 @@ def test_the_prepare_script_refuses_a_wheel_folder_git_would_commit():
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and ".gitignore" in done.stderr, done.stderr
     assert not (ROOT / wheels).exists()
+
+
+def test_a_misspelt_setting_is_one_line_naming_it_and_nothing_is_written(tmp_path):
+    for setting in ({"SKIP": "tp_bf16 flexx"}, {"DEVICE": "gpu"}, {"BUDGET_S": "9 min"}):
+        out = tmp_path / "out"
+        env = {**os.environ, "OUT": str(out), "PY": sys.executable, "DEVICE": "cpu", **setting}
+        done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], capture_output=True,
+                              text=True, env=env, timeout=120)  # fmt: skip
+        name = next(iter(setting))
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, (setting, done.stderr)
+        assert f"{name}=" in done.stderr or "SKIP names no check: flexx;" in done.stderr, done.stderr
+        assert not out.exists()
