@@ -39,7 +39,6 @@ MIN_LIMIT_S = 10
 RESERVE_S = 5
 #: logs.tgz comes back from a lent machine only under 16 MiB; above this the traces are left out.
 MAX_LOGS_BYTES = 15 * 2**20
-STATUS = ("PASS", "FAIL", "INFO", "SKIP")
 
 
 @dataclass(frozen=True)
