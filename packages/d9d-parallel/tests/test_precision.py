@@ -292,15 +292,18 @@ def test_a_deepcopy_of_an_autocast_module_uses_its_own_weights():
     assert torch.count_nonzero(twin(torch.randn(3, 8))) == 0
 
 
-def test_enable_tf32_sets_and_clears_the_cuda_flags():
-    matmul, conv = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
+def test_enable_tf32_sets_and_clears_the_cuda_flags_and_every_getter_still_answers():
+    # torch's legacy getters raise when the legacy and per-backend settings disagree; inductor calls them
+    matmul, conv = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     try:
+        for enabled, precision, legacy in ((True, "tf32", "high"), (False, "ieee", "highest")):
+            enable_tf32(enabled)
+            assert torch.backends.cuda.matmul.fp32_precision == precision
+            assert torch.get_float32_matmul_precision() == legacy
+            assert torch.backends.cuda.matmul.allow_tf32 is enabled
+            assert torch.backends.cudnn.allow_tf32 is enabled
         enable_tf32(True)
-        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
         assert torch.backends.cudnn.conv.fp32_precision == "tf32"
-        enable_tf32(False)
-        assert torch.backends.cuda.matmul.fp32_precision == "ieee"
-        assert torch.backends.cudnn.conv.fp32_precision == "ieee"
     finally:
-        torch.backends.cuda.matmul.fp32_precision = matmul
-        torch.backends.cudnn.conv.fp32_precision = conv
+        torch.backends.cuda.matmul.allow_tf32 = matmul
+        torch.backends.cudnn.allow_tf32 = conv

@@ -2,7 +2,14 @@ import io
 
 import torch
 
-from d9d.trainer.observe.throughput import ProgressLine, device_peak_flops, mfu, model_flops_per_token
+from d9d.trainer.observe.throughput import (
+    PEAK_TFLOPS_BF16,
+    ProgressLine,
+    device_peak_flops,
+    mfu,
+    model_flops_per_token,
+    named_peak_flops,
+)
 
 
 class _Config:
@@ -26,6 +33,21 @@ def test_mfu_only_with_known_peak_and_flops():
     assert mfu(1000.0, 6e6, 1e12, 2) == {"mfu": round(1000 * 6e6 / 2e12, 4)}
     assert model_flops_per_token(_Model(), 128) == 6128.0
     assert model_flops_per_token(torch.nn.Linear(2, 2), 128) is None
+
+
+def test_each_device_name_gets_its_own_parts_peak_not_a_shorter_names():
+    # the names torch.cuda.get_device_name gives: an NVL part contains the SXM part's short name
+    for name, key in (
+        ("NVIDIA H100 NVL", "H100 NVL"),
+        ("NVIDIA H200 NVL", "H200 NVL"),
+        ("NVIDIA H100 PCIe", "H100 PCIe"),
+        ("NVIDIA H100 80GB HBM3", "H100"),
+        ("NVIDIA H200", "H200"),
+    ):
+        assert named_peak_flops(name) == PEAK_TFLOPS_BF16[key] * 1e12, name
+    assert PEAK_TFLOPS_BF16["H100 NVL"] != PEAK_TFLOPS_BF16["H100"]
+    assert PEAK_TFLOPS_BF16["H200 NVL"] != PEAK_TFLOPS_BF16["H200"]
+    assert named_peak_flops("Tesla V100-SXM2-16GB") is None
 
 
 def test_progress_line_only_on_a_terminal():

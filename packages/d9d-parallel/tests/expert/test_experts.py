@@ -47,6 +47,43 @@ def test_which_banks_run_grouped():
     assert not fits(torch.zeros(1, 32, device="meta"), 32, 48)  # neither CPU nor CUDA
 
 
+def _compiled_bank_run(dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    """Outputs and gradients of a bank eager and compiled (aot_eager: dynamo traces as inductor would,
+    nothing is code-generated) over uneven routings with an empty expert, and the graph breaks."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    bank = GroupedExperts(EXPERTS, HIDDEN, FFN).to(dtype)
+    compiled = torch.compile(bank, backend="aot_eager")
+    eager, traced = [], []
+    for counts in ([3, 0, 5, 2], [1, 6, 0, 3]):
+        x = torch.randn(sum(counts), HIDDEN, dtype=dtype, requires_grad=True)
+        for run, into in ((bank, eager), (compiled, traced)):
+            out = run(x, torch.tensor(counts))
+            into += [out.detach(), *torch.autograd.grad(out.square().sum(), (x, bank.w_gate, bank.w_down))]
+    return eager, traced, sum(counters["graph_break"].values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_compiled_bank_computes_what_the_eager_one_does_on_this_torch(dtype):
+    # torch 2.11 cannot trace the grouped GEMM in float32: the bank runs it eagerly inside the graph
+    eager, traced, _ = _compiled_bank_run(dtype)
+    for a, b in zip(traced, eager, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_compiled_bank_in_a_dtype_torch_cannot_trace_runs_its_gemms_between_two_graphs(monkeypatch):
+    assert torch.bfloat16 in experts_module._TRACEABLE_DTYPES  # every torch traces bf16 (CUDA's dtype)
+    monkeypatch.setattr(experts_module, "_TRACEABLE_DTYPES", frozenset())  # as float32 on torch 2.11
+    eager, traced, breaks = _compiled_bank_run(torch.float32)
+    for a, b in zip(traced, eager, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert breaks > 0
+
+
 def _moe_host_reads() -> list[str]:
     torch.manual_seed(0)
     moe = MoE(HIDDEN, FFN, EXPERTS, 2, shared_ffn_size=16)

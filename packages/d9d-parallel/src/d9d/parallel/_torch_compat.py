@@ -15,7 +15,13 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _PipelineSchedule
 
-__all__ = ["all_gather_autograd", "around_stage_forward", "schedule_step", "skip_warmup_to_own_rank"]
+__all__ = [
+    "all_gather_autograd",
+    "around_stage_forward",
+    "schedule_step",
+    "skip_warmup_to_own_rank",
+    "traceable_grouped_mm_dtypes",
+]
 
 #: `context(stage_index, microbatch_index, probe)`: the context one stage forward runs in; `probe` is
 #: torch's metadata-inference forward of the first step (not a microbatch of the step).
@@ -118,3 +124,24 @@ def around_stage_forward(stage: PipelineStage, context: StageForwardContext) -> 
 
     register(factory)
     return True
+
+
+def traceable_grouped_mm_dtypes(grouped_mm: Callable[..., torch.Tensor] | None) -> frozenset[torch.dtype]:
+    """The floating dtypes `torch.compile` can trace `grouped_mm` in (run on meta tensors, as tracing does).
+
+    torch 2.11's meta kernel of the grouped GEMM takes bfloat16 only ("Expected inputs of BF16 type"),
+    though its CPU kernel runs float32 too, so a compiled float32 bank fails there; 2.15's takes float32,
+    bfloat16 and float16.
+    """
+    if grouped_mm is None:
+        return frozenset()
+    traceable = set()
+    offs = torch.tensor([16], dtype=torch.int32, device="meta")
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x, w = (torch.empty(shape, dtype=dtype, device="meta") for shape in ((16, 16), (1, 16, 16)))
+        try:
+            grouped_mm(x, w, offs=offs)
+        except RuntimeError:
+            continue
+        traceable.add(dtype)
+    return frozenset(traceable)

@@ -108,10 +108,15 @@ def autocast_forward(module: nn.Module, precision: MixedPrecision | None, device
 
 
 def enable_tf32(enabled: bool = True) -> None:
-    """Let float32 matmuls and convolutions on CUDA use TF32 tensor cores (or forbid it)."""
-    mode = "tf32" if enabled else "ieee"
-    torch.backends.cuda.matmul.fp32_precision = mode
-    torch.backends.cudnn.conv.fp32_precision = mode
+    """Let float32 matmuls and convolutions on CUDA use TF32 tensor cores (or forbid it).
+
+    Set through the `allow_tf32` flags, which keep torch's two views of the setting in agreement:
+    after the per-backend `fp32_precision = "tf32"` alone, `torch.get_float32_matmul_precision()`
+    and `torch.backends.cuda.matmul.allow_tf32` raise ("mix of the legacy and new APIs", torch 2.11
+    to 2.15), and inductor reads them while it compiles (2.11: its autotune cache and FlexAttention).
+    """
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
 
 
 def _name(dtype: torch.dtype) -> str:

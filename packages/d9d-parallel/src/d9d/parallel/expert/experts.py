@@ -5,7 +5,9 @@ torch >= 2.10; `torch._grouped_mm` before), whose group boundaries are the cumul
 token counts on the device: no host sync, and shapes that do not depend on the routing, so a
 compiled block keeps one graph. The kernels need each row (hidden and ffn widths) to be a multiple
 of 16 bytes and, on CUDA, bfloat16 inputs; where a bank does not fit (or torch has neither
-function) it runs the per-expert loop, which reads the counts on the host once per forward.
+function) it runs the per-expert loop, which reads the counts on the host once per forward. Compiled,
+a bank in a dtype this torch cannot trace the grouped GEMM in (float32 on torch 2.11) runs its three
+GEMMs eagerly between two graphs: a graph break, no host read, no recompile.
 """
 
 import math
@@ -15,10 +17,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from d9d.parallel._torch_compat import traceable_grouped_mm_dtypes
+
 __all__ = ["GroupedExperts", "SwiGLU", "grouped_mm_fits"]
 
 #: torch's grouped GEMM: public from torch 2.10, private (`torch._grouped_mm`, CUDA sm90 only) in 2.8-2.9.
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+#: The dtypes torch.compile traces `_GROUPED_MM` in; read while tracing, so found once here.
+_TRACEABLE_DTYPES = traceable_grouped_mm_dtypes(_GROUPED_MM)
 
 
 class SwiGLU(nn.Module):
@@ -70,13 +76,12 @@ class GroupedExperts(nn.Module):
         """
         w_gate, w_up, w_down = (_local(w).to(x.dtype) for w in (self.w_gate, self.w_up, self.w_down))
         if grouped_mm_fits(x, self.hidden_size, self.ffn_size):
-            assert _GROUPED_MM is not None
             offs = torch.cumsum(counts, dim=0).to(torch.int32)  # the end row of each expert's group
             # checked on the device (a CUDA device-side assert), never read on the host
             torch._assert_async(offs[-1] == x.shape[0], "expert counts must add up to the rows of x")
-            gate = _contiguous_grad(_GROUPED_MM(x, w_gate, offs=offs))
-            up = _contiguous_grad(_GROUPED_MM(x, w_up, offs=offs))
-            return _contiguous_grad(_GROUPED_MM(F.silu(gate) * up, w_down, offs=offs))
+            if torch.compiler.is_compiling() and x.dtype not in _TRACEABLE_DTYPES:
+                return _grouped_swiglu_eagerly(x, w_gate, w_up, w_down, offs)
+            return _grouped_swiglu(x, w_gate, w_up, w_down, offs)
         outputs = []
         for j, x_j in enumerate(torch.split(x, counts.tolist(), dim=0)):  # the fallback's host read
             outputs.append((F.silu(x_j @ w_gate[j]) * (x_j @ w_up[j])) @ w_down[j])
@@ -94,6 +99,20 @@ def grouped_mm_fits(x: torch.Tensor, hidden_size: int, ffn_size: int) -> bool:
     if x.device.type == "cuda" and x.dtype != torch.bfloat16:
         return False
     return all(width * x.element_size() % 16 == 0 for width in (hidden_size, ffn_size))
+
+
+def _grouped_swiglu(
+    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, offs: torch.Tensor
+) -> torch.Tensor:
+    """The bank's SwiGLU as three grouped GEMMs over the groups that end at the rows `offs`."""
+    assert _GROUPED_MM is not None
+    gate = _contiguous_grad(_GROUPED_MM(x, w_gate, offs=offs))
+    up = _contiguous_grad(_GROUPED_MM(x, w_up, offs=offs))
+    return _contiguous_grad(_GROUPED_MM(F.silu(gate) * up, w_down, offs=offs))
+
+
+#: `_grouped_swiglu` left out of a compiled graph, for the dtypes torch cannot trace it in.
+_grouped_swiglu_eagerly = torch.compiler.disable(_grouped_swiglu)
 
 
 class _ContiguousGrad(torch.autograd.Function):

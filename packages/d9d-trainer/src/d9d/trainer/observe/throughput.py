@@ -14,12 +14,16 @@ __all__ = [
     "batch_flops_per_token",
     "device_peak_flops",
     "model_flops_per_token",
+    "named_peak_flops",
 ]
 
-#: Dense bf16 peak TFLOP/s of devices whose peak is known (name substring → TFLOP/s). A device not
-#: listed gets no MFU: never a made-up number.
+#: Dense bf16 peak TFLOP/s of devices whose peak is known (name substring → TFLOP/s), the more specific
+#: names first: "NVIDIA H100 NVL" and "NVIDIA H200 NVL" (835) must not match the SXM parts' "H100" and
+#: "H200" (989). A device not listed gets no MFU: never a made-up number.
 PEAK_TFLOPS_BF16: dict[str, float] = {
+    "H200 NVL": 835.0,
     "H200": 989.0,
+    "H100 NVL": 835.0,
     "H100 SXM": 989.0,
     "H100 PCIe": 756.0,
     "H100": 989.0,
@@ -30,15 +34,20 @@ PEAK_TFLOPS_BF16: dict[str, float] = {
 }
 
 
+def named_peak_flops(name: str) -> float | None:
+    """Peak dense bf16 FLOP/s of the device called `name` (as `torch.cuda.get_device_name` says it):
+    the first `PEAK_TFLOPS_BF16` key it contains, or None."""
+    for key, tflops in PEAK_TFLOPS_BF16.items():
+        if key in name:
+            return tflops * 1e12
+    return None
+
+
 def device_peak_flops(device: torch.device) -> float | None:
     """Peak dense bf16 FLOP/s of `device`, or None when it is not in `PEAK_TFLOPS_BF16` (e.g. a CPU)."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key, tflops in PEAK_TFLOPS_BF16.items():  # most specific names come first
-        if key in name:
-            return tflops * 1e12
-    return None
+    return named_peak_flops(torch.cuda.get_device_name(device))
 
 
 @runtime_checkable
