@@ -248,3 +248,15 @@ def assert_same_run(ranks: list[RunResult], want: RunResult, *, rtol: float, ato
                 value, want.params[name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}"
             )
     assert seen == set(want.params), f"stages miss {set(want.params) - seen} or add {seen - set(want.params)}"
+
+
+#: (schedule, stages per rank, microbatches): every schedule, single- and multi-stage.
+SCHEDULE_CASES = [
+    ("gpipe", 1, 4),
+    ("1f1b", 1, 2),
+    ("interleaved_1f1b", 2, 4),
+    ("looped_bfs", 2, 4),
+    ("interleaved_zero_bubble", 2, 4),
+    ("zbv", 2, 4),
+    ("dualpipev", 2, 4),
+]

@@ -10,7 +10,7 @@ forward kept without backward, the control, is seen (~90 KB) and gone once dropp
 
 import pytest
 import torch
-from _pipeline_model import SEQ, TinyConfig, batches, build_stage, loss_fn
+from _pipeline_model import SCHEDULE_CASES, SEQ, TinyConfig, batches, build_stage, loss_fn
 from _saved_tensors import SavedTensors
 
 from d9d.mesh import DistributedContext, MeshConfig
@@ -18,16 +18,7 @@ from d9d.mesh.testing import run_distributed
 from d9d.parallel.pipeline import Pipeline, PipelineConfig, plan_pipeline
 
 STEPS = 2  # the first (with torch's metadata inference) and a steady one
-#: (schedule, stages per rank, microbatches): every schedule, single- and multi-stage.
-CASES = [
-    ("gpipe", 1, 4),
-    ("1f1b", 1, 2),
-    ("interleaved_1f1b", 2, 4),
-    ("looped_bfs", 2, 4),
-    ("interleaved_zero_bubble", 2, 4),
-    ("zbv", 2, 4),
-    ("dualpipev", 2, 4),
-]
+CASES = SCHEDULE_CASES
 
 
 def _saved_after_steps() -> dict[str, object]:

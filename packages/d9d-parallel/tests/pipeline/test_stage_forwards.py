@@ -7,7 +7,7 @@ import contextlib
 
 import pytest
 import torch
-from _pipeline_model import SEQ, TinyConfig, batches, build_stage, loss_fn
+from _pipeline_model import SCHEDULE_CASES, SEQ, TinyConfig, batches, build_stage, loss_fn
 from torch.distributed.pipelining import PipelineStage
 
 from d9d.mesh import DistributedContext, MeshConfig
@@ -19,16 +19,7 @@ from d9d.parallel.pipeline import Pipeline, PipelineConfig, plan_pipeline
 #: `around_stage_forwards` says so (d9d then seeds the whole step instead).
 HOOKED = hasattr(PipelineStage, "register_forward_context")
 
-#: (schedule, stages per rank, microbatches): every schedule, single- and multi-stage.
-CASES = [
-    ("gpipe", 1, 4),
-    ("1f1b", 1, 2),
-    ("interleaved_1f1b", 2, 4),
-    ("looped_bfs", 2, 4),
-    ("interleaved_zero_bubble", 2, 4),
-    ("zbv", 2, 4),
-    ("dualpipev", 2, 4),
-]
+CASES = SCHEDULE_CASES
 
 
 def _forwards() -> dict[str, list[list[tuple[int, int, bool]]]]:
