@@ -24,6 +24,7 @@ and `fuse_linear_cross_entropy` turns a model's plain `nn.Linear` head into one 
 """
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -91,24 +92,16 @@ def linear_cross_entropy(
     )
 
 
+@dataclass(frozen=True)
 class _Options:
     """The op's non-tensor inputs: chunking, dtype and (vocab-parallel) this rank's shard of the vocab."""
 
-    def __init__(
-        self,
-        chunk_size: int,
-        ignore_index: int,
-        softcap: float | None,
-        dtype: torch.dtype,
-        group: dist.ProcessGroup | None,
-        vocab_start: int,
-    ) -> None:
-        self.chunk_size = chunk_size
-        self.ignore_index = ignore_index
-        self.softcap = softcap
-        self.dtype = dtype
-        self.group = group
-        self.vocab_start = vocab_start
+    chunk_size: int
+    ignore_index: int
+    softcap: float | None
+    dtype: torch.dtype
+    group: dist.ProcessGroup | None
+    vocab_start: int
 
 
 def _local_operands(
@@ -279,12 +272,15 @@ def _chunk_grad(
 
 
 def _accumulate(total: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
-    """`total += left @ right` in float32: in place when the operands are float32, else through one
-    product in their dtype (the float32 sum keeps the chunks' rounding from adding up)."""
+    """`total += left @ right` in float32 ([vocab, chunk] @ [chunk, hidden]): in place when the operands
+    are float32, else through products in their dtype (the float32 sum keeps the chunks' rounding from
+    adding up), a block of vocab rows at a time so that no product outgrows the chunk's logits."""
     if left.dtype == _FP32:
         total.addmm_(left, right)
-    else:
-        total += left @ right
+        return
+    rows = max(1, left.numel() // right.shape[1])  # [rows, hidden] holds as many numbers as [vocab, chunk]
+    for start in range(0, left.shape[0], rows):
+        total[start : start + rows] += left[start : start + rows] @ right
 
 
 class LinearCrossEntropyHead(nn.Linear):

@@ -122,6 +122,8 @@ def _memory_lines(job_plan: "JobPlan", config: "JobConfig") -> list[str]:
             per_rank = ", ".join(f"pp rank {r}: {format_size(b)}" for r, b in enumerate(acts.per_pp_rank))
             lines.append(f"  activations per pp rank (checkpointing {ac.mode}): {per_rank}")
         lines.append(f"  activation estimate assumes: {_activation_assumptions(mesh, acts.in_flight_note)}")
+    if memory.loss:
+        lines.append(f"  loss: {memory.loss} (trainer.loss)")
     return lines
 
 

@@ -9,9 +9,15 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from d9d.mesh import DistributedContext, get_logger
-from d9d.parallel import LoraCoverage, fsdp_parameters, lora_coverage, select_float8_linears
+from d9d.parallel import (
+    LoraCoverage,
+    describe_fused_loss,
+    fsdp_parameters,
+    lora_coverage,
+    select_float8_linears,
+)
 from d9d.trainer.job.resolve import ResolvedJob
-from d9d.trainer.planning.plan import JobPlan
+from d9d.trainer.planning.plan import JobPlan, full_logits_path
 from d9d.trainer.providers.model import DescribesModel
 
 __all__ = ["log_job_built"]
@@ -47,6 +53,7 @@ def log_job_built(
             if tcfg.precision.float8 is not None
             else None
         ),
+        "loss": _loss_path(model, plan, fused=tcfg.loss.fused),
     }
     _log.info(
         "job built",
@@ -70,6 +77,15 @@ def _warn_lora_coverage(coverage: LoraCoverage, ctx: DistributedContext) -> None
     coordinates = {} if ctx.is_local else ctx.coordinates["dense"]
     if warning is not None and not any(v for axis, v in coordinates.items() if axis != "pp"):
         _log.warning(warning)
+
+
+def _loss_path(model: torch.nn.Module, plan: JobPlan, *, fused: bool) -> str | None:
+    """Which loss runs on this rank (None on a pipeline rank without the last stage): the fused head
+    (`trainer.loss`) or the full logits."""
+    fused_path = describe_fused_loss(model)
+    if fused_path is not None or not any(stage is None or stage.is_last for stage in plan.stages):
+        return fused_path
+    return full_logits_path(fused=fused)
 
 
 def _local_numel(param: torch.Tensor) -> int:

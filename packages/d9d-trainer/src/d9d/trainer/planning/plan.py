@@ -130,6 +130,7 @@ class MemoryPlan:
             as the trainer refuses an FSDP2 unit that does not offload); 0 without offload.
         lora: what each `peft.lora` pattern matched per layer and the projections it misses (None
             without `peft.lora`).
+        loss: which loss the last stage runs (`trainer.loss`): the fused head or the full logits.
     """
 
     parameters: int
@@ -143,6 +144,7 @@ class MemoryPlan:
     float8_all_gather: bool = False
     host_state: int = 0
     lora: LoraCoverage | None = None
+    loss: str = ""
 
     @property
     def device_state(self) -> int:
@@ -198,3 +200,8 @@ class JobPlan:
     def stages(self) -> tuple[StageSpec | None, ...]:
         """The model stages this rank builds: its pipeline stages, or (None,) for the whole model."""
         return self.pipeline.stages if self.pipeline is not None else (None,)
+
+
+def full_logits_path(*, fused: bool) -> str:
+    """The loss path of a model whose head returns the full logits, and why (`trainer.loss.fused`)."""
+    return f"full logits ({'the model does not fuse its head' if fused else 'trainer.loss.fused: false'})"
