@@ -140,3 +140,15 @@ def test_gpu_check_dry_run_on_cpu_passes_every_check_it_runs(tmp_path):
     skipped = ("quickstart", "gpu_throughput", "moe_compile", "fsdp_compiled", "flex_docmask", "float8")
     assert {results[name] for name in skipped} == {"SKIP"}, summary
     assert (out / "logs.tgz").is_file()
+
+
+def test_fused_loss_tiny_mode_measures_both_paths(tmp_path):
+    stdout, rows = _run(tmp_path, "fused_loss.py", "--tiny", timeout=300)
+    assert "fused / full: peak" in stdout
+    got = {r["name"]: r["ratio"] for r in rows}
+    assert list(got) == [
+        "fused / full loss: peak bytes of the loss step",
+        "fused / full loss: peak bytes above the weight gradient",
+        "fused / full loss: step time (CPU)",
+    ]
+    assert 0 < got["fused / full loss: peak bytes of the loss step"] < 0.5, rows  # 256 tokens, chunks of 32
