@@ -1,6 +1,7 @@
-"""Which loss a job runs (`trainer.loss`): the reference model's fused head, said in the "job built" line
-and the plan, whose activation estimate then holds no [tokens, vocab] logits; a model that does not
-fuse its head keeps the full logits; the fused forward equals the logits' loss, in eval too."""
+"""Which loss a job runs (`trainer.loss`): the reference model's fused head, said by the plan, whose
+activation estimate then holds no [tokens, vocab] logits; a model that does not fuse its head keeps
+the full logits, and the "job built" line says so and why; the fused forward equals the logits' loss,
+in eval too."""
 
 import sys
 from pathlib import Path
@@ -50,9 +51,12 @@ def _job_built(capsys: pytest.CaptureFixture[str], config: dict) -> str:
     ],
     ids=["reference", "turned-off", "custom-model"],
 )
-def test_the_job_built_line_and_the_plan_say_which_loss_runs(tmp_path, capsys, reference, loss, path):
+def test_the_plan_says_which_loss_runs_and_the_job_built_line_when_not_fused(
+    tmp_path, capsys, reference, loss, path
+):
     config = _config(tmp_path, reference=reference, **loss)
-    assert f"loss='{path}'" in _job_built(capsys, config)
+    line = _job_built(capsys, config)  # short: only what is not the default
+    assert f"loss='{path}'" in line if path != _FUSED else "loss=" not in line
     job = resolve_job(load_job_config(config))
     plan = plan_job(job, DistributedContext.from_env(environ={}, device="cpu"), memory=True)
     assert plan.memory is not None and plan.memory.loss == path

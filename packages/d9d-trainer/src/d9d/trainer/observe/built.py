@@ -80,11 +80,10 @@ def _warn_lora_coverage(coverage: LoraCoverage, ctx: DistributedContext) -> None
 
 
 def _loss_path(model: torch.nn.Module, plan: JobPlan, *, fused: bool) -> str | None:
-    """Which loss runs on this rank (None on a pipeline rank without the last stage): the fused head
-    (`trainer.loss`) or the full logits."""
-    fused_path = describe_fused_loss(model)
-    if fused_path is not None or not any(stage is None or stage.is_last for stage in plan.stages):
-        return fused_path
+    """The full logits and why, where this rank's loss runs on them; None where it runs fused (the
+    default, `trainer.loss`: `d9d plan` says it) or on another rank (a pipeline without the last stage)."""
+    if describe_fused_loss(model) is not None or not any(s is None or s.is_last for s in plan.stages):
+        return None
     return full_logits_path(fused=fused)
 
 
