@@ -150,3 +150,15 @@ def test_gpu_check_dry_run_on_cpu_passes_every_check_it_runs(tmp_path):
     # each check printed its own line, with its figures (not one the runner made from its exit status)
     assert all(len(line.split()) > 4 for line in summary if line.split()[1] in ran), summary
     assert (out / "logs.tgz").is_file()
+
+
+def test_fused_loss_tiny_mode_measures_both_paths(tmp_path):
+    stdout, rows = _run(tmp_path, "fused_loss.py", "--tiny", timeout=300)
+    assert "fused / full: peak" in stdout
+    got = {r["name"]: r["ratio"] for r in rows}
+    assert list(got) == [
+        "fused / full loss: peak bytes of the loss step",
+        "fused / full loss: peak bytes above the weight gradient",
+        "fused / full loss: step time (CPU)",
+    ]
+    assert 0 < got["fused / full loss: peak bytes of the loss step"] < 0.5, rows  # 256 tokens, chunks of 32

@@ -138,7 +138,12 @@ def test_full_sft_on_packed_chat_rows_equals_a_plain_pytorch_loop(example):
 
     settings = Settings(steps=STEPS, warmup=3, lr=2e-3, weight_decay=0.0, max_norm=1.0)
     args = _args(
-        example, "anchor", "peft.lora=null", "eval.period_steps=0", "trainer.checkpointing.period_steps=0"
+        example,
+        "anchor",
+        "peft.lora=null",
+        "eval.period_steps=0",
+        "trainer.checkpointing.period_steps=0",
+        "trainer.loss.fused=false",  # the loop's full-logits loss (tests/test_trainer_anchor.py says why)
     )
     got = run_forked(trainer_and_loop, str(example / "config.yaml"), args, settings, timeout=300)
     assert got["microbatches"] == 4 and got["ignored"] > 0  # accumulation; masked tokens in the rows

@@ -8,9 +8,10 @@ checkpointing, per-block compile, then one FSDP unit per block, one for the embe
 final norm with the LM head).
 
 Also the per-block training mechanisms any loop can use: mixed precision (`precision_autocast`,
-`precision=` of the parallelize functions), activation checkpointing, in-place `torch.compile`, and
-LoRA adapters (`apply_lora`, exported in PEFT's layout), and AdamW/SGD with bfloat16 states
-(`StateDtypeAdamW`, `StateDtypeSGD`).
+`precision=` of the parallelize functions), activation checkpointing, in-place `torch.compile`, the
+LM head and its cross-entropy fused over chunks of tokens (`linear_cross_entropy`,
+`fuse_linear_cross_entropy`), LoRA adapters (`apply_lora`, exported in PEFT's layout), and
+AdamW/SGD with bfloat16 states (`StateDtypeAdamW`, `StateDtypeSGD`).
 
 See packages/d9d-parallel/README.md for the gradient-reduction contract.
 
@@ -39,6 +40,7 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
         CompileConfig,
         Float8Config,
         LoraConfig,
+        LossConfig,
         MemoryConfig,
         PrecisionConfig,
     )
@@ -70,6 +72,13 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
     )
     from d9d.parallel.errors import ParallelizeError, UnsupportedParallelismError
     from d9d.parallel.float8 import Float8Selection, apply_float8, float8_linears, select_float8_linears
+    from d9d.parallel.fused_loss import (
+        LinearCrossEntropyHead,
+        describe_fused_loss,
+        fuse_linear_cross_entropy,
+        fused_head_problem,
+        linear_cross_entropy,
+    )
     from d9d.parallel.gradient_norm import (
         clip_grad_norm_,
         grad_norm,

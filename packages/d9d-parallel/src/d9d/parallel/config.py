@@ -1,5 +1,5 @@
 """The config sections of d9d-parallel's per-block mechanisms: precision, activation checkpointing,
-compile, LoRA and memory (CPU offload).
+compile, LoRA, memory (CPU offload) and the fused LM-head loss.
 
 Plain msgspec structs, importing no torch, so a job's config is checked (unknown keys, wrong values)
 before torch is imported; the code each one configures lives in its own module (`precision.py`,
@@ -18,6 +18,7 @@ __all__ = [
     "CompileConfig",
     "Float8Config",
     "LoraConfig",
+    "LossConfig",
     "MemoryConfig",
     "PrecisionConfig",
 ]
@@ -86,6 +87,28 @@ class MemoryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     """
 
     cpu_offload: bool = False
+
+
+class LossConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`trainer.loss`: how a causal LM's token loss is computed.
+
+    Attributes:
+        fused: the LM head and the cross-entropy computed together over chunks of tokens
+            (`linear_cross_entropy`), so no [tokens, vocab] logits tensor exists; the same loss and
+            gradients within float rounding. It applies where the model's head can
+            (`fused_head_problem`); false: the model returns the full logits and the loss is computed
+            from them in float32.
+        chunk_size: tokens per chunk; at most chunk_size × vocab (÷ tp) logits are alive at once.
+    """
+
+    fused: bool = True
+    chunk_size: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.chunk_size < 1:
+            raise ValueError(
+                f"trainer.loss.chunk_size must be >= 1 (tokens per chunk), got {self.chunk_size}"
+            )
 
 
 class ActivationCheckpointingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -215,15 +215,33 @@ def lm_head_plan(
     """Column-parallel LM head: each tp rank computes the logits of its slice of the vocabulary.
 
     With `loss_parallel=True` the logits stay a DTensor sharded on the vocab dim for `cross_entropy`;
-    with False they are all-gathered into a plain tensor (simple, but a full-vocab gather).
+    with False they are all-gathered into a plain tensor (simple, but a full-vocab gather). A
+    `LinearCrossEntropyHead` given `labels=` returns its vocab-parallel loss instead, gathering nothing
+    but the hidden states' sequence.
     """
     return {
-        name: ColwiseParallel(
+        name: _ColumnParallelHead(
             input_layouts=_sharded_or_replicated(sequence_parallel),
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
         )
     }
+
+
+class _ColumnParallelHead(ColwiseParallel):
+    """ColwiseParallel whose module may also return a plain tensor (a fused head's loss), passed on as is."""
+
+    @staticmethod
+    def _prepare_output_fn(
+        output_layouts: Placement,
+        use_local_output: bool,
+        mod: nn.Module,
+        outputs: object,
+        device_mesh: DeviceMesh,
+    ) -> object:
+        if not isinstance(outputs, DTensor):
+            return outputs
+        return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
 
 
 def parallelize_tensor_parallel(

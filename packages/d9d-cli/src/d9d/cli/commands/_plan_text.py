@@ -118,6 +118,8 @@ def _memory_lines(job_plan: "JobPlan", config: "JobConfig") -> list[str]:
     if acts is not None:
         note = acts.in_flight_note
         lines.append(f"  activation estimate assumes: {_activation_assumptions(job_plan.mesh, note)}")
+    if memory.loss:
+        lines.append(f"  loss: {memory.loss} (trainer.loss)")
     return lines
 
 

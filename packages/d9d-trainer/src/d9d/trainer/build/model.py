@@ -214,6 +214,7 @@ def _parallelize(
                 compile=tcfg.compile,
                 lora=job.config.peft.lora,
                 cpu_offload=tcfg.memory.cpu_offload,
+                loss=tcfg.loss,
                 **where,
             )
         )

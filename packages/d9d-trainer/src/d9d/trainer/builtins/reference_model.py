@@ -12,7 +12,13 @@ import json
 from torch import nn
 
 from d9d.mesh import MeshConfig
-from d9d.parallel import apply_lora, parallelize_context_parallel, parallelize_decoder
+from d9d.parallel import (
+    apply_lora,
+    fuse_linear_cross_entropy,
+    fused_head_problem,
+    parallelize_context_parallel,
+    parallelize_decoder,
+)
 from d9d.trainer.models.config import ReferenceModelConfig, check_sequence_length
 from d9d.trainer.models.hf_config import to_hf_config
 from d9d.trainer.models.hf_weights import ExpertLayout, hf_export_mapper
@@ -75,13 +81,16 @@ class ReferenceModelProvider:
 
 def parallelize_reference_model(model: nn.Module, context: ParallelizeModelStageContext) -> None:
     """The reference model's parallelisms in their order: tensor → expert → context parallel → LoRA →
-    per layer checkpointing and compile, then the FSDP units of `d9d.parallel.parallelize_decoder`."""
+    the fused head loss (`trainer.loss`, where the head is a plain linear) → per layer checkpointing and
+    compile, then the FSDP units of `d9d.parallel.parallelize_decoder`."""
     ctx = context.context
     apply_tensor_parallel(model, ctx)  # mesh.tensor_parallel > 1
     apply_expert_parallel(model, ctx, context.precision)  # mesh.expert_parallel > 1 (MoE)
     parallelize_context_parallel(model, context.mesh)  # mesh.context_parallel > 1
     if context.lora is not None:  # peft.lora: adapters follow the TP layout, FSDP shards them below
         apply_lora(model, context.lora)
+    if context.loss.fused and model.lm_head is not None and fused_head_problem(model.lm_head) is None:
+        fuse_linear_cross_entropy(model.lm_head, chunk_size=context.loss.chunk_size)
     parallelize_decoder(
         model,
         context.mesh,

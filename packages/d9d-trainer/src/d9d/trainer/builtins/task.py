@@ -1,13 +1,15 @@
 """The built-in task: next-token prediction (`d9d.trainer:CausalLMTask`), packed documents included."""
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from d9d.data import IGNORE_INDEX
 from d9d.trainer.errors import TrainingError
-from d9d.trainer.providers.task import LossContext, LossResult
+from d9d.trainer.providers.task import LossContext, LossResult, fused_loss_chunk_size
 
 __all__ = ["CausalLMTask"]
 
@@ -21,6 +23,9 @@ class CausalLMTask:
 
     The loss is the summed token cross-entropy; the weight is the number of labels that are not
     `IGNORE_INDEX`, so the trainer's normalization makes it the mean over the global batch's tokens.
+    A model whose head computes the loss fused (`ComputesTokenLoss`: the reference model and the
+    Hugging Face backend with `trainer.loss.fused`) is given the labels and returns it, so no
+    [tokens, vocab] logits exist; any other model returns logits, whose float32 cross-entropy is taken.
     """
 
     config_type = None
@@ -45,7 +50,10 @@ class CausalLMTask:
         packed = {
             key: batch[key].to(context.device, non_blocking=True) for key in _PACKED_KEYS if key in batch
         }
-        return self.pipeline_loss(context.model(input_ids, **packed), labels)
+        model = context.model
+        if fused_loss_chunk_size(model) is not None:
+            return self.pipeline_loss(model(input_ids, labels=labels, **packed), labels)
+        return self.pipeline_loss(model(input_ids, **packed), labels)
 
     def pipeline_inputs(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Under pipeline parallelism: the first stage gets `input_ids`, the loss gets `labels`.
@@ -62,9 +70,22 @@ class CausalLMTask:
             )
         return batch["input_ids"], batch["labels"]
 
+    def pipeline_kwargs(self, batch: Any, stages: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
+        """Under pipeline parallelism: `labels` for every stage when this rank's last stage computes its
+        loss fused (the other stages take them and ignore them); none otherwise."""
+        if any(fused_loss_chunk_size(stage) is not None for stage in stages):
+            return {"labels": batch["labels"]}
+        return {}
+
     def pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> LossResult:
-        """Summed cross-entropy of `logits` against `labels` (labels equal to IGNORE_INDEX skipped)."""
+        """Summed cross-entropy of `logits` against `labels` (labels equal to IGNORE_INDEX skipped).
+
+        A 0-dim `logits` is that loss already, computed by a fused head given the labels
+        (`compute_loss`, `pipeline_kwargs`).
+        """
         labels = labels.to(logits.device)
+        if logits.ndim == 0:
+            return LossResult(loss_sum=logits, weight=(labels != IGNORE_INDEX).sum())
         loss = F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]).float(),
             labels.reshape(-1),

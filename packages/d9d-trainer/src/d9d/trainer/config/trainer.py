@@ -7,7 +7,13 @@ from typing import Any, Literal
 
 import msgspec
 
-from d9d.parallel import ActivationCheckpointingConfig, CompileConfig, MemoryConfig, PrecisionConfig
+from d9d.parallel import (
+    ActivationCheckpointingConfig,
+    CompileConfig,
+    LossConfig,
+    MemoryConfig,
+    PrecisionConfig,
+)
 from d9d.trainer.config.base import Section
 
 __all__ = [
@@ -267,8 +273,9 @@ class TrainerConfig(Section):
     """The `trainer:` section.
 
     `device`: `auto` (CUDA when usable, else CPU), `cuda` or `cpu`. `precision`, `memory`,
-    `activation_checkpointing` and `compile` are the d9d.parallel mechanisms' own configs; the trainer
-    passes them to the model provider (see `ParallelizeModelStageContext`).
+    `activation_checkpointing`, `compile` and `loss` (the LM head and cross-entropy fused over chunks
+    of tokens, on by default) are the d9d.parallel mechanisms' own configs; the trainer passes them to
+    the model provider (see `ParallelizeModelStageContext`).
 
     `on_nonfinite`: a step whose loss or grad norm is not finite `stop`s the run (the last committed
     checkpoint stays the latest) or is `skip`ped: its gradients are dropped and weights and optimizer
@@ -290,6 +297,7 @@ class TrainerConfig(Section):
     memory: MemoryConfig = MemoryConfig()
     activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
     compile: CompileConfig = CompileConfig()
+    loss: LossConfig = LossConfig()
     profiling: ProfilingConfig = ProfilingConfig()
     tracking: TrackingConfig = TrackingConfig()
     callbacks: list[str | CallbackConfig] = msgspec.field(default_factory=list)

@@ -1,7 +1,7 @@
 """`HFCausalLM`: a transformers causal LM as the trainer drives it, under Hugging Face's own names.
 
-The trainer's task calls `model(input_ids, position_ids=..., document_ids=...)` and takes logits; a
-transformers model returns a `ModelOutput`. `HFCausalLM` is the thin module between them: it
+The trainer's task calls `model(input_ids, position_ids=..., document_ids=...)` and takes logits (or,
+with `labels=`, the loss of a fused head: `fuse_head_loss`); a transformers model returns a `ModelOutput`. `HFCausalLM` is the thin module between them: it
 registers the transformers model's children (`model`, `lm_head`) as its own, so every parameter,
 checkpoint key, export key and LoRA adapter path is the Hugging Face one (`model.layers.0.self_attn.
 q_proj.weight`), and keeps the transformers model itself unregistered, only to run its forward.
@@ -22,9 +22,27 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
+from d9d.parallel import LinearCrossEntropyHead, LossConfig, fuse_linear_cross_entropy, fused_head_problem
 from d9d.trainer.hf.errors import HFModelError
 
-__all__ = ["HFCausalLM", "HFStateLayout", "base_model_path", "state_layout", "unwrap"]
+__all__ = [
+    "FUSED_LOSS_ARCHITECTURES",
+    "HFCausalLM",
+    "HFStateLayout",
+    "base_model_path",
+    "fuse_head_loss",
+    "fused_loss_problem",
+    "state_layout",
+    "unwrap",
+]
+
+#: The architectures (config.json's model_type) whose causal LM's logits are `lm_head(last hidden
+#: state)`, soft-capped where the config sets `final_logit_softcapping` (read in transformers 5.24's
+#: modeling code), so the fused head computes their loss (tests/hf/test_hf_fused_loss.py: transformers'
+#: own loss within 1e-6). Others keep the full logits: their heads scale or transform the logits.
+FUSED_LOSS_ARCHITECTURES = frozenset(
+    {"llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "phi3", "olmo2", "gemma2", "gemma3_text"}
+)
 
 
 @dataclass(frozen=True)
@@ -120,11 +138,18 @@ class HFCausalLM(nn.Module):
         """The transformers config the model was built from."""
         return self._hf.config
 
+    @property
+    def fused_loss_chunk_size(self) -> int | None:
+        """Tokens per chunk when the LM head computes the loss fused (`fuse_head_loss`); else None."""
+        head = self._hf.get_output_embeddings()
+        return head.chunk_size if isinstance(head, LinearCrossEntropyHead) else None
+
     def forward(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`input_ids` [batch, seq] → logits [batch, seq, vocab].
 
@@ -133,9 +158,12 @@ class HFCausalLM(nn.Module):
                 which is how transformers keeps the documents apart.
             document_ids: [batch, seq] document of each token (packed rows): only accepted with
                 `position_ids`, which carry the same boundaries.
+            labels: [batch, seq], already shifted (-100 adds nothing): with a fused head, the summed
+                token cross-entropy (float32, 0-dim) instead of the logits: the base model's hidden
+                states through the head's fused loss, no full-vocabulary logits made.
 
         Raises:
-            HFModelError: `document_ids` without `position_ids`.
+            HFModelError: `document_ids` without `position_ids`; `labels` without a fused head.
         """
         if document_ids is not None and position_ids is None:
             raise HFModelError(
@@ -153,9 +181,26 @@ class HFCausalLM(nn.Module):
         if cp is not None and cp.enabled and position_ids is None:  # the chunks' global positions
             local = cp.position_ids(input_ids.size(1) * cp.size, device=input_ids.device)
             position_ids = local.unsqueeze(0).expand(input_ids.size(0), -1)
+        if labels is not None:
+            return self._fused_loss(input_ids, position_ids, labels)
         output = self._hf(input_ids=input_ids, position_ids=position_ids, use_cache=False)
         logits: torch.Tensor = output.logits
         return logits.float() if self.fp32_logits else logits
+
+    def _fused_loss(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, labels: torch.Tensor
+    ) -> torch.Tensor:
+        """What the causal LM's forward computes before its head, then the head's fused loss."""
+        head = self._hf.get_output_embeddings()
+        if not isinstance(head, LinearCrossEntropyHead) or not self.base_model_path:
+            raise HFModelError(
+                "labels were given but the LM head computes no loss: fuse it with fuse_head_loss "
+                "(trainer.loss.fused), or compute the loss from the logits"
+            )
+        base = self.get_submodule(self.base_model_path)
+        output = base(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        loss: torch.Tensor = head(output.last_hidden_state, labels=labels)
+        return loss
 
     def train(self, mode: bool = True) -> "HFCausalLM":
         """Set training mode on every module, the unregistered transformers root included."""
@@ -226,6 +271,31 @@ class HFCausalLM(nn.Module):
         values over the full `seq_len`."""
         matmul, attention = self._flops_terms
         return 6.0 * matmul + 12.0 * attention * seq_len
+
+
+def fused_loss_problem(model: HFCausalLM) -> str | None:
+    """Why `model`'s head cannot compute the loss fused (None when it can)."""
+    model_type = model.config.model_type
+    if model_type not in FUSED_LOSS_ARCHITECTURES:
+        return f"model_type {model_type!r} is not one whose logits are verified to be lm_head(hidden states)"
+    if not model.base_model_path:
+        return "the causal LM has no base model to take hidden states from"
+    return fused_head_problem(model.get_output_embeddings())
+
+
+def fuse_head_loss(model: HFCausalLM, config: LossConfig) -> str | None:
+    """With `config.fused` (`trainer.loss`), make the LM head compute the loss fused over chunks of
+    `config.chunk_size` tokens, soft-capped as the architecture caps its logits; call it before
+    `parallelize_decoder`. Returns why the head stays unfused (None when fused or not asked)."""
+    if not config.fused:
+        return None
+    problem = fused_loss_problem(model)
+    if problem is None:
+        softcap = getattr(model.config, "final_logit_softcapping", None)
+        fuse_linear_cross_entropy(
+            model.get_output_embeddings(), chunk_size=config.chunk_size, softcap=softcap
+        )
+    return problem
 
 
 def _flops_terms(model: PreTrainedModel) -> tuple[float, float]:

@@ -37,7 +37,7 @@ from d9d.trainer.hf.folder import (
     quiet_transformers,
     read_folder,
 )
-from d9d.trainer.hf.model import HFCausalLM, base_model_path, unwrap
+from d9d.trainer.hf.model import HFCausalLM, base_model_path, fuse_head_loss, unwrap
 from d9d.trainer.hf.tensor_parallel import (
     TENSOR_PARALLEL_ARCHITECTURES,
     apply_tensor_parallel,
@@ -205,6 +205,7 @@ class HFCausalLMProvider:
             apply_context_parallel(model, model.hf_model, context.mesh)
         if context.lora is not None:
             apply_lora(model, context.lora)
+        fuse_head_loss(model, context.loss)  # trainer.loss: where the architecture's head is plain
         parallelize_decoder(
             model,
             context.mesh,

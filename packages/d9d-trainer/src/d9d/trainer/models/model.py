@@ -448,17 +448,33 @@ class ReferenceForCausalLM(nn.Module):
         prompt once, then one forward per new token)."""
         return KVCache(max_length)
 
+    @property
+    def fused_loss_chunk_size(self) -> int | None:
+        """Tokens per chunk when the head computes the loss fused (its `lm_head` made a
+        `d9d.parallel.LinearCrossEntropyHead` by the provider, `trainer.loss.fused`); else None."""
+        try:
+            from d9d.parallel import LinearCrossEntropyHead
+        except ImportError:  # the model itself is plain PyTorch
+            return None
+        return self.lm_head.chunk_size if isinstance(self.lm_head, LinearCrossEntropyHead) else None
+
     def forward(
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`input_ids` [batch, seq] → logits [batch, seq, vocab] (float32 when `config.fp32_logits`).
 
-        On a pipeline stage without `lm_head` the output is the hidden states instead. `position_ids`,
-        `document_ids` and `kv_cache` as in `ReferenceModel.forward`.
+        With `labels` [batch, seq] (already shifted; -100 adds nothing) and a fused head
+        (`fused_loss_chunk_size`): the summed token cross-entropy instead (float32, 0-dim), no
+        full-vocabulary logits made. On a pipeline stage without `lm_head` the output is the hidden
+        states (`labels` unused). `position_ids`, `document_ids` and `kv_cache` as in `ReferenceModel.forward`.
+
+        Raises:
+            ValueError: `labels` given to a model whose head is not fused.
         """
         if kv_cache is not None:
             hidden_states = self.model(input_ids, kv_cache=kv_cache)
@@ -466,5 +482,10 @@ class ReferenceForCausalLM(nn.Module):
             hidden_states = self.model(input_ids, position_ids, document_ids)
         if self.lm_head is None:
             return hidden_states
+        if labels is not None:
+            if self.fused_loss_chunk_size is None:
+                raise ValueError("labels were given but the LM head computes no loss: fuse it with "
+                                 "d9d.parallel.fuse_linear_cross_entropy (trainer.loss.fused)")  # fmt: skip
+            return self.lm_head(hidden_states, labels=labels)
         logits = self.lm_head(hidden_states)
         return logits.float() if self.config.fp32_logits else logits

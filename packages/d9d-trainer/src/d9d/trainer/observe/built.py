@@ -9,9 +9,15 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from d9d.mesh import DistributedContext, get_logger
-from d9d.parallel import LoraCoverage, fsdp_parameters, lora_coverage, select_float8_linears
+from d9d.parallel import (
+    LoraCoverage,
+    describe_fused_loss,
+    fsdp_parameters,
+    lora_coverage,
+    select_float8_linears,
+)
 from d9d.trainer.job.resolve import ResolvedJob
-from d9d.trainer.planning.plan import JobPlan
+from d9d.trainer.planning.plan import JobPlan, full_logits_path
 from d9d.trainer.providers.model import DescribesModel
 
 __all__ = ["log_job_built"]
@@ -47,6 +53,7 @@ def log_job_built(
             if tcfg.precision.float8 is not None
             else None
         ),
+        "loss": _loss_path(model, plan, fused=tcfg.loss.fused),
     }
     _log.info(
         "job built",
@@ -70,6 +77,14 @@ def _warn_lora_coverage(coverage: LoraCoverage, ctx: DistributedContext) -> None
     coordinates = {} if ctx.is_local else ctx.coordinates["dense"]
     if warning is not None and not any(v for axis, v in coordinates.items() if axis != "pp"):
         _log.warning(warning)
+
+
+def _loss_path(model: torch.nn.Module, plan: JobPlan, *, fused: bool) -> str | None:
+    """The full logits and why, where this rank's loss runs on them; None where it runs fused (the
+    default, `trainer.loss`: `d9d plan` says it) or on another rank (a pipeline without the last stage)."""
+    if describe_fused_loss(model) is not None or not any(s is None or s.is_last for s in plan.stages):
+        return None
+    return full_logits_path(fused=fused)
 
 
 def _local_numel(param: torch.Tensor) -> int:

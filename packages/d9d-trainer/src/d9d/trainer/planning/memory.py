@@ -26,6 +26,7 @@ from d9d.parallel import (
     CompileConfig,
     MixedPrecision,
     apply_activation_checkpointing,
+    describe_fused_loss,
     lora_coverage,
     parallelize_context_parallel,
     saved_activation_bytes,
@@ -42,9 +43,10 @@ from d9d.trainer.planning.plan import (
     MemoryPlan,
     PipelinePlan,
     RankMemory,
+    full_logits_path,
 )
 from d9d.trainer.providers.model import InitializeModelStageContext, ParallelizeModelStageContext
-from d9d.trainer.providers.task import LossContext, PipelineTask
+from d9d.trainer.providers.task import LossContext, PipelineStageKwargs, PipelineTask
 
 __all__ = [
     "estimate_activations",
@@ -121,6 +123,7 @@ def plan_memory(job: ResolvedJob, plan: JobPlan, context: DistributedContext) ->
         activations_note=note,
         lora=lora_coverage(list(stages.values()), lora) if lora is not None else None,
         pp_ranks=pp_ranks,
+        loss=describe_fused_loss(*stages.values()) or full_logits_path(fused=job.config.trainer.loss.fused),
     )
 
 
@@ -355,6 +358,7 @@ def _split_activations(
                 return saved_activation_bytes(loss, exclude=model.parameters())
         task = cast(PipelineTask, job.task)
         x, target = task.pipeline_inputs(batch)
+        kwargs = dict(task.pipeline_kwargs(batch, models)) if isinstance(task, PipelineStageKwargs) else {}
         total = 0
         for model, stage, count in zip(models, stages, in_flight, strict=True):
             if stage.index > 0:  # a stage receives the output of the stage before it (on any rank)
@@ -362,7 +366,7 @@ def _split_activations(
             run_x = x
 
             def forward(model: nn.Module = model, stage: Any = stage, run_x: Any = run_x) -> object:
-                out = model(run_x)
+                out = model(run_x, **kwargs)  # e.g. labels: a fused head's loss (as the schedule runs it)
                 return task.pipeline_loss(out, target) if stage.is_last else out
 
             with _AttentionAsFusedKernel():
@@ -406,6 +410,7 @@ def _shaped(
             activation_checkpointing=ac,
             compile=CompileConfig(),
             lora=job.config.peft.lora,
+            loss=job.config.trainer.loss,
             **where,
         )
     )

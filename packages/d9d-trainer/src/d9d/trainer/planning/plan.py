@@ -173,6 +173,7 @@ class MemoryPlan:
             without `peft.lora`).
         pp_ranks: under pipeline parallelism, what every pp rank needs (index: pp coordinate); ()
             without.
+        loss: which loss the last stage runs (`trainer.loss`): the fused head or the full logits.
     """
 
     parameters: int
@@ -187,6 +188,7 @@ class MemoryPlan:
     host_state: int = 0
     lora: LoraCoverage | None = None
     pp_ranks: tuple[RankMemory, ...] = ()
+    loss: str = ""
 
     @property
     def device_state(self) -> int:
@@ -243,3 +245,8 @@ class JobPlan:
     def stages(self) -> tuple[StageSpec | None, ...]:
         """The model stages this rank builds: its pipeline stages, or (None,) for the whole model."""
         return self.pipeline.stages if self.pipeline is not None else (None,)
+
+
+def full_logits_path(*, fused: bool) -> str:
+    """The loss path of a model whose head returns the full logits, and why (`trainer.loss.fused`)."""
+    return f"full logits ({'the model does not fuse its head' if fused else 'trainer.loss.fused: false'})"

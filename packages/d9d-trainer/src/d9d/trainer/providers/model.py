@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from d9d.mesh import DistributedContext, MeshConfig
-from d9d.parallel import ActivationCheckpointingConfig, CompileConfig, LoraConfig, MixedPrecision
+from d9d.parallel import ActivationCheckpointingConfig, CompileConfig, LoraConfig, LossConfig, MixedPrecision
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,9 @@ class ParallelizeModelStageContext:
         cpu_offload: `trainer.memory.cpu_offload`: pass it to `parallelize_hsdp` / `parallelize_fsdp`
             (`cpu_offload=`) so every FSDP2 unit keeps its state on the host (the trainer refuses a
             job whose units do not).
+        loss: `trainer.loss`: when `fused`, a causal LM may make its head compute the loss
+            (`d9d.parallel.fuse_linear_cross_entropy`, before `parallelize_decoder`) and declare it
+            (`d9d.trainer.providers.ComputesTokenLoss`); the built-in task then passes it the labels.
     """
 
     context: DistributedContext
@@ -89,6 +92,7 @@ class ParallelizeModelStageContext:
     compile: CompileConfig = field(default_factory=CompileConfig)
     lora: LoraConfig | None = None
     cpu_offload: bool = False
+    loss: LossConfig = field(default_factory=LossConfig)
 
     @property
     def mesh(self) -> DeviceMesh | None:

@@ -1,7 +1,8 @@
-"""The task: a microbatch's summed loss and its weight; the pipeline variant of it; and the one place
-between steps where a training method prepares the step (`PreparesSteps`)."""
+"""The task: a microbatch's summed loss and its weight; the pipeline variant of it; a model that computes
+its token loss itself (`ComputesTokenLoss`); and the one place between steps where a training method
+prepares the step (`PreparesSteps`)."""
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -62,6 +63,38 @@ class PipelineTask(Task, Protocol):
     def pipeline_loss(self, output: Any, target: Any) -> LossResult:
         """The summed loss of the last stage's `output` against `target`."""
         ...
+
+
+@runtime_checkable
+class PipelineStageKwargs(Protocol):
+    """A pipeline task whose stages also take keyword inputs of the microbatch (optional)."""
+
+    def pipeline_kwargs(self, batch: Any, stages: Sequence[nn.Module]) -> Mapping[str, Any]:
+        """Keyword inputs of every stage's forward for `batch`, given this rank's stage modules
+        (e.g. `labels` for a last stage whose head computes the loss: `ComputesTokenLoss`)."""
+        ...
+
+
+@runtime_checkable
+class ComputesTokenLoss(Protocol):
+    """A causal LM that computes its summed token cross-entropy itself (optional; the reference model
+    and the Hugging Face backend do, with `trainer.loss.fused`).
+
+    When `fused_loss_chunk_size` is not None, `model(input_ids, ..., labels=labels)` returns that loss
+    (float32, 0-dim) instead of the logits: the head and the loss fused over chunks of that many tokens
+    (`d9d.parallel.linear_cross_entropy`, inside the head's forward), so no [tokens, vocab] logits
+    exist. A pipeline stage without the head takes `labels` and returns its hidden states.
+    """
+
+    @property
+    def fused_loss_chunk_size(self) -> int | None:
+        """Tokens per chunk of the fused loss; None: the head is not fused (the model returns logits)."""
+        ...
+
+
+def fused_loss_chunk_size(model: nn.Module) -> int | None:
+    """`model`'s fused-loss chunk size when it declares `ComputesTokenLoss`, else None."""
+    return model.fused_loss_chunk_size if isinstance(model, ComputesTokenLoss) else None
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from torch import nn
 from d9d.parallel import autocast_forward
 from d9d.parallel.pipeline import Pipeline, PipelineLayout
 from d9d.trainer.errors import TrainingError
-from d9d.trainer.providers.task import PipelineTask
+from d9d.trainer.providers.task import PipelineStageKwargs, PipelineTask
 from d9d.trainer.step.base import StepBase, StepOutput, StepSettings
 
 __all__ = ["PipelineStep"]
@@ -46,6 +46,7 @@ class PipelineStep(StepBase):
             )
         self._scale = torch.ones((), device=settings.device)
         chunks = list(chunks) if chunks is not None else [model]
+        self._chunks = chunks
         for chunk in chunks:
             autocast_forward(chunk, settings.precision, settings.device)  # the forward only, not backward
         self.pipeline = Pipeline(
@@ -72,6 +73,17 @@ class PipelineStep(StepBase):
         result = self.pipeline_task.pipeline_loss(output, target)
         return result.loss_sum / self._scale
 
+    def _stage_kwargs(self, microbatches: Sequence[Any]) -> list[dict[str, Any]] | None:
+        """Per microbatch, the keyword inputs of every stage's forward (`PipelineStageKwargs`: e.g. the
+        labels of a last stage whose head computes the loss); None when the task gives none."""
+        task, device = self.pipeline_task, self.settings.device
+        if not isinstance(task, PipelineStageKwargs):
+            return None
+        return [
+            {k: v.to(device) for k, v in task.pipeline_kwargs(mb, self._chunks).items()}
+            for mb in microbatches
+        ]
+
     def run(self, microbatches: Sequence[Any], step: int) -> StepOutput:
         """One optimizer step: the schedule's forward/backward (one "forward_backward" phase of the
         step-time breakdown: the schedule interleaves them), then the shared update."""
@@ -84,10 +96,11 @@ class PipelineStep(StepBase):
         pairs = [self.pipeline_task.pipeline_inputs(mb) for mb in microbatches]
         inputs = [x.to(device) for x, _ in pairs]
         targets = [y.to(device) for _, y in pairs]
+        kwargs = self._stage_kwargs(microbatches)
         self._step = step
         if self._per_step_stream and self.settings.randomness is not None:
             self.settings.randomness.seed_pipeline(step)
-        share = self.pipeline.step(inputs, targets, broadcast_loss=True)
+        share = self.pipeline.step(inputs, targets, kwargs=kwargs, broadcast_loss=True)
         assert share is not None
         self.add_expert_load()  # the stage's MoE layers hold the step's last microbatch
         loss = self.dp_sum(share.detach().to(torch.float64))
