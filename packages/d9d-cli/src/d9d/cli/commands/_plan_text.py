@@ -92,6 +92,11 @@ def _memory_lines(job_plan: "JobPlan", config: "JobConfig") -> list[str]:
         f"  gradients   {format_size(est.grads):>10}",
         f"  optimizer   {format_size(est.optimizer):>10}  ({_states_text(job_plan)})",
     ]
+    if memory.weight_copies:
+        lines.append(
+            f"  weight copies {format_size(memory.weight_copies):>8}  ({compute}, cast once per step and kept "
+            "for its microbatches)"
+        )
     if acts is not None:
         flight = ""
         if any(n > 1 for n in acts.in_flight):

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from d9d.parallel.weight_casts import cast_weight
+
 __all__ = ["GroupedExperts", "SwiGLU", "grouped_mm_fits"]
 
 #: torch's grouped GEMM: public from torch 2.10, private (`torch._grouped_mm`, CUDA sm90 only) in 2.8-2.9.
@@ -68,7 +70,10 @@ class GroupedExperts(nn.Module):
         Raises:
             RuntimeError: the counts do not add up to the rows of `x`.
         """
-        w_gate, w_up, w_down = (_local(w).to(x.dtype) for w in (self.w_gate, self.w_up, self.w_down))
+        # in x's dtype once per step inside `weights_cast_once` (the trainer's step), else every forward
+        w_gate, w_up, w_down = (
+            _local(cast_weight(w, x.dtype)) for w in (self.w_gate, self.w_up, self.w_down)
+        )
         if grouped_mm_fits(x, self.hidden_size, self.ffn_size):
             assert _GROUPED_MM is not None
             offs = torch.cumsum(counts, dim=0).to(torch.int32)  # the end row of each expert's group

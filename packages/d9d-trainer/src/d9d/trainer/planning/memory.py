@@ -25,6 +25,7 @@ from d9d.parallel import (
     CompileConfig,
     MixedPrecision,
     apply_activation_checkpointing,
+    cast_once_parameters,
     lora_coverage,
     parallelize_context_parallel,
     saved_activation_bytes,
@@ -124,6 +125,7 @@ def plan_memory(job: ResolvedJob, plan: JobPlan, context: DistributedContext) ->
         activations=activations,
         activations_note=note,
         lora=lora_coverage(stages, lora) if lora is not None else None,
+        weight_copies=_weight_copy_bytes(stages, params, plan),
     )
 
 
@@ -138,6 +140,21 @@ def _shaped_stages(job: ResolvedJob, plan: JobPlan, context: DistributedContext)
         shape_model(job, context, plan.precision, layout=layout, stage=stage, data_vocab_size=plan.vocab_size)
         for stage in [*plan.stages, *others]
     ]
+
+
+def _weight_copy_bytes(stages: list[nn.Module], params: list[nn.Parameter], plan: JobPlan) -> int:
+    """Per rank, the compute-dtype copies of the weights a step keeps (`MemoryPlan.weight_copies`): the
+    parameters `cast_once_parameters` names (under DDP every parameter: FSDP2's unsharded copies),
+    split over pp × tp as `estimate_memory` splits the parameters."""
+    mesh, precision = plan.mesh, plan.precision
+    if not precision.enabled or shards_parameters(mesh):
+        return 0
+    whole = {id(p): p for p in params}  # each tie once
+    if mesh.data_parallel_replicate == 1:
+        cast = {id(p) for stage in stages for p in cast_once_parameters(stage)}
+        whole = {key: p for key, p in whole.items() if key in cast}
+    elements = sum(p.numel() for p in whole.values())
+    return -(-elements * precision.param_dtype.itemsize // (mesh.pipeline_parallel * mesh.tensor_parallel))
 
 
 def _whole_model_parameters(stages: list[nn.Module]) -> list[nn.Parameter]:

@@ -130,6 +130,10 @@ class MemoryPlan:
             as the trainer refuses an FSDP2 unit that does not offload); 0 without offload.
         lora: what each `peft.lora` pattern matched per layer and the projections it misses (None
             without `peft.lora`).
+        weight_copies: bytes of the compute-dtype copies of the weights alive through a step: cast
+            once per step and kept for all its microbatches and recomputes (`d9d.parallel.
+            weights_cast_once`; under DDP, FSDP2's unsharded copies, kept between microbatches); 0
+            for float32 compute and for sharded parameters (FSDP gathers one unit at a time).
     """
 
     parameters: int
@@ -143,11 +147,13 @@ class MemoryPlan:
     float8_all_gather: bool = False
     host_state: int = 0
     lora: LoraCoverage | None = None
+    weight_copies: int = 0
 
     @property
     def device_state(self) -> int:
-        """Bytes of `state` on the device (all of it without CPU offload)."""
-        return self.state.total - self.host_state
+        """Bytes on the device through a step besides activations: `state` (all of it without CPU
+        offload) and the weights' compute copies."""
+        return self.state.total - self.host_state + self.weight_copies
 
     @property
     def total(self) -> int:

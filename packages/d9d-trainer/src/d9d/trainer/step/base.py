@@ -11,7 +11,14 @@ import torch.distributed as dist
 from torch import nn
 
 from d9d.mesh import get_logger
-from d9d.parallel import ContextParallel, MixedPrecision, clip_grad_norm_, grad_norm, reduce_partial_grads
+from d9d.parallel import (
+    ContextParallel,
+    MixedPrecision,
+    clip_grad_norm_,
+    grad_norm,
+    reduce_partial_grads,
+    weights_cast_once,
+)
 from d9d.parallel.expert import (
     expert_load_summary,
     expert_loads,
@@ -160,6 +167,12 @@ class StepBase:
         """End the step's `phase` (see `d9d.trainer.observe.timing`) on the settings' timer, if any; never syncs."""
         if self.settings.timer is not None:
             self.settings.timer.mark(phase)
+
+    def weights_cast_once(self) -> contextlib.AbstractContextManager[object]:
+        """The step's forwards and backwards: inside it each float32 weight is cast to the compute dtype
+        once, not per microbatch and recompute (`d9d.parallel.weights_cast_once`; its copies are dropped
+        before the optimizer step); nothing for float32 compute."""
+        return weights_cast_once(self.settings.precision.enabled)
 
     def microbatch_range(self, index: int) -> contextlib.AbstractContextManager[None]:
         """The profiler range of microbatch `index`'s forward and backward (`StepTimer.microbatch`)."""
