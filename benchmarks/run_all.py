@@ -42,7 +42,7 @@ BENCHMARKS: list[tuple[str, list[str]]] = [
     ("lora_memory", []),
     ("trackers", ["--steps", "61", "--rounds", "2"]),
     ("moe", ["--repeats", "3"]),
-    ("float8", ["--steps", "10"]),
+    ("float8", ["--steps", "10", "--fsdp"]),
     ("optimizer_states", ["--steps", "200", "--repeats", "10"]),
     ("cpu_offload", ["--steps", "12", "--rounds", "2"]),
     ("weight_casts", []),

@@ -1,6 +1,7 @@
 """Dispatch modes that watch what a CUDA run would do, on CPU: matmul and reduction dtypes, host syncs,
-parameter casts."""
+parameter casts, float8 scale reductions."""
 
+import math
 from collections import Counter
 from typing import Any
 
@@ -84,3 +85,21 @@ def _storage(t: torch.Tensor) -> int:
         return local.untyped_storage().data_ptr()
     except RuntimeError:  # a wrapper subclass without storage of its own (e.g. a functional collective's)
         return -1
+
+
+class Float8ScaleReductions(TorchDispatchMode):
+    """Counts the all-reduces of one weight's absolute maximum (torchao's dynamic scale at each float8
+    all-gather: a 0-dim all-reduce) and the `_foreach_norm`s (inf) that compute all weights' at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.per_weight = 0
+        self.all_weights: list[int] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func._overloadpacket.__name__
+        if name == "all_reduce" and args[0].dim() == 0:
+            self.per_weight += 1
+        elif name == "_foreach_norm" and args[1] == math.inf:
+            self.all_weights.append(len(args[0]))
+        return func(*args, **(kwargs or {}))

@@ -69,7 +69,14 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
         document_attention_backend,
     )
     from d9d.parallel.errors import ParallelizeError, UnsupportedParallelismError
-    from d9d.parallel.float8 import Float8Selection, apply_float8, float8_linears, select_float8_linears
+    from d9d.parallel.float8 import (
+        Float8Selection,
+        apply_float8,
+        float8_gathered_weights,
+        float8_linears,
+        precompute_float8_scales,
+        select_float8_linears,
+    )
     from d9d.parallel.gradient_norm import (
         clip_grad_norm_,
         grad_norm,

@@ -31,6 +31,7 @@ class MicrobatchStep(StepBase):
         microbatches = self.local_part(microbatches)
         weight = self.global_weight(microbatches)
         scale = weight.to(torch.float32)
+        self.float8_scales()
         model.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=settings.device)

@@ -79,6 +79,7 @@ class PipelineStep(StepBase):
         microbatches = self.local_part(microbatches)
         weight = self.global_weight(microbatches)
         self._scale = weight.to(torch.float32)
+        self.float8_scales()
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         pairs = [self.pipeline_task.pipeline_inputs(mb) for mb in microbatches]
