@@ -1,7 +1,7 @@
 """Float8 linears (`trainer.precision.float8`) on the quickstart: the loss against bf16, the float8
 matmuls each step runs, and the step time, all through `d9d.trainer.Trainer` on one CPU process.
 
-    OMP_NUM_THREADS=1 uv run python benchmarks/float8.py [--steps 50] [--layers 2 --hidden 128] [--json rows.json]
+    OMP_NUM_THREADS=1 uv run python benchmarks/float8.py [--steps 50] [--layers 2 --hidden 128] [--fsdp] [--json rows.json]
 
 The quickstart job (its reference model cut to `--layers` layers of hidden `--hidden`, SwiGLU 3x,
 byte vocabulary, seq 128, global batch 16 in microbatches of 2) trains `--steps` steps three times
@@ -11,11 +11,18 @@ and the largest per-step relative loss gap to bf16; `aten::_scaled_mm` calls per
 one extra run of 2 steps per recipe) against 3 per converted linear and microbatch; the median
 step time against bf16. On a CPU the float8 matmul is not faster than bf16 (no float8 units): the
 time row says what float8 costs here, not what it gains on an H100 (the GPU check measures that).
+
+With `--fsdp` also FSDP 2 (forked gloo ranks, `tensorwise`, weights all-gathered in float8, 2 steps): the
+all-reduces of one weight's absolute maximum per step and rank (torchao's dynamic scale at each
+all-gather) and the scale computations over all weights at once, with d9d's per-step precompute
+(`d9d.parallel.precompute_float8_scales`) and without it (the path before), and whether the losses
+agree (`tests/_quickstart.py`, `train_counting_float8_scales`).
 """
 
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
@@ -23,6 +30,7 @@ import torch
 from torch.profiler import profile
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
 
 from _common import row, write_rows  # noqa: E402
 
@@ -74,6 +82,50 @@ def _scaled_mms_per_step(args: argparse.Namespace, recipe: str) -> float:
     return sum(e.count for e in prof.key_averages() if e.key == "aten::_scaled_mm") / 2
 
 
+def _fsdp_scale_reductions(args: argparse.Namespace) -> list:
+    """FSDP 2, tensorwise: per-weight amax all-reduces and all-weight scale computations per step and
+    rank, without d9d's precompute and with it; a row for each, and whether the losses agree."""
+    from _quickstart import train_counting_float8_scales
+
+    from d9d.mesh.testing import run_distributed
+
+    steps = 2
+    sets = [
+        s
+        for s in _sets(args, "unused", steps, "tensorwise")
+        if not s.startswith("trainer.checkpointing.save_dir=")
+    ]
+    sets.append("mesh.data_parallel_shard=2")
+    runs = {}
+    for precompute in (False, True):
+        with tempfile.TemporaryDirectory() as tmp:
+            runs[precompute] = run_distributed(
+                train_counting_float8_scales, 2, tmp, sets, precompute, timeout=900
+            )
+    before, now = runs[False][0], runs[True][0]
+    same = all(a["losses"] == b["losses"] for a, b in zip(runs[False], runs[True], strict=True))
+    print(
+        f"FSDP 2 tensorwise ({now['gathered']} weights gathered in float8): per-weight amax all-reduces a step "
+        f"{before['per_weight'] / steps:.0f} before, {now['per_weight'] / steps:.0f} now; all-weight scale "
+        f"computations {len(before['all_weights'])} before, {len(now['all_weights'])} in {steps} steps now; "
+        f"losses {'identical' if same else 'differ'}"
+    )
+    return [
+        row(
+            "float8 FSDP 2: per-weight amax all-reduces a step, now / before",
+            now["per_weight"] / before["per_weight"],
+            "0",
+            f"before {before['per_weight'] / steps:.0f} a step and rank",
+        ),
+        row(
+            "float8 FSDP 2: scale computations over all weights per step (now)",
+            len(now["all_weights"]) / (steps + 1),
+            "1",
+            f"{steps + 1} in {steps} steps: before the first and after each; losses {'identical' if same else 'differ'}",
+        ),
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50)
@@ -81,6 +133,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--fsdp", action="store_true", help="also count FSDP 2's float8 scale reductions (CPU ranks)"
+    )
     args = parser.parse_args()
     if args.device == "cpu":
         torch.set_num_threads(1)
@@ -116,6 +171,8 @@ def main() -> None:
             ),
             row(f"float8 {recipe}: step time / bf16 (CPU: no float8 units)", time_ratio, "> 1 on CPU", ""),
         ]
+    if args.fsdp:
+        rows += _fsdp_scale_reductions(args)
     write_rows(args.json, rows)
 
 

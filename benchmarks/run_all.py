@@ -42,10 +42,11 @@ BENCHMARKS: list[tuple[str, list[str]]] = [
     ("lora_memory", []),
     ("trackers", ["--steps", "61", "--rounds", "2"]),
     ("moe", ["--repeats", "3"]),
-    ("float8", ["--steps", "10"]),
+    ("float8", ["--steps", "10", "--fsdp"]),
     ("optimizer_states", ["--steps", "200", "--repeats", "10"]),
     ("cpu_offload", ["--steps", "12", "--rounds", "2"]),
     ("fused_loss", ["--tokens", "1024", "--hidden", "512", "--chunk", "128", "--repeats", "2"]),
+    ("weight_casts", []),
 ]
 
 

@@ -325,6 +325,66 @@ def train_and_gather(args: list[str]) -> dict[str, torch.Tensor]:
         return {name: t.detach().cpu().clone() for name, t in state.items()}
 
 
+def train_counting_casts(save: str, sets: list[str], today: bool = False) -> dict[str, Any]:
+    """Train the bfloat16 quickstart (TINY, run "casts", no periodic save) under `_dispatch.ParamCasts`:
+    this rank's casts per parameter over the run, their bytes, its records and final weights, and the
+    parameters a step casts (DDP: every one; otherwise all but the embedding table). `today`: the
+    path before weights were cast once per step (the step's scope off, DDP resharding after every
+    backward), in this process only: call it forked."""
+    import contextlib
+
+    from _dispatch import ParamCasts
+
+    if today:
+        from torch.distributed.fsdp import FSDPModule
+
+        import d9d.trainer.step.base as step_base
+
+        step_base.weights_cast_once = lambda enabled=True: contextlib.nullcontext()  # type: ignore[assignment]
+        FSDPModule.set_reshard_after_backward = lambda self, *a, **k: None  # type: ignore[method-assign]
+    args = [*TINY, "trainer.precision.param_dtype=bfloat16", "trainer.checkpointing.period_steps=0",
+            "trainer.run.name=casts", f"trainer.checkpointing.save_dir={save}", *sets]  # fmt: skip
+    with Trainer.from_config(CONFIG, args) as trainer:
+        casts = ParamCasts(trainer.model)
+        with casts:
+            trainer.train()
+        weights = {n: p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
+                   for n, p in trainer.model.named_parameters()}  # fmt: skip
+    ddp = "mesh.data_parallel_replicate=2" in sets
+    return {"counts": dict(casts.counts), "bytes": casts.bytes, "weights": weights,
+            "records": [(r["loss"], r["grad_norm"]) for r in records(Path(save) / "casts")],
+            "params": {n for n in weights if ddp or not n.endswith("embed_tokens.weight")}}  # fmt: skip
+
+
+def train_counting_float8_scales(save: str, sets: list[str], precompute: bool = True) -> dict[str, Any]:
+    """Train the quickstart with `sets` (a float8 job; run "f8", no periodic save) under
+    `_dispatch.Float8ScaleReductions`: this rank's scale reductions, the weights FSDP2 gathers in
+    float8, the losses and the final weights. `precompute=False`: the path before (each all-gather
+    reduces its weights' amax), in this process only: call it forked."""
+    from _dispatch import Float8ScaleReductions
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    import d9d.trainer.step.base as step_base
+    from d9d.parallel import float8_gathered_weights
+
+    if not precompute:
+        step_base.precompute_float8_scales = lambda model: None  # type: ignore[assignment]
+    args = [
+        *sets,
+        "trainer.run.name=f8",
+        "trainer.checkpointing.period_steps=0",
+        f"trainer.checkpointing.save_dir={save}",
+    ]
+    with Trainer.from_config(CONFIG, args) as trainer:
+        counted = Float8ScaleReductions()
+        with counted:
+            losses = trainer.train().losses
+        state = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
+        return {"per_weight": counted.per_weight, "all_weights": counted.all_weights, "losses": losses,
+                "gathered": float8_gathered_weights(trainer.model),
+                "weights": {n: t.detach().clone() for n, t in state.items()}}  # fmt: skip
+
+
 def build_error(args: list[str]) -> str:
     """Build the quickstart job (and close it) in this process: "Type: message" of what it raised, or
     "no error". Call it in forked ranks (`run_distributed`, `run_forked`), never in the test process."""

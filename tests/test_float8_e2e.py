@@ -1,7 +1,10 @@
 """Float8 linears through the trainer (`trainer.precision.float8`): one process equals FSDP 2 (whose
 tensorwise weights are all-gathered in float8) in losses, grad norms and weights; a checkpoint holds
 the float32 weights, so a run resumes with float8 turned on or off and loads exactly what was saved;
-float8 works with activation checkpointing and compile (one graph per block, the eager numbers).
+float8 works with activation checkpointing and compile (one graph per block, the eager numbers);
+`d9d plan` lists the converted linears and keeps the output layer; under FSDP the weights' float8
+scales are computed once per step for all of them (`d9d.parallel.precompute_float8_scales`), not at
+each all-gather, with the same numbers.
 
 What CPU cannot show (float8 speed, the GPU's float8 kernels) is the GPU check's; the loss gap to
 float32 over 50 quickstart steps is measured in benchmarks/float8.py. Bad float8 sections are cases of
@@ -14,7 +17,18 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _quickstart import CONFIG, TINY, compare_runs, overrides, run_forked, spread, train
+from _quickstart import (
+    CONFIG,
+    TINY,
+    compare_runs,
+    overrides,
+    run_forked,
+    spread,
+    train,
+    train_counting_float8_scales,
+)
+
+from d9d.mesh.testing import run_distributed
 
 pytest.importorskip("torchao", reason="torchao (d9d-parallel's float8 extra) is not installed")
 
@@ -23,6 +37,7 @@ F8 = ["trainer.precision.float8={recipe: tensorwise}"]
 #: rank on FSDP 2): torch's CPU `_scaled_mm` is a reference kernel (measured 17 ms for 128x64x64, ~600x
 #: a float32 matmul), so the quickstart's 16 sequences cost seconds per float8 step.
 BATCH = ["data.global_batch_size=4"]
+STEPS = 2
 
 
 def _job(save_dir: Path, name: str, steps: int, *extra: str) -> list[str]:
@@ -101,6 +116,29 @@ def test_d9d_plan_lists_the_linears_float8_converts_and_keeps():
     result = CliRunner().invoke(cli, ["plan", str(CONFIG), "--world-size", "2", "--set", "mesh.data_parallel_shard=2",
                                       "--set", "trainer.precision.float8={}"])  # fmt: skip
     assert result.exit_code == 0, result.output
-    # q, k, v, o and gate, up, down of every layer; the byte vocabulary's head (257) stays as it is
-    line = f"float8: tensorwise: {7 * layers} linears; kept: lm_head (257 not a multiple of 16); FSDP all-gathers"
+    # q, k, v, o and gate, up, down of every layer; the output layer stays bf16 (not named in modules)
+    linears = ", ".join(f"model.layers.*.{p} ×{layers}" for p in ("self_attn.q_proj", "self_attn.k_proj",
+                        "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"))  # fmt: skip
+    line = f"float8: tensorwise: {7 * layers} linears ({linears}); kept: lm_head (output layer); FSDP all-gathers"
     assert line in result.output, result.output
+
+
+def test_under_fsdp_float8_scales_are_computed_once_per_step_for_every_weight_and_no_number_changes(tmp_path):
+    sets = [
+        *TINY,
+        *F8,
+        "data.global_batch_size=8",
+        "mesh.data_parallel_shard=2",
+        f"trainer.schedule.total_steps={STEPS}",
+    ]
+    before = run_distributed(train_counting_float8_scales, 2, str(tmp_path / "b"), sets, False, timeout=300)
+    now = run_distributed(train_counting_float8_scales, 2, str(tmp_path / "n"), sets, True, timeout=300)
+    for rank_before, rank_now in zip(before, now, strict=True):
+        weights = rank_now["gathered"]
+        assert weights == 14  # 7 linears in each of the 2 layers; lm_head stays bf16
+        # before: each weight's amax at each all-gather: 2 microbatches' forwards and backwards a step
+        assert rank_before["per_weight"] == STEPS * 2 * 2 * weights and not rank_before["all_weights"]
+        # now: none per weight; one reduction of all of them before the first step and after each update
+        assert rank_now["per_weight"] == 0 and rank_now["all_weights"] == [weights] * (STEPS + 1)
+        assert rank_now["losses"] == rank_before["losses"]  # the same scales: the same numbers
+        assert all(torch.equal(w, rank_before["weights"][n]) for n, w in rank_now["weights"].items())

@@ -60,9 +60,46 @@ def test_the_selection_converts_matching_linears_and_names_those_float8_cannot_t
     every = select_float8_linears(Net(), Float8Config())
     assert every.converted == ("up", "gate", "down")
     assert every.skipped == (("head", "50 not a multiple of 16"),)
-    assert every.describe() == "tensorwise: 3 linears; kept: head (50 not a multiple of 16)"
+    assert every.describe() == "tensorwise: 3 linears (up, gate, down); kept: head (50 not a multiple of 16)"
     some = select_float8_linears(Net(), Float8Config(recipe="rowwise", modules="up|down"))
     assert some.converted == ("up", "down") and not some.skipped  # the whole path must match
+
+
+class _Decoder(nn.Module):
+    """Two layers of one projection and an output layer of float8-able widths, named `lm_head`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.ModuleDict({"q_proj": nn.Linear(64, 64)}) for _ in range(2)])
+        self.lm_head = nn.Linear(64, 128, bias=False)
+
+
+class _Renamed(nn.Module):
+    """An output layer found by the Hugging Face accessor, not by its name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(64, 64)
+        self.out = nn.Linear(64, 128)
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.out
+
+
+def test_the_output_layer_stays_in_high_precision_unless_the_pattern_spells_its_name():
+    default = select_float8_linears(_Decoder(), Float8Config())
+    assert default.converted == ("layers.0.q_proj", "layers.1.q_proj")
+    assert default.describe() == "tensorwise: 2 linears (layers.*.q_proj ×2); kept: lm_head (output layer)"
+    with pytest.raises(
+        ParallelizeError,
+        match=r"keeps every one '\.\*head' matches \(e\.g\. lm_head: output layer; "
+        r"modules must spell its name, e\.g\. 'lm_head', to convert it\)",
+    ):
+        select_float8_linears(_Decoder(), Float8Config(modules=".*head"))  # a wildcard does not name it
+    named = select_float8_linears(_Decoder(), Float8Config(modules=".*_proj|lm_head"))
+    assert named.converted == ("layers.0.q_proj", "layers.1.q_proj", "lm_head") and not named.skipped
+    assert select_float8_linears(_Renamed(), Float8Config()).skipped == (("out", "output layer"),)
+    assert select_float8_linears(_Renamed(), Float8Config(modules="proj|out")).converted == ("proj", "out")
 
 
 @needs_torchao

@@ -8,10 +8,10 @@ checkpointing, per-block compile, then one FSDP unit per block, one for the embe
 final norm with the LM head).
 
 Also the per-block training mechanisms any loop can use: mixed precision (`precision_autocast`,
-`precision=` of the parallelize functions), activation checkpointing, in-place `torch.compile`, the
-LM head and its cross-entropy fused over chunks of tokens (`linear_cross_entropy`,
-`fuse_linear_cross_entropy`), LoRA adapters (`apply_lora`, exported in PEFT's layout), and
-AdamW/SGD with bfloat16 states (`StateDtypeAdamW`, `StateDtypeSGD`).
+`precision=` of the parallelize functions, weights cast once per step: `weights_cast_once`),
+activation checkpointing, in-place `torch.compile`, the LM head and its cross-entropy fused over
+chunks of tokens (`linear_cross_entropy`, `fuse_linear_cross_entropy`), LoRA adapters (`apply_lora`,
+exported in PEFT's layout), and AdamW/SGD with bfloat16 states (`StateDtypeAdamW`, `StateDtypeSGD`).
 
 See packages/d9d-parallel/README.md for the gradient-reduction contract.
 
@@ -71,7 +71,14 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
         document_attention_backend,
     )
     from d9d.parallel.errors import ParallelizeError, UnsupportedParallelismError
-    from d9d.parallel.float8 import Float8Selection, apply_float8, float8_linears, select_float8_linears
+    from d9d.parallel.float8 import (
+        Float8Selection,
+        apply_float8,
+        float8_gathered_weights,
+        float8_linears,
+        precompute_float8_scales,
+        select_float8_linears,
+    )
     from d9d.parallel.fused_loss import (
         LinearCrossEntropyHead,
         describe_fused_loss,
@@ -122,6 +129,13 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
         mlp_plan,
         norm_plan,
         parallelize_tensor_parallel,
+    )
+    from d9d.parallel.weight_casts import (
+        WeightCasts,
+        cast_linears_once,
+        cast_once_parameters,
+        cast_weight,
+        weights_cast_once,
     )
 
 __all__, __getattr__, __dir__ = lazy_face(__name__, globals(), subfaces=("expert", "pipeline"))

@@ -36,8 +36,10 @@ class Float8Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         recipe: `tensorwise` (one scale per tensor; under FSDP2 the weights are all-gathered in
             float8) or `rowwise` (a scale per row: closer to bfloat16, all-gathered in high precision).
         modules: a regular expression matched against each `nn.Linear`'s whole module path
-            (`re.fullmatch`); the default takes every linear. Linears whose dimensions are not
-            multiples of 16 stay as they are (float8 matmuls cannot take them) and are listed.
+            (`re.fullmatch`); the default takes every linear but the output layer (`lm_head`, or the
+            model's `get_output_embeddings()`), which converts only when the expression spells its
+            name (e.g. `'.*_proj|lm_head'`). Linears whose dimensions are not multiples of 16 stay
+            as they are (float8 matmuls cannot take them); what stays is listed.
     """
 
     recipe: Literal["tensorwise", "rowwise"] = "tensorwise"

@@ -212,9 +212,11 @@ def set_gradient_accumulation(module: nn.Module, *, final: bool) -> None:
     """Set up gradient reduction for the next microbatch's backward; `final` for the step's last one.
 
     On the final microbatch every FSDP2 unit reduces fully. Before it, a unit that only replicates
-    (DDP) skips its all-reduce (its gradient is full-size either way), a sharded unit (FSDP)
-    reduce-scatters every microbatch into its sharded gradient (so no unsharded gradient outlives
-    its block), and a hybrid unit (HSDP) reduce-scatters but defers the all-reduce over replicas.
+    (DDP) skips its all-reduce (its gradient is full-size either way) and keeps its unsharded
+    compute-dtype parameters for the next microbatch (cast once per step, not per forward), a
+    sharded unit (FSDP) reduce-scatters every microbatch into its sharded gradient (so no unsharded
+    gradient outlives its block), and a hybrid unit (HSDP) reduce-scatters but defers the all-reduce
+    over replicas.
     Units not made by d9d (e.g. expert banks) reduce every microbatch.
     """
     for sub in module.modules():
@@ -223,10 +225,14 @@ def set_gradient_accumulation(module: nn.Module, *, final: bool) -> None:
         kind = getattr(sub, _KIND_ATTR, "shard")
         if final:
             sub.set_requires_gradient_sync(True, recurse=False)
+            if kind == "replicate":
+                sub.set_reshard_after_backward(True, recurse=False)
             if kind == "hybrid":
                 sub.set_requires_all_reduce(True, recurse=False)
         elif kind == "replicate":
             sub.set_requires_gradient_sync(False, recurse=False)
+            # keep the compute-dtype copy for the next microbatch: one cast per step, not per forward
+            sub.set_reshard_after_backward(False, recurse=False)
         else:
             sub.set_requires_gradient_sync(True, recurse=False)
             if kind == "hybrid":

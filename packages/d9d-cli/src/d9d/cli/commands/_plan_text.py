@@ -96,8 +96,14 @@ def _memory_lines(job_plan: "JobPlan", config: "JobConfig") -> list[str]:
         f"  parameters  {format_size(state.params):>10}",
         f"  gradients   {format_size(state.grads):>10}",
         f"  optimizer   {format_size(state.optimizer):>10}  ({_states_text(job_plan)})",
-        _activations_line(job_plan, config, acts, memory.activations_note),
     ]
+    copies = peak.weight_copies if peak is not None else memory.weight_copies
+    if copies:
+        compute = str(job_plan.precision.param_dtype).removeprefix("torch.")
+        lines.append(
+            f"  weight copies {format_size(copies):>8}  ({compute}, cast once per step and kept for its microbatches)"
+        )
+    lines.append(_activations_line(job_plan, config, acts, memory.activations_note))
     whose = f"pp rank {peak.pp_rank}, the most of any rank" if peak is not None else ""
     if host:
         on_device = "on the device: parameters, gradients and optimizer state are offloaded to the host"

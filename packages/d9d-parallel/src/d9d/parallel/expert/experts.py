@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from d9d.parallel._torch_compat import traceable_grouped_mm_dtypes
+from d9d.parallel.weight_casts import cast_weight
 
 __all__ = ["GroupedExperts", "SwiGLU", "grouped_mm_fits"]
 
@@ -74,7 +75,10 @@ class GroupedExperts(nn.Module):
         Raises:
             RuntimeError: the counts do not add up to the rows of `x`.
         """
-        w_gate, w_up, w_down = (_local(w).to(x.dtype) for w in (self.w_gate, self.w_up, self.w_down))
+        # in x's dtype once per step inside `weights_cast_once` (the trainer's step), else every forward
+        w_gate, w_up, w_down = (
+            _local(cast_weight(w, x.dtype)) for w in (self.w_gate, self.w_up, self.w_down)
+        )
         if grouped_mm_fits(x, self.hidden_size, self.ffn_size):
             offs = torch.cumsum(counts, dim=0).to(torch.int32)  # the end row of each expert's group
             # checked on the device (a CUDA device-side assert), never read on the host

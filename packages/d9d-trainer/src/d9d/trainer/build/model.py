@@ -14,6 +14,7 @@ from d9d.parallel import (
     LoraConfig,
     MixedPrecision,
     apply_float8,
+    cast_linears_once,
     context_parallel_of,
     fsdp_parameters,
     lora_parameters,
@@ -195,6 +196,8 @@ def shape_model(
         _apply_float8(model, float8, job, context)
     _parallelize(job, context, precision, model, where)
     _check_shaped(job, context, model)
+    if precision.enabled:  # the linears read their compute copies cast once per step (the step's scope)
+        cast_linears_once(model)
     return model
 
 

@@ -44,7 +44,7 @@ class RMSNorm(nn.Module):
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
         # In x's dtype: under autocast the float32 weight would make the product float32 (FSDP's
         # gathered weight is already the compute dtype, so both paths compute the same).
-        return self.weight.to(normed.dtype) * normed
+        return _weight_in(self.weight, normed.dtype) * normed
 
     def reset_parameters(self) -> None:
         """Weight to ones."""
@@ -67,6 +67,16 @@ def document_mask(document_ids: torch.Tensor) -> Any:
     except ImportError:  # the model itself is plain PyTorch
         return block_causal(document_ids)
     return DocumentMask(document_ids)
+
+
+def _weight_in(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`weight` in `dtype`: once per optimizer step inside the trainer's step (`d9d.parallel.cast_weight`),
+    at every call without d9d.parallel."""
+    try:
+        from d9d.parallel import cast_weight
+    except ImportError:  # the model itself is plain PyTorch
+        return weight.to(dtype)
+    return cast_weight(weight, dtype)
 
 
 def _in_compute_dtype(hidden_states: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ from d9d.parallel import (
     CompileConfig,
     MixedPrecision,
     apply_activation_checkpointing,
+    cast_once_parameters,
     describe_fused_loss,
     lora_coverage,
     parallelize_context_parallel,
@@ -124,6 +125,7 @@ def plan_memory(job: ResolvedJob, plan: JobPlan, context: DistributedContext) ->
         lora=lora_coverage(list(stages.values()), lora) if lora is not None else None,
         pp_ranks=pp_ranks,
         loss=describe_fused_loss(*stages.values()) or full_logits_path(fused=job.config.trainer.loss.fused),
+        weight_copies=_weight_copy_bytes(list(stages.values()), params, plan, plan.mesh.pipeline_parallel),
     )
 
 
@@ -139,12 +141,14 @@ def _pp_rank(
     dp_shard × cp × tp, and their activations (`mine`, this rank's, when they are this rank's stages)."""
     assert plan.pipeline is not None
     stages = plan.pipeline.layout.stages_of_rank(pp_rank)
+    modules = [shaped[stage.index] for stage in stages]
     return RankMemory(
         pp_rank=pp_rank,
         stages=stages,
-        state=_state(plan, _parameters(shaped[stage.index] for stage in stages), 1),
+        state=_state(plan, _parameters(modules), 1),
         activations=mine if stages == plan.pipeline.stages else _activations(job, plan, context, stages)[0],
         offloaded=job.config.trainer.memory.cpu_offload,
+        weight_copies=_weight_copy_bytes(modules, _parameters(modules), plan, 1),
     )
 
 
@@ -191,6 +195,24 @@ def _shaped_stages(job: ResolvedJob, plan: JobPlan, context: DistributedContext)
         )
         for stage in [*plan.stages, *others]
     }
+
+
+def _weight_copy_bytes(
+    stages: list[nn.Module], params: list[nn.Parameter], plan: JobPlan, pipeline_parallel: int
+) -> int:
+    """Per rank, the compute-dtype copies of the weights a step keeps (`MemoryPlan.weight_copies`): the
+    parameters of `params` that `cast_once_parameters` names (under DDP every parameter: FSDP2's
+    unsharded copies), split over `pipeline_parallel` × tp as `estimate_memory` splits the parameters
+    (the whole model's over pp, one pp rank's stages' over 1)."""
+    mesh, precision = plan.mesh, plan.precision
+    if not precision.enabled or shards_parameters(mesh):
+        return 0
+    whole = {id(p): p for p in params}  # each tie once
+    if mesh.data_parallel_replicate == 1:
+        cast = {id(p) for stage in stages for p in cast_once_parameters(stage)}
+        whole = {key: p for key, p in whole.items() if key in cast}
+    elements = sum(p.numel() for p in whole.values())
+    return -(-elements * precision.param_dtype.itemsize // (pipeline_parallel * mesh.tensor_parallel))
 
 
 def _whole_model_parameters(stages: list[nn.Module]) -> list[nn.Parameter]:

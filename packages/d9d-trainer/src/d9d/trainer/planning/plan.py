@@ -127,6 +127,8 @@ class RankMemory:
             over dp_shard × cp × tp as `estimate_memory` assumes).
         activations: those stages' saved activations at the step's peak; None when not estimated.
         offloaded: whether `state` is kept in host memory (`trainer.memory.cpu_offload`).
+        weight_copies: bytes of its stages' compute-dtype weight copies alive through a step (as
+            `MemoryPlan.weight_copies`).
     """
 
     pp_rank: int
@@ -134,6 +136,7 @@ class RankMemory:
     state: MemoryEstimate
     activations: ActivationEstimate | None
     offloaded: bool = False
+    weight_copies: int = 0
 
     @property
     def host_state(self) -> int:
@@ -142,9 +145,10 @@ class RankMemory:
 
     @property
     def total(self) -> int:
-        """Device bytes: the state kept there plus the activations with the job's checkpointing."""
+        """Device bytes: the state kept there, the weights' compute copies and the activations with the
+        job's checkpointing."""
         acts = self.activations.checkpointed if self.activations is not None else 0
-        return self.state.total - self.host_state + acts
+        return self.state.total - self.host_state + self.weight_copies + acts
 
 
 @dataclass(frozen=True)
@@ -174,6 +178,10 @@ class MemoryPlan:
         pp_ranks: under pipeline parallelism, what every pp rank needs (index: pp coordinate); ()
             without.
         loss: which loss the last stage runs (`trainer.loss`): the fused head or the full logits.
+        weight_copies: bytes of the compute-dtype copies of the weights alive through a step: cast
+            once per step and kept for all its microbatches and recomputes (`d9d.parallel.
+            weights_cast_once`; under DDP, FSDP2's unsharded copies, kept between microbatches); 0
+            for float32 compute and for sharded parameters (FSDP gathers one unit at a time).
     """
 
     parameters: int
@@ -189,11 +197,13 @@ class MemoryPlan:
     lora: LoraCoverage | None = None
     pp_ranks: tuple[RankMemory, ...] = ()
     loss: str = ""
+    weight_copies: int = 0
 
     @property
     def device_state(self) -> int:
-        """Bytes of `state` on the device (all of it without CPU offload)."""
-        return self.state.total - self.host_state
+        """Bytes on the device through a step besides activations: `state` (all of it without CPU
+        offload) and the weights' compute copies."""
+        return self.state.total - self.host_state + self.weight_copies
 
     @property
     def peak(self) -> RankMemory | None:

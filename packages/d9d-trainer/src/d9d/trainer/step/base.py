@@ -11,7 +11,16 @@ import torch.distributed as dist
 from torch import nn
 
 from d9d.mesh import get_logger
-from d9d.parallel import ContextParallel, MixedPrecision, clip_grad_norm_, grad_norm, reduce_partial_grads
+from d9d.parallel import (
+    ContextParallel,
+    MixedPrecision,
+    clip_grad_norm_,
+    float8_gathered_weights,
+    grad_norm,
+    precompute_float8_scales,
+    reduce_partial_grads,
+    weights_cast_once,
+)
 from d9d.parallel.expert import (
     expert_load_summary,
     expert_loads,
@@ -136,6 +145,9 @@ class StepBase:
         # each rank's balancing terms are then its share, as its loss is (d9d.parallel.expert.balancing)
         set_statistics_group(self.moes, settings.dp_group)
         self._loads: torch.Tensor | None = None  # this step's tokens per expert, summed over microbatches
+        # weights FSDP2 gathers in float8: their scales once per step (after each update), not per gather
+        self._float8_gathered = float8_gathered_weights(model) > 0
+        self._float8_scaled = False  # the scales are those of the weights as they are now
 
     def local_part(self, microbatches: Sequence[Any]) -> list[Any]:
         """This rank's part of each microbatch (`StepSettings.local_batch`)."""
@@ -160,6 +172,20 @@ class StepBase:
         """End the step's `phase` (see `d9d.trainer.observe.timing`) on the settings' timer, if any; never syncs."""
         if self.settings.timer is not None:
             self.settings.timer.mark(phase)
+
+    def float8_scales(self, *, updated: bool = False) -> None:
+        """The float8 scales of the weights FSDP2 gathers in float8 (`d9d.parallel.
+        precompute_float8_scales`): before the first step's forwards, and after every update
+        (`updated`), so each step's gathers (and an evaluation after it) use the weights' own."""
+        if self._float8_gathered and (updated or not self._float8_scaled):
+            precompute_float8_scales(self.model)
+            self._float8_scaled = True
+
+    def weights_cast_once(self) -> contextlib.AbstractContextManager[object]:
+        """The step's forwards and backwards: inside it each float32 weight is cast to the compute dtype
+        once, not per microbatch and recompute (`d9d.parallel.weights_cast_once`; its copies are dropped
+        before the optimizer step); nothing for float32 compute."""
+        return weights_cast_once(self.settings.precision.enabled)
 
     def microbatch_range(self, index: int) -> contextlib.AbstractContextManager[None]:
         """The profiler range of microbatch `index`'s forward and backward (`StepTimer.microbatch`)."""
@@ -207,6 +233,7 @@ class StepBase:
         finite, (stop, finish, save), busy = self._read_flags(torch.isfinite(loss) & torch.isfinite(norm))
         if finite:
             self.optimizer.step()
+            self.float8_scales(updated=True)
             self.scheduler.step()
             return StepOutput(loss=loss, grad_norm=norm, weight=weight, applied=True, stop=stop, save=save,
                               rank_busy=busy, finish=finish)  # fmt: skip

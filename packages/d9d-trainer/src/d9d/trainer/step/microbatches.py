@@ -21,7 +21,8 @@ class MicrobatchStep(StepBase):
     Sharded FSDP2 units reduce-scatter every microbatch (no unsharded gradient outlives its block);
     only replicated units defer their all-reduce to the last microbatch. Each microbatch draws its
     randomness (dropout) from its own stream, keyed by its place in the global batch
-    (`TrainingRandomness.seed_microbatch`).
+    (`TrainingRandomness.seed_microbatch`). Each weight is cast to the compute dtype once for all the
+    microbatches and their recomputes (`StepBase.weights_cast_once`).
     """
 
     def run(self, microbatches: Sequence[Any], step: int) -> StepOutput:
@@ -30,26 +31,30 @@ class MicrobatchStep(StepBase):
         microbatches = self.local_part(microbatches)
         weight = self.global_weight(microbatches)
         scale = weight.to(torch.float32)
+        self.float8_scales()
         model.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=settings.device)
-        last = len(microbatches) - 1
-        randomness = settings.randomness
-        for i, batch in enumerate(microbatches):
-            if randomness is not None:
-                randomness.seed_microbatch(step, i, len(microbatches))
-            with self.microbatch_range(i):
-                set_gradient_accumulation(model, final=i == last)
-                with precision_autocast(settings.precision, settings.device):
-                    context = LossContext(model=model, batch=batch, device=settings.device)
-                    result = self.task.compute_loss(context)
-                objective = result.loss_sum / scale
-                regularization = moe_regularization_loss(self.moes)  # MoE balancing terms, when configured
-                if regularization is not None:  # each microbatch's is its global batch's: their mean
-                    objective = objective + regularization / len(microbatches)
-                objective.backward()
-                self.add_expert_load()
-                loss_sum += result.loss_sum.detach().to(torch.float64)
+        with self.weights_cast_once():  # the compute copies of the weights: one for all microbatches
+            for i, batch in enumerate(microbatches):
+                loss_sum += self._microbatch(batch, i, len(microbatches), step, scale)
         set_gradient_accumulation(model, final=True)
         loss = self.dp_sum(loss_sum) / weight
         return self.finish(loss, weight, step)
+
+    def _microbatch(self, batch: Any, i: int, count: int, step: int, scale: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of microbatch `i` of `count`; its summed loss (float64, detached)."""
+        model, settings = self.model, self.settings
+        if settings.randomness is not None:
+            settings.randomness.seed_microbatch(step, i, count)
+        with self.microbatch_range(i):
+            set_gradient_accumulation(model, final=i == count - 1)
+            with precision_autocast(settings.precision, settings.device):
+                result = self.task.compute_loss(LossContext(model=model, batch=batch, device=settings.device))
+            objective = result.loss_sum / scale
+            regularization = moe_regularization_loss(self.moes)  # MoE balancing terms, when configured
+            if regularization is not None:  # each microbatch's is its global batch's: their mean
+                objective = objective + regularization / count
+            objective.backward()
+            self.add_expert_load()
+        return result.loss_sum.detach().to(torch.float64)

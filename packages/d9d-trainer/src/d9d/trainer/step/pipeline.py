@@ -91,6 +91,7 @@ class PipelineStep(StepBase):
         microbatches = self.local_part(microbatches)
         weight = self.global_weight(microbatches)
         self._scale = weight.to(torch.float32)
+        self.float8_scales()
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         pairs = [self.pipeline_task.pipeline_inputs(mb) for mb in microbatches]
@@ -100,7 +101,8 @@ class PipelineStep(StepBase):
         self._step = step
         if self._per_step_stream and self.settings.randomness is not None:
             self.settings.randomness.seed_pipeline(step)
-        share = self.pipeline.step(inputs, targets, kwargs=kwargs, broadcast_loss=True)
+        with self.weights_cast_once():  # the stages' compute copies of the weights: one for all microbatches
+            share = self.pipeline.step(inputs, targets, kwargs=kwargs, broadcast_loss=True)
         assert share is not None
         self.add_expert_load()  # the stage's MoE layers hold the step's last microbatch
         loss = self.dp_sum(share.detach().to(torch.float64))
