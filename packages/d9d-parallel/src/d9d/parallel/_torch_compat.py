@@ -5,7 +5,9 @@ d9d.parallel calls these instead of checking versions itself.
 """
 
 import contextlib
+import functools
 import inspect
+from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -14,8 +16,16 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _PipelineSchedule
+from torch.utils._pytree import tree_map
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-__all__ = ["all_gather_autograd", "around_stage_forward", "schedule_step", "skip_warmup_to_own_rank"]
+__all__ = [
+    "all_gather_autograd",
+    "around_stage_forward",
+    "schedule_step",
+    "selective_checkpoint_options",
+    "skip_warmup_to_own_rank",
+]
 
 #: `context(stage_index, microbatch_index, probe)`: the context one stage forward runs in; `probe` is
 #: torch's metadata-inference forward of the first step (not a microbatch of the step).
@@ -118,3 +128,61 @@ def around_stage_forward(stage: PipelineStage, context: StageForwardContext) -> 
 
     register(factory)
     return True
+
+
+def selective_checkpoint_options(policy: Callable[..., Any]) -> dict[str, Any]:
+    """The `torch.utils.checkpoint.checkpoint` keywords of a per-op `policy` whose saved outputs pass
+    through the saved-tensor hooks around the call, as autograd's own saved tensors do (so
+    `saved_activation_bytes` and any hook counting what backward keeps see them).
+
+    torch 2.14 added `respect_saved_tensors_hooks` for that (without it the policy's cache bypasses
+    the hooks). Before (2.11 to 2.13), the cache the two contexts share (a dict of lists, one list per
+    op) is replaced here by one that packs each cached tensor with the hooks in force when the region
+    starts and unpacks it when the recompute takes it (without the mutation check torch makes).
+    """
+    if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters:
+        context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+        return {"context_fn": context_fn, "respect_saved_tensors_hooks": True}
+    return {"context_fn": functools.partial(_contexts_through_hooks, policy)}
+
+
+def _contexts_through_hooks(policy: Callable[..., Any]) -> tuple[Any, Any]:
+    caching, cached = create_selective_checkpoint_contexts(policy)
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    storage = getattr(caching, "storage", None)
+    if hooks is None or storage is not getattr(cached, "storage", None) or not _is_list_cache(storage):
+        return caching, cached
+    caching.storage = cached.storage = defaultdict(functools.partial(_HookedOutputs, *hooks))
+    return caching, cached
+
+
+def _is_list_cache(storage: Any) -> bool:
+    return isinstance(storage, defaultdict) and storage.default_factory is list
+
+
+class _HookedOutputs(list):
+    """One op's cached outputs (torch < 2.14): each tensor packed on `append`, unpacked when taken."""
+
+    def __init__(self, pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor]) -> None:
+        super().__init__()
+        self._pack, self._unpack = pack, unpack
+
+    def append(self, entry: Any) -> None:
+        super().append(tree_map(self._packed, entry))
+
+    def _packed(self, leaf: Any) -> Any:
+        value = getattr(leaf, "val", None)
+        if not isinstance(value, torch.Tensor) or isinstance(value, torch._subclasses.FakeTensor):
+            return leaf
+        return _Packed(self._pack(value), self._unpack)
+
+
+class _Packed:
+    """A cached tensor as the hooks packed it; `get_val` is what the recompute calls."""
+
+    def __init__(self, packed: Any, unpack: Callable[[Any], torch.Tensor]) -> None:
+        self._packed, self._unpack = packed, unpack
+
+    def get_val(self, allow_cache_entry_mutation: bool) -> torch.Tensor:
+        del allow_cache_entry_mutation
+        return self._unpack(self._packed)
