@@ -17,11 +17,12 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _PipelineSchedule
 from torch.utils._pytree import tree_map
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import SAC_IGNORED_OPS, checkpoint, create_selective_checkpoint_contexts
 
 __all__ = [
     "all_gather_autograd",
     "around_stage_forward",
+    "ignore_profiler_ranges_in_selective_checkpoints",
     "schedule_step",
     "selective_checkpoint_options",
     "skip_warmup_to_own_rank",
@@ -186,3 +187,20 @@ class _Packed:
     def get_val(self, allow_cache_entry_mutation: bool) -> torch.Tensor:
         del allow_cache_entry_mutation
         return self._unpack(self._packed)
+
+
+def ignore_profiler_ranges_in_selective_checkpoints() -> None:
+    """Leave the profiler's range ops out of every selective checkpoint's replay (torch's own
+    `SAC_IGNORED_OPS`); idempotent.
+
+    torch 2.15 replays a selective region by counting each op's calls, and refuses a recompute that
+    calls one more often than the forward did. FSDP2 opens a profiler range (`record_function`)
+    around its hooks, and a unit inside a block (an expert bank under expert parallelism) opens more
+    of them in the recompute than in the forward ("invocation index 2 encountered during backward
+    but not found in storage"). The ranges are annotations: run each time, never cached. (torch 2.11
+    looks up only the ops its policy saves; 2.12 to 2.14 were not checked.)
+    """
+    for name in ("_record_function_enter", "_record_function_enter_new", "_record_function_exit"):
+        packet = getattr(torch.ops.profiler, name, None)
+        if packet is not None:
+            SAC_IGNORED_OPS.update(getattr(packet, overload) for overload in packet.overloads())

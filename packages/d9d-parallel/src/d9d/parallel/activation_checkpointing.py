@@ -20,7 +20,6 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
-from d9d.parallel._torch_compat import selective_checkpoint_options
 from d9d.parallel._wrap import wrap_forward
 from d9d.parallel.config import ActivationCheckpointingConfig
 from d9d.parallel.errors import ParallelizeError
@@ -122,7 +121,26 @@ def apply_activation_checkpointing(
         done.append(module)
     if done:
         _compile_forward_side_effects_once()
+    if done and kind == "op":
+        _prepare_op_checkpointing()
     return done
+
+
+#: `checkpoint`'s keywords for `op`, made once by `_prepare_op_checkpointing` before any block runs:
+#: made inside a compiled forward, dynamo would break the graph on their signature check.
+_OP_OPTIONS: dict[str, Any] = {}
+
+
+def _prepare_op_checkpointing() -> None:
+    # imported here: the compat module imports torch's pipelining (seconds), which checkpointing needs not
+    from d9d.parallel._torch_compat import (
+        ignore_profiler_ranges_in_selective_checkpoints,
+        selective_checkpoint_options,
+    )
+
+    if not _OP_OPTIONS:
+        _OP_OPTIONS.update(selective_checkpoint_options(op_checkpoint_policy))
+    ignore_profiler_ranges_in_selective_checkpoints()
 
 
 def _compile_forward_side_effects_once() -> None:
@@ -141,11 +159,6 @@ def _compile_forward_side_effects_once() -> None:
 
 def _checkpointed(inner: Any, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return checkpoint(inner, module, *args, use_reentrant=False, **kwargs)
-
-
-#: `checkpoint`'s keywords for `op`, made once: made inside a compiled forward, dynamo would break the
-#: graph on the signature check.
-_OP_OPTIONS = selective_checkpoint_options(op_checkpoint_policy)
 
 
 def _op_checkpointed(inner: Any, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
