@@ -45,6 +45,7 @@ BENCHMARKS: list[tuple[str, list[str]]] = [
     ("float8", ["--steps", "10"]),
     ("optimizer_states", ["--steps", "200", "--repeats", "10"]),
     ("cpu_offload", ["--steps", "12", "--rounds", "2"]),
+    ("activation_checkpointing", ["--repeats", "5"]),
 ]
 
 

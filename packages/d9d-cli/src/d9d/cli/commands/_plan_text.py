@@ -13,7 +13,7 @@ if TYPE_CHECKING:  # the trainer imports torch: only inside the command at run t
     from d9d.parallel.pipeline import StageSpec
     from d9d.trainer import JobConfig
     from d9d.trainer.config.job import PipeliningConfig
-    from d9d.trainer.planning import FitPlan, JobPlan, PipelinePlan, SequencePlan
+    from d9d.trainer.planning import ActivationEstimate, FitPlan, JobPlan, PipelinePlan, SequencePlan
 
 __all__ = ["format_fit", "plan_lines"]
 
@@ -48,7 +48,10 @@ def _precision_lines(job_plan: "JobPlan", config: "JobConfig") -> list[str]:
     compute = str(job_plan.precision.param_dtype).removeprefix("torch.")
     auto = " (auto: bfloat16 on CUDA, float32 on CPU)" if prec.param_dtype == "auto" else ""
     ac = tcfg.activation_checkpointing
-    ac_text = ac.mode + (f" (every {ac.every} blocks)" if ac.mode == "selective" else "")
+    ac_text = ac.mode + {
+        "selective": f" (every {ac.every} blocks)",
+        "op": " (every block keeps its matmul and attention outputs, recomputes the rest)",
+    }.get(ac.mode, "")
     lines = [
         f"precision: compute {compute}{auto}, reduce {prec.reduce_dtype}, master weights float32, "
         f"optimizer states {_state_dtype(job_plan)}; tf32 {'on' if prec.tf32 else 'off'}",
@@ -121,7 +124,7 @@ def _memory_lines(job_plan: "JobPlan", config: "JobConfig") -> list[str]:
         if acts.per_pp_rank:
             per_rank = ", ".join(f"pp rank {r}: {format_size(b)}" for r, b in enumerate(acts.per_pp_rank))
             lines.append(f"  activations per pp rank (checkpointing {ac.mode}): {per_rank}")
-        lines.append(f"  activation estimate assumes: {_activation_assumptions(mesh, acts.in_flight_note)}")
+        lines.append(f"  activation estimate assumes: {_activation_assumptions(mesh, acts)}")
     return lines
 
 
@@ -243,9 +246,13 @@ def _bubble_lines(pipeline: "PipelinePlan") -> list[str]:
     return [f"  bubble: {head}", f"  bubble assumes: {assumes}"]
 
 
-def _activation_assumptions(mesh: "MeshConfig", in_flight: str) -> str:
+def _activation_assumptions(mesh: "MeshConfig", acts: "ActivationEstimate") -> str:
     """What the activation figure assumes, in one line (see `estimate_activations`)."""
     parts = ["attention saves what a fused (flash) kernel saves"]
+    if acts.weight_copies:
+        parts.append(
+            "autocast's copies of the linear weights, saved by their matmuls, count (no FSDP2 sharding)"
+        )
     if mesh.context_parallel > 1:
         parts.append(
             f"each rank holds 1/{mesh.context_parallel} of the sequence, except the K/V that attention "
@@ -257,7 +264,7 @@ def _activation_assumptions(mesh: "MeshConfig", in_flight: str) -> str:
             "keeps whole counts whole)"
         )
     if mesh.pipeline_parallel > 1:
-        parts.append(f"this rank's stages; {in_flight}")
+        parts.append(f"this rank's stages; {acts.in_flight_note}")
     return "; ".join(parts)
 
 

