@@ -112,6 +112,25 @@ def test_optimizer_states_tiny_mode_counts_half_the_state_bytes_on_one_process_a
     assert all(r["ratio"] >= 0 for r in rows), rows
 
 
+def test_activation_checkpointing_tiny_mode_counts_bytes_ops_and_flops_per_mode(tmp_path):
+    stdout, rows = _run(tmp_path, "activation_checkpointing.py", "--tiny", timeout=300)
+    for mode in ("none", "full", "op"):
+        assert sum(line.startswith(mode + " ") for line in stdout.splitlines()) == 2, (mode, stdout)
+    got = {r["name"]: r["ratio"] for r in rows}
+    assert list(got) == [
+        "AC full: saved bytes per block / none (CPU fp32)",
+        "AC op: saved bytes per block / none (CPU fp32)",
+        "AC full: CPU step time / none",
+        "AC op: CPU step time / none",
+        "AC full: saved bytes per block / none (8B shape, bf16)",
+        "AC full: recompute FLOPs / none's step (8B shape)",
+        "AC op: saved bytes per block / none (8B shape, bf16)",
+        "AC op: recompute FLOPs / none's step (8B shape)",
+    ]
+    assert got["AC op: recompute FLOPs / none's step (8B shape)"] == 0
+    assert got["AC full: recompute FLOPs / none's step (8B shape)"] > 0.2
+
+
 #: The GPU check's checks its CI dry run leaves out, for time (about a minute per torch version, most of
 #: it a Python start per check): the compiled ones (tp_compile, tp_float8, fsdp_compiled, moe_compile:
 #: 20-60 s each; the MoE bank's compile has its unit tests), tp_full_ac (tp_bf16's path with one setting

@@ -192,11 +192,16 @@ def test_activation_checkpointing_changes_no_number(tmp_path):
         "trainer.activation_checkpointing.mode=selective",
         "trainer.activation_checkpointing.every=2",
     )
-    for other in (full, selective):
+    per_op = _train_records(
+        tmp_path, "op", 4, "trainer.activation_checkpointing.mode=op", "export.dir=" + str(tmp_path / "e2")
+    )
+    for other in (full, selective, per_op):
         for a, b in zip(eager, other, strict=True):
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=1e-7)
             assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6, abs=1e-7)
     _assert_same_weights(tmp_path / "e0", tmp_path / "e1", atol=1e-6)
+    assert [(r["loss"], r["grad_norm"]) for r in per_op] == [(r["loss"], r["grad_norm"]) for r in eager]
+    _assert_same_weights(tmp_path / "e0", tmp_path / "e2")  # op: bit for bit
 
 
 @pytest.mark.parametrize(
@@ -207,10 +212,13 @@ def test_activation_checkpointing_changes_no_number(tmp_path):
 )  # fmt: skip
 def test_activation_checkpointing_on_two_ranks_changes_no_number(tmp_path, mesh):
     plain = _train_records(tmp_path, "plain", 3, *mesh, nproc=2)
-    full = _train_records(tmp_path, "full", 3, *mesh, "trainer.activation_checkpointing.mode=full", nproc=2)
-    for a, b in zip(plain, full, strict=True):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=1e-7)
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6, abs=1e-7)
+    for mode in ("full", "op"):
+        runs = _train_records(
+            tmp_path, mode, 3, *mesh, f"trainer.activation_checkpointing.mode={mode}", nproc=2
+        )
+        for a, b in zip(plain, runs, strict=True):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-6, abs=1e-7), mode
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6, abs=1e-7), mode
 
 
 def _assert_same_weights(a: Path, b: Path, *, atol: float = 0.0) -> None:

@@ -3,9 +3,12 @@
 Each rank of a real 2-process run (gloo, forked) counts, during one optimizer step after a first one,
 the peak of the bytes autograd holds saved for backward (each storage once, parameters excluded: a
 saved tensor counts from its pack until the graph lets it go). The plan of the same job (the
-trainer's `plan_job` on a planning context, float32 on both sides) must be within 6% of it on every
-rank (the issue asked for 10%; measured: 3.5–4.8%): per pipeline stage (1F1B keeps pp − s microbatches in flight on stage s; the last stage's
-logits and loss) and per tensor-parallel rank (what tensor parallelism keeps whole counts whole).
+trainer's `plan_job` on a planning context, float32 on both sides) must be within 1% of it on every
+rank (the issue asked for 10%; measured: 4 bytes under, since attention is counted as the CPU
+kernel itself on the meta device, whose output the output projection takes as a view; before, a
+stand-in with a contiguous output had the projection's input counted as a copy: 3.5–4.8% over): per
+pipeline stage (1F1B keeps pp − s microbatches in flight on stage s; the last stage's logits and
+loss) and per tensor-parallel rank (what tensor parallelism keeps whole counts whole).
 The figures they replace fail it: the whole model at one microbatch for every pp rank (2× off on the
 1F1B stages), and the one-process figure divided by tp (7.7% under). A LoRA job, on one process, is
 planned as it trains (adapters, frozen weights), not as a full fine-tune.
@@ -52,7 +55,8 @@ class _Saved:
 
 
 class _PeakSaved:
-    """The peak of live saved-for-backward bytes (each storage once), parameters excluded."""
+    """The peak of live saved-for-backward bytes (each storage once), parameters excluded, and the
+    compute copies of the weights the step casts once (the plan counts those as `weight_copies`)."""
 
     def __init__(self, params: list[torch.Tensor]) -> None:
         self.excluded = {_key(p) for p in params}
@@ -75,7 +79,7 @@ class _PeakSaved:
 
     def pack(self, tensor: torch.Tensor) -> Any:
         key = _key(tensor)
-        if key in self.excluded:
+        if key in self.excluded or key in _weight_copies():
             return tensor
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
         return _Saved(self, tensor, key, local.untyped_storage().nbytes())
@@ -83,6 +87,14 @@ class _PeakSaved:
     @staticmethod
     def unpack(saved: Any) -> torch.Tensor:
         return saved.tensor if isinstance(saved, _Saved) else saved
+
+
+def _weight_copies() -> set[int]:
+    """The storages of the copies the open `weights_cast_once` scope holds (the trainer's step)."""
+    from d9d.parallel import weight_casts
+
+    scope = weight_casts._active
+    return {_key(c.copy) for c in scope._copies.values()} if scope is not None else set()
 
 
 def _key(tensor: torch.Tensor) -> int:
@@ -126,7 +138,7 @@ def test_the_plans_activations_are_within_ten_percent_of_a_real_runs_on_every_ra
     measured = run_distributed(_measured, 2, args)
     for rank, (plan, real) in enumerate(zip(planned, measured, strict=True)):
         assert real > 0, (mesh, rank)
-        assert abs(plan - real) <= 0.06 * real, f"{mesh} rank {rank}: planned {plan}, measured {real}"
+        assert abs(plan - real) <= 0.01 * real, f"{mesh} rank {rank}: planned {plan}, measured {real}"
     if mesh == "pp2_1f1b":  # stage 0 holds two microbatches in flight, the last stage one (+ the loss)
         assert planned[0] != planned[1]
 
@@ -142,15 +154,35 @@ LORA = (
 def test_a_lora_jobs_activations_are_planned_as_it_trains_them(mode, tmp_path):
     """A LoRA job saves less: a frozen weight's input only where something before it trains. Measured
     on one process (float32): 649,992 bytes without checkpointing (a full fine-tune: 785,928), 115,720
-    with full (149,000); the plan says 682,756 (+5.0%) and 115,716. It used to plan a full fine-tune's
-    818,692 and 148,996 (+26%, +29%)."""
+    with full (149,000); the plan says 649,988 and 115,716 (682,756, +5.0%, before attention was
+    counted as the kernel itself). It used to plan a full fine-tune's 818,692 and 148,996 (+26%, +29%)."""
     ac = [f"trainer.activation_checkpointing.mode={mode}"]
     args = _args(str(tmp_path), [*ac, LORA])
     planned = run_forked(_planned, args, 1)[0]
     measured = run_forked(_measured, args)
-    assert abs(planned - measured) <= 0.06 * measured, f"planned {planned}, measured {measured}"
+    assert abs(planned - measured) <= 0.01 * measured, f"planned {planned}, measured {measured}"
     full_fine_tune = run_forked(_planned, _args(str(tmp_path), ac), 1)[0]
     assert planned < 0.9 * full_fine_tune
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_op_checkpointing_is_planned_as_it_runs_on_one_process(dtype, tmp_path):
+    """`mode: op` keeps the matmul and attention outputs of every block: measured on the tiny
+    quickstart, float32 445,960 bytes (none 785,928, full 149,000), planned 445,956; bfloat16 298,760
+    (none 676,232, full 149,256), planned 298,628. In bfloat16 one process computes under autocast,
+    and the head's weight copy, which its matmul saves, is most of the difference to full: the plan
+    counts such copies (it did not: 11% under with op, 27% under without checkpointing)."""
+    figures = {}
+    for mode in ("none", "op", "full"):
+        args = [*_args(str(tmp_path / mode), [f"trainer.activation_checkpointing.mode={mode}"])]
+        args.append(f"trainer.precision.param_dtype={dtype}")  # the later override wins
+        figures[mode] = run_forked(_planned, args, 1)[0], run_forked(_measured, args)
+    planned, measured = figures["op"]
+    assert abs(planned - measured) <= 0.01 * measured, f"{dtype}: planned {planned}, measured {measured}"
+    assert figures["full"][1] < measured < figures["none"][1], figures
+    for mode in ("none", "full"):
+        plan, real = figures[mode]
+        assert abs(plan - real) <= 0.01 * real, f"{dtype} {mode}: planned {plan}, measured {real}"
 
 
 def test_a_schedule_without_a_closed_form_is_planned_as_an_upper_bound_and_says_so(tmp_path):

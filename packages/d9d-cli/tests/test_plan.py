@@ -363,6 +363,13 @@ def test_plan_shows_precision_checkpointing_and_activations_with_and_without_it(
     assert "in float32, checkpointing none" in _lines(fp32.output, "activations")[0]
     (total,) = _lines(out, "total")
     assert total.split()[1:] != _lines(fp32.output, "total")[0].split()[1:]  # activations count in the total
+    per_op = runner.invoke(cli, [*base, "--set", "trainer.activation_checkpointing.mode=op"])
+    (ac,) = _lines(per_op.output, "activation checkpointing:")
+    assert ac.startswith("activation checkpointing: op (every block keeps its matmul and attention outputs")
+    (acts,) = _lines(per_op.output, "activations")
+    assert "checkpointing op; none: " in acts
+    sizes = [_lines(o, "activations")[0].split()[1:3] for o in (result.output, per_op.output, fp32.output)]
+    assert len({tuple(s) for s in sizes}) == 3, sizes  # op's own figure, neither full's nor none's
 
 
 def test_plan_without_a_sequence_length_says_how_to_get_the_activation_estimate(runner, cp_config):
@@ -516,15 +523,22 @@ def test_activations_under_cp_are_the_local_sequence_plus_the_gathered_kv(cp_con
         seq_len=seq,
         microbatch_size=microbatch,
     )
-    half = _activations(_resolved(cp_config), seq_len=seq // 2, microbatch_size=microbatch)
+    # (sharded like cp 2: FSDP2 gathers the bf16 weights, no autocast copies to count on either side)
+    sharded = _resolved(cp_config, "mesh.data_parallel_shard=2")
+    half = _activations(sharded, seq_len=seq // 2, microbatch_size=microbatch)
     assert with_cp.tokens == half.tokens == f"{microbatch} × {seq // 2}"
+    assert not with_cp.weight_copies and not half.weight_copies
     # Everything is the one-process figure at seq / cp tokens, plus, in every layer, K and V of the
-    # whole sequence that attention all-gathers and keeps for backward.
+    # whole sequence that attention all-gathers and keeps for backward, and the attention output: one
+    # process feeds the kernel's own output (laid out [batch, seq, heads, dim]) to the output
+    # projection as a view, cp joins its two chunks' outputs into a new tensor, which the projection
+    # keeps beside them.
     gathered_kv = layers * 2 * microbatch * seq * hidden * bf16
-    assert with_cp.plain == half.plain + gathered_kv
+    joined = layers * microbatch * (seq // 2) * hidden * bf16
+    assert with_cp.plain == half.plain + gathered_kv + joined
     assert with_cp.full == half.full  # block inputs only: the gather is redone in the backward
     # the old estimate (the full sequence on one rank divided by cp, as if cp were tp) is not it
-    whole = _activations(_resolved(cp_config), seq_len=seq, microbatch_size=microbatch)
+    whole = _activations(sharded, seq_len=seq, microbatch_size=microbatch)
     assert with_cp.plain != -(-whole.plain // 2)
 
 

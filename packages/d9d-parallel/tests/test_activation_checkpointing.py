@@ -41,6 +41,7 @@ def _config(mode: str, every: int = 2) -> ActivationCheckpointingConfig:
         (7, "selective", 3, [0, 3, 6]),
         (3, "selective", 1, [0, 1, 2]),  # every block, like full
         (3, "selective", 5, [0]),
+        (4, "op", 3, [0, 1, 2, 3]),  # every block, per op
     ],
 )
 def test_checkpointed_blocks(n, mode, every, want):
@@ -53,6 +54,7 @@ def test_checkpointed_blocks_selective_every_kth(n, every):
     got = checkpointed_blocks(n, _config("selective", every))
     assert got == [i for i in range(n) if i % every == 0]
     assert checkpointed_blocks(n, _config("full")) == list(range(n))
+    assert checkpointed_blocks(n, _config("op", every)) == list(range(n))
     assert checkpointed_blocks(n, _config("none", every)) == []
 
 
@@ -125,7 +127,7 @@ def _loss_and_grads(mode: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("mode", ["full", "selective", "op"])
 def test_gradients_identical_with_and_without_checkpointing(mode):
     want_loss, want = _loss_and_grads("none")
     got_loss, got = _loss_and_grads(mode)

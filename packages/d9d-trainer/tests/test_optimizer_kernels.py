@@ -185,7 +185,7 @@ def _set(config: dict, path: str, value: object) -> dict:
             "trainer.activation_checkpointing.mode",
             "sometimes",
             r"trainer\.activation_checkpointing\.mode: Invalid enum value 'sometimes'; "
-            r"choose one of none, full, selective",
+            r"choose one of none, full, selective, op$",
         ),
         (
             "trainer.activation_checkpointing.every",

@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
     from d9d.parallel.activation_checkpointing import (
         apply_activation_checkpointing,
         checkpointed_blocks,
+        op_checkpoint_policy,
     )
     from d9d.parallel.activation_memory import saved_activation_bytes
     from d9d.parallel.compile import compile_blocks

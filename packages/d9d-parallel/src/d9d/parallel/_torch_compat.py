@@ -5,7 +5,9 @@ d9d.parallel calls these instead of checking versions itself.
 """
 
 import contextlib
+import functools
 import inspect
+from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -14,11 +16,15 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _PipelineSchedule
+from torch.utils._pytree import tree_map
+from torch.utils.checkpoint import SAC_IGNORED_OPS, checkpoint, create_selective_checkpoint_contexts
 
 __all__ = [
     "all_gather_autograd",
     "around_stage_forward",
+    "ignore_profiler_ranges_in_selective_checkpoints",
     "schedule_step",
+    "selective_checkpoint_options",
     "skip_warmup_to_own_rank",
     "traceable_grouped_mm_dtypes",
 ]
@@ -145,3 +151,78 @@ def traceable_grouped_mm_dtypes(grouped_mm: Callable[..., torch.Tensor] | None) 
             continue
         traceable.add(dtype)
     return frozenset(traceable)
+
+
+def selective_checkpoint_options(policy: Callable[..., Any]) -> dict[str, Any]:
+    """The `torch.utils.checkpoint.checkpoint` keywords of a per-op `policy` whose saved outputs pass
+    through the saved-tensor hooks around the call, as autograd's own saved tensors do (so
+    `saved_activation_bytes` and any hook counting what backward keeps see them).
+
+    torch 2.14 added `respect_saved_tensors_hooks` for that (without it the policy's cache bypasses
+    the hooks). Before (2.11 to 2.13), the cache the two contexts share (a dict of lists, one list per
+    op) is replaced here by one that packs each cached tensor with the hooks in force when the region
+    starts and unpacks it when the recompute takes it (without the mutation check torch makes).
+    """
+    if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters:
+        context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+        return {"context_fn": context_fn, "respect_saved_tensors_hooks": True}
+    return {"context_fn": functools.partial(_contexts_through_hooks, policy)}
+
+
+def _contexts_through_hooks(policy: Callable[..., Any]) -> tuple[Any, Any]:
+    caching, cached = create_selective_checkpoint_contexts(policy)
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    storage = getattr(caching, "storage", None)
+    if hooks is None or storage is not getattr(cached, "storage", None) or not _is_list_cache(storage):
+        return caching, cached
+    caching.storage = cached.storage = defaultdict(functools.partial(_HookedOutputs, *hooks))
+    return caching, cached
+
+
+def _is_list_cache(storage: Any) -> bool:
+    return isinstance(storage, defaultdict) and storage.default_factory is list
+
+
+class _HookedOutputs(list):
+    """One op's cached outputs (torch < 2.14): each tensor packed on `append`, unpacked when taken."""
+
+    def __init__(self, pack: Callable[[torch.Tensor], Any], unpack: Callable[[Any], torch.Tensor]) -> None:
+        super().__init__()
+        self._pack, self._unpack = pack, unpack
+
+    def append(self, entry: Any) -> None:
+        super().append(tree_map(self._packed, entry))
+
+    def _packed(self, leaf: Any) -> Any:
+        value = getattr(leaf, "val", None)
+        if not isinstance(value, torch.Tensor) or isinstance(value, torch._subclasses.FakeTensor):
+            return leaf
+        return _Packed(self._pack(value), self._unpack)
+
+
+class _Packed:
+    """A cached tensor as the hooks packed it; `get_val` is what the recompute calls."""
+
+    def __init__(self, packed: Any, unpack: Callable[[Any], torch.Tensor]) -> None:
+        self._packed, self._unpack = packed, unpack
+
+    def get_val(self, allow_cache_entry_mutation: bool) -> torch.Tensor:
+        del allow_cache_entry_mutation
+        return self._unpack(self._packed)
+
+
+def ignore_profiler_ranges_in_selective_checkpoints() -> None:
+    """Leave the profiler's range ops out of every selective checkpoint's replay (torch's own
+    `SAC_IGNORED_OPS`); idempotent.
+
+    torch 2.15 replays a selective region by counting each op's calls, and refuses a recompute that
+    calls one more often than the forward did. FSDP2 opens a profiler range (`record_function`)
+    around its hooks, and a unit inside a block (an expert bank under expert parallelism) opens more
+    of them in the recompute than in the forward ("invocation index 2 encountered during backward
+    but not found in storage"). The ranges are annotations: run each time, never cached. (torch 2.11
+    looks up only the ops its policy saves; 2.12 to 2.14 were not checked.)
+    """
+    for name in ("_record_function_enter", "_record_function_enter_new", "_record_function_exit"):
+        packet = getattr(torch.ops.profiler, name, None)
+        if packet is not None:
+            SAC_IGNORED_OPS.update(getattr(packet, overload) for overload in packet.overloads())

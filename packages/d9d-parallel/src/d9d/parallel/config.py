@@ -118,11 +118,13 @@ class ActivationCheckpointingConfig(msgspec.Struct, frozen=True, forbid_unknown_
 
     Attributes:
         mode: `none` keeps every activation; `full` checkpoints every block; `selective` every
-            `every`-th block (blocks 0, every, 2·every, ...).
+            `every`-th block (blocks 0, every, 2·every, ...); `op` checkpoints every block per
+            operation: the outputs of its matmuls, attention and collectives are kept, the cheap ops
+            between them (norms, activations, elementwise, RoPE) recomputed (`op_checkpoint_policy`).
         every: the period of `selective`.
     """
 
-    mode: Literal["none", "full", "selective"] = "none"
+    mode: Literal["none", "full", "selective", "op"] = "none"
     every: int = 2
 
     def __post_init__(self) -> None:

@@ -55,7 +55,10 @@ def _precision_lines(job_plan: "JobPlan", config: "JobConfig") -> list[str]:
     compute = str(job_plan.precision.param_dtype).removeprefix("torch.")
     auto = " (auto: bfloat16 on CUDA, float32 on CPU)" if prec.param_dtype == "auto" else ""
     ac = tcfg.activation_checkpointing
-    ac_text = ac.mode + (f" (every {ac.every} blocks)" if ac.mode == "selective" else "")
+    ac_text = ac.mode + {
+        "selective": f" (every {ac.every} blocks)",
+        "op": " (every block keeps its matmul and attention outputs, recomputes the rest)",
+    }.get(ac.mode, "")
     lines = [
         f"precision: compute {compute}{auto}, reduce {prec.reduce_dtype}, master weights float32, "
         f"optimizer states {_state_dtype(job_plan)}; tf32 {'on' if prec.tf32 else 'off'}",

@@ -285,7 +285,10 @@ def estimate_activations(
     (seq_len / cp tokens), so everything is counted at that length except the K/V that attention
     all-gathers, which it keeps at the full length for backward. `F.scaled_dot_product_attention` is
     counted as the fused kernels on CUDA and CPU save it (q, k, v, output, float32 log-sum-exp), not
-    as its math path, which the meta device would take (a float32 seq × seq matrix).
+    as its math path, which the meta device would take (a float32 seq × seq matrix). The weights'
+    compute copies that matmuls save are not activations: the trainer casts each weight once per step
+    and keeps the copy for the step (`MemoryPlan.weight_copies`), whatever the checkpointing. `mode:
+    op` is counted as it runs: what its policy keeps passes through the same count.
 
     Under tensor or pipeline parallelism the model is built and parallelized by its provider as the
     rank's stages, on the rank's tensor-parallel group alone
@@ -475,30 +478,18 @@ def _in_flight(pipeline: "PipelinePlan | None", stages: tuple[Any, ...]) -> tupl
     )
 
 
-class _FusedAttention(torch.autograd.Function):
-    """Shapes only, for meta tensors: what the fused attention kernels save for backward."""
-
-    @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
-        log_sum_exp = q.new_empty(q.shape[:-1], dtype=torch.float32)
-        ctx.save_for_backward(q, k, v, out, log_sum_exp)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        raise NotImplementedError("only counts what a forward saves")
-
-
 class _AttentionAsFusedKernel(TorchFunctionMode):
-    """Under it `F.scaled_dot_product_attention` saves for backward what the fused kernels of CUDA and
-    CPU save: q, k, v, output, log-sum-exp."""
+    """Under it `F.scaled_dot_product_attention` runs as CPU's fused kernel, whose meta kernel gives the
+    shapes: it saves for backward what the fused kernels of CUDA and CPU save (q, k, v, output,
+    float32 log-sum-exp), and `op` checkpointing keeps its output and log-sum-exp, as theirs. On the
+    meta device SDPA would take its math path (a float32 seq × seq matrix, saved and kept)."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             named = {**dict(zip(("query", "key", "value"), args, strict=False)), **kwargs}
-            return _FusedAttention.apply(named["query"], named["key"], named["value"])
+            fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+            return fused(named["query"], named["key"], named["value"], is_causal=True)[0]
         return func(*args, **kwargs)
 
 
