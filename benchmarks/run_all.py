@@ -37,6 +37,7 @@ BENCHMARKS: list[tuple[str, list[str]]] = [
     ("cli_startup", ["--repeats", "10"]),
     ("init_time", ["--hidden", "1024", "--layers", "8"]),
     ("host_syncs", []),
+    ("attention_backends", ["--steps", "10", "--seq", "256"]),
     ("grad_accumulation", []),
     ("context_parallel", ["--seq", "1024", "4096"]),
     ("lora_memory", []),

@@ -1,13 +1,19 @@
 """The `trainer:` section of the job config: the run's name and schedule, checkpointing, resume,
 logging, tracking, profiling, clipping, determinism, timeouts, callbacks, and the d9d.parallel
-mechanisms' own configs (precision, memory, activation checkpointing, compile)."""
+mechanisms' own configs (precision, memory, activation checkpointing, compile, attention)."""
 
 import math
 from typing import Any, Literal
 
 import msgspec
 
-from d9d.parallel import ActivationCheckpointingConfig, CompileConfig, MemoryConfig, PrecisionConfig
+from d9d.parallel import (
+    ActivationCheckpointingConfig,
+    AttentionConfig,
+    CompileConfig,
+    MemoryConfig,
+    PrecisionConfig,
+)
 from d9d.trainer.config.base import Section
 
 __all__ = [
@@ -268,7 +274,8 @@ class TrainerConfig(Section):
 
     `device`: `auto` (CUDA when usable, else CPU), `cuda` or `cpu`. `precision`, `memory`,
     `activation_checkpointing` and `compile` are the d9d.parallel mechanisms' own configs; the trainer
-    passes them to the model provider (see `ParallelizeModelStageContext`).
+    passes them to the model provider (see `ParallelizeModelStageContext`). `attention` picks the
+    attention kernel (`d9d.parallel.AttentionConfig`): the plan decides it, the steps run SDPA with it.
 
     `on_nonfinite`: a step whose loss or grad norm is not finite `stop`s the run (the last committed
     checkpoint stays the latest) or is `skip`ped: its gradients are dropped and weights and optimizer
@@ -290,6 +297,7 @@ class TrainerConfig(Section):
     memory: MemoryConfig = MemoryConfig()
     activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
     compile: CompileConfig = CompileConfig()
+    attention: AttentionConfig = AttentionConfig()
     profiling: ProfilingConfig = ProfilingConfig()
     tracking: TrackingConfig = TrackingConfig()
     callbacks: list[str | CallbackConfig] = msgspec.field(default_factory=list)

@@ -135,7 +135,15 @@ def _shaped_stages(job: ResolvedJob, plan: JobPlan, context: DistributedContext)
     mine = {stage.index for stage in plan.stages if stage is not None}
     others = [stage for stage in layout.stages if stage.index not in mine] if layout is not None else []
     return [
-        shape_model(job, context, plan.precision, layout=layout, stage=stage, data_vocab_size=plan.vocab_size)
+        shape_model(
+            job,
+            context,
+            plan.precision,
+            layout=layout,
+            stage=stage,
+            data_vocab_size=plan.vocab_size,
+            attention=plan.attention,
+        )
         for stage in [*plan.stages, *others]
     ]
 

@@ -10,7 +10,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from d9d.mesh import DistributedContext, MeshConfig
-from d9d.parallel import ActivationCheckpointingConfig, CompileConfig, LoraConfig, MixedPrecision
+from d9d.parallel import (
+    ActivationCheckpointingConfig,
+    AttentionKernel,
+    CompileConfig,
+    LoraConfig,
+    MixedPrecision,
+)
 
 
 @dataclass(frozen=True)
@@ -27,6 +33,8 @@ class InitializeModelStageContext:
         base_dir: the config file's directory.
         precision: the job's resolved `trainer.precision` (compute and reduction dtypes). Build the
             model in float32 anyway: master weights stay float32 and the trainer casts the compute.
+        attention: the plan's attention kernel (`trainer.attention.backend`), e.g. to pick the model's
+            own attention implementation; None when no plan decided one.
     """
 
     context: DistributedContext
@@ -35,6 +43,7 @@ class InitializeModelStageContext:
     stage: Any = None
     base_dir: Path = Path()
     precision: MixedPrecision = field(default_factory=MixedPrecision)
+    attention: AttentionKernel | None = None
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,9 @@ class ParallelizeModelStageContext:
         cpu_offload: `trainer.memory.cpu_offload`: pass it to `parallelize_hsdp` / `parallelize_fsdp`
             (`cpu_offload=`) so every FSDP2 unit keeps its state on the host (the trainer refuses a
             job whose units do not).
+        attention: the plan's attention kernel: pass it to `d9d.parallel.apply_attention_kernel` so
+            a model that computes attention itself (FlexAttention, document masks) follows it; the
+            trainer restricts SDPA to it around every step itself. None when no plan decided one.
     """
 
     context: DistributedContext
@@ -89,6 +101,7 @@ class ParallelizeModelStageContext:
     compile: CompileConfig = field(default_factory=CompileConfig)
     lora: LoraConfig | None = None
     cpu_offload: bool = False
+    attention: AttentionKernel | None = None
 
     @property
     def mesh(self) -> DeviceMesh | None:

@@ -38,7 +38,7 @@ class MicrobatchStep(StepBase):
         for i, batch in enumerate(microbatches):
             if randomness is not None:
                 randomness.seed_microbatch(step, i, len(microbatches))
-            with self.microbatch_range(i):
+            with self.microbatch_range(i), settings.attention_kernels():
                 set_gradient_accumulation(model, final=i == last)
                 with precision_autocast(settings.precision, settings.device):
                     context = LossContext(model=model, batch=batch, device=settings.device)

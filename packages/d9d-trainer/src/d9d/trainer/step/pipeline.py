@@ -87,7 +87,8 @@ class PipelineStep(StepBase):
         self._step = step
         if self._per_step_stream and self.settings.randomness is not None:
             self.settings.randomness.seed_pipeline(step)
-        share = self.pipeline.step(inputs, targets, broadcast_loss=True)
+        with self.settings.attention_kernels():  # the schedule interleaves forwards and backwards
+            share = self.pipeline.step(inputs, targets, broadcast_loss=True)
         assert share is not None
         self.add_expert_load()  # the stage's MoE layers hold the step's last microbatch
         loss = self.dp_sum(share.detach().to(torch.float64))
