@@ -26,7 +26,7 @@ HERE = Path(__file__).resolve().parent
 BENCHMARKS: list[tuple[str, list[str]]] = [
     ("trainer_overhead", ["--steps", "40", "--rounds", "2"]),
     ("parallel_memory", []),
-    ("pipeline_schedules", ["--pp", "2"]),
+    ("pipeline_schedules", ["--pp", "2", "--saved"]),
     ("ckpt_io", ["--mb", "400", "--shard-mb", "50"]),
     ("async_ckpt", ["--steps", "12", "--every", "3", "--rounds", "2"]),
     ("hf_io", ["--layers", "8", "--shard-mb", "100", "--repeats", "2"]),

@@ -6,7 +6,7 @@ d9d.parallel calls these instead of checking versions itself.
 
 import contextlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -15,7 +15,14 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _PipelineSchedule
 
-__all__ = ["all_gather_autograd", "around_stage_forward", "schedule_step", "skip_warmup_to_own_rank"]
+__all__ = [
+    "all_gather_autograd",
+    "around_stage_forward",
+    "release_receive_buffers",
+    "restore_receive_buffers",
+    "schedule_step",
+    "skip_warmup_to_own_rank",
+]
 
 #: `context(stage_index, microbatch_index, probe)`: the context one stage forward runs in; `probe` is
 #: torch's metadata-inference forward of the first step (not a microbatch of the step).
@@ -118,3 +125,46 @@ def around_stage_forward(stage: PipelineStage, context: StageForwardContext) -> 
 
     register(factory)
     return True
+
+
+def release_receive_buffers(stage: PipelineStage) -> int:
+    """Free the receive buffers `stage` keeps between steps; returns how many bytes that frees.
+
+    torch 2.11 gives every non-first stage one activation receive buffer per microbatch, and every
+    non-last stage one gradient receive buffer per microbatch, at the first step, and keeps them
+    (or the tensors a stage on the same rank handed over instead) for the stage's life: 2 ×
+    microbatches × one activation per middle stage, held between steps. torch 2.15 allocates each
+    buffer right before its receive and drops it once consumed (its `_RecvInfo.take_buffer`):
+    nothing is left to free there. Each kept buffer becomes a meta tensor of its shape, dtype and
+    `requires_grad`; `restore_receive_buffers` allocates it again before the next step.
+    """
+    freed: dict[int, int] = {}
+    for info in _kept_receives(stage):
+        buffer = info.buffer
+        storage = buffer.untyped_storage()
+        freed[storage._cdata] = storage.nbytes()
+        info.buffer = torch.empty(buffer.shape, dtype=buffer.dtype, device="meta").requires_grad_(
+            buffer.requires_grad
+        )
+    return sum(freed.values())
+
+
+def restore_receive_buffers(stage: PipelineStage) -> None:
+    """Allocate again, on the stage's device, the buffers `release_receive_buffers` freed."""
+    for info in _kept_receives(stage):
+        kept = info.buffer
+        if kept.device.type == "meta":
+            info.buffer = torch.empty(kept.shape, dtype=kept.dtype, device=stage.device).requires_grad_(
+                kept.requires_grad
+            )
+
+
+def _kept_receives(stage: PipelineStage) -> Iterator[Any]:
+    """The receive descriptors of `stage` that keep a buffer across steps (torch before per-receive buffers)."""
+    for table in (stage.args_recv_info, getattr(stage, "grad_recv_info", {})):
+        for infos in table.values():
+            for info in infos:
+                if hasattr(type(info), "take_buffer"):  # buffers allocated per receive: none kept
+                    return
+                if isinstance(getattr(info, "buffer", None), torch.Tensor):
+                    yield info
