@@ -1,7 +1,8 @@
-"""Step time of every pipeline schedule against its theoretical bubble fraction, same stages and microbatches.
+"""Step time of every pipeline schedule against its theoretical bubble fraction, same stages and microbatches;
+and (`--saved`) what each stage still holds after a step.
 
     uv run python benchmarks/pipeline_schedules.py [--pp 2] [--microbatches 8] [--layers 8] [--dim 256]
-        [--through runtime|trainer|both]
+        [--through runtime|trainer|both|none] [--saved]
 
 Each schedule trains an MLP-block language model for a few steps on `--pp` forked CPU ranks (gloo)
 through the bare `d9d.parallel.pipeline.Pipeline`, and (`--through trainer`) the quickstart job through the
@@ -12,12 +13,22 @@ free communication. "measured" is 1 - (one-process step time / pp) / pipelined s
 communication and runtime overhead; the one-process run is repeated just before each schedule, so
 both see the same load on a shared machine. CPU timings are noisy (±15%), and with more ranks than cores the
 measured column is meaningless: keep --pp at the core count.
+
+`--saved` trains the quickstart as shipped (4 layers, hidden 128, seq 128, 8 microbatches of 2) for
+2 steps at `--pp` with every schedule and counts, on each rank after each step: the receive buffers
+torch kept for the next step that `Pipeline` releases (torch 2.11 keeps one per microbatch and
+direction; 2.15 none), the bytes of every storage the step made still alive (`d9d.mesh.testing.
+StorageCensus`, no autograd hook: what the step holds), and the bytes a saved-tensor hook that keeps
+the tensor itself reports, the count a leak was once reported with (its own reference cycle keeps
+the graph of a forward no backward runs over: torch 2.15's metadata-inference forward on stage 0).
 """
 
 import argparse
+import gc
 import statistics
 import tempfile
 import time
+import weakref
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -166,6 +177,66 @@ def through_trainer(args: argparse.Namespace, pp: int, name: str) -> float:
         return _time(step, args)
 
 
+def saved_after_steps(pp: int, name: str, keeping_hook: bool) -> list[tuple[int, int]]:
+    """Per step of the quickstart at `pp` with schedule `name`, on this rank: (bytes of the receive
+    buffers `Pipeline` released, bytes held after the step): with `keeping_hook`, what a pack hook
+    keeping the saved tensors themselves reports alive; else every storage the step made that anyone
+    still holds (`StorageCensus`, no hook). Separate runs: the hook's own cycles would keep storages."""
+    import d9d.parallel.pipeline.runtime as runtime
+    from d9d.mesh.testing import StorageCensus
+    from d9d.trainer import Trainer
+
+    released: list[int] = []
+    release = runtime.release_receive_buffers
+
+    def counted_release(stage: object) -> int:
+        released[-1] += release(stage)  # type: ignore[arg-type]
+        return 0
+
+    runtime.release_receive_buffers = counted_release  # this forked rank only
+    sets = [f"mesh.pipeline_parallel={pp}", f"pipelining.schedule={name}", "trainer.logging.level=WARNING",
+            "trainer.logging.progress_bar=false", "trainer.schedule.total_steps=2"]  # fmt: skip
+    rows = []
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        Trainer.from_config(_QUICKSTART, [*sets, f"trainer.checkpointing.save_dir={tmp}"]) as trainer,
+    ):
+        step, batches = trainer.train_step, iter(trainer.data)
+        for number in (1, 2):
+            released.append(0)
+            census, boxes = StorageCensus(), weakref.WeakSet()  # type: ignore[var-annotated]
+
+            def pack(tensor: torch.Tensor, boxes: weakref.WeakSet = boxes) -> _Box:
+                box = _Box(tensor)  # the tensor itself, as the reporter's hook kept it
+                boxes.add(box)
+                return box
+
+            microbatches = next(batches)
+            hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.tensor)
+            with hooks if keeping_hook else census:
+                output = step.run(microbatches, number)
+            if keeping_hook:
+                gc.collect()
+                storages = {
+                    b.tensor.untyped_storage()._cdata: b.tensor.untyped_storage().nbytes() for b in boxes
+                }
+                rows.append((released[-1], sum(storages.values())))
+                continue
+            kept = [step.model.state_dict(keep_vars=True), [p.grad for p in step.model.parameters()],
+                    step.optimizer.state, step._scale, output, microbatches]  # fmt: skip
+            rows.append((released[-1], census.alive(kept)[0]))
+    return rows
+
+
+class _Box:
+    """A saved tensor as a pack hook keeping the tensor itself (with its grad_fn) holds it."""
+
+    __slots__ = ("__weakref__", "tensor")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
 def _plain(action) -> tuple:
     """(kind, stage, microbatch, sub-actions) of a torch schedule action, picklable."""
     subs = tuple(_plain(a) for a in (action.sub_actions or ()))
@@ -251,12 +322,16 @@ def main() -> None:
     parser.add_argument("--schedules", nargs="+", default=list(PIPELINE_SCHEDULES))
     parser.add_argument(
         "--through",
-        choices=["runtime", "trainer", "both"],
+        choices=["runtime", "trainer", "both", "none"],
         default="both",
-        help="time the bare d9d.parallel.pipeline.Pipeline on an MLP model, the d9d Trainer's step on the quickstart, or both",
+        help="time the bare d9d.parallel.pipeline.Pipeline on an MLP model, the d9d Trainer's step on the quickstart, "
+        "both, or none (with --saved: only what the stages hold)",
     )
     parser.add_argument(
         "--trainer-hidden", type=int, default=128, help="the quickstart's hidden size (--through trainer)"
+    )
+    parser.add_argument(
+        "--saved", action="store_true", help="also count what each stage holds after a step (the quickstart)"
     )
     parser.add_argument("--json", help="also write the ratios here (for run_all.py)")
     args = parser.parse_args()
@@ -270,7 +345,7 @@ def main() -> None:
         f"{'schedule':<24}{'stages':>7}{'ms/step':>10}{'1 proc ms':>10}{'vs ideal':>10}{'measured':>10}{'theory':>9}"
     )
     rows: list[Row] = []
-    for name in args.schedules if args.through != "trainer" else []:
+    for name in args.schedules if args.through in ("runtime", "both") else []:
         # re-measured next to each schedule, so both see the same load on a shared machine
         single = run_distributed(one_process, 1, args, timeout=600)[0]
         ideal = single / args.pp
@@ -291,7 +366,7 @@ def main() -> None:
                 f"pp {args.pp}, {num_stages} stages",
             )
         )
-    if args.through != "runtime":
+    if args.through in ("trainer", "both"):
         print(
             f"\nthrough the trainer (quickstart, hidden {args.trainer_hidden}, the whole step: forward, backward, "
             "clipping, optimizer); one process = the same job with pipeline_parallel 1"
@@ -315,7 +390,34 @@ def main() -> None:
                     f"pp {args.pp}, {num_stages} stages, quickstart",
                 )
             )
+    if args.saved:
+        rows += saved_table(args)
     write_rows(args.json, rows)
+
+
+def saved_table(args: argparse.Namespace) -> list[Row]:
+    """Print what each rank holds after steps 1 and 2 of every schedule; a row per schedule."""
+    print(
+        f"\nheld after a step (the quickstart at pp {args.pp}, torch {torch.__version__}), bytes per rank, "
+        "steps 1 / 2:\n  released: receive buffers torch kept for the next step, freed by Pipeline; "
+        "alive: what the step made that anyone still holds (no hook); hook: what a pack hook keeping the "
+        "saved tensors reports (another run)"
+    )
+    print(f"{'schedule':<24}{'rank':>5}{'released':>22}{'alive':>12}{'hook':>24}")
+    rows = []
+    for name in args.schedules:
+        plain = run_distributed(saved_after_steps, args.pp, args.pp, name, False, timeout=600)
+        hooked = run_distributed(saved_after_steps, args.pp, args.pp, name, True, timeout=600)
+        for rank, (steps, hook_steps) in enumerate(zip(plain, hooked, strict=True)):
+            released = " / ".join(f"{r:,}" for r, _ in steps)
+            alive = " / ".join(f"{a:,}" for _, a in steps)
+            hook = " / ".join(f"{h:,}" for _, h in hook_steps)
+            print(f"{name:<24}{rank:>5}{released:>22}{alive:>12}{hook:>24}")
+        alive_max = max(a for steps in plain for _, a in steps)
+        released_max = max(r for steps in plain for r, _ in steps)
+        rows.append(row(f"pipeline {name}: bytes alive after a step (max over ranks and steps)", alive_max, "0",
+                        f"receive buffers released {released_max:,} B (torch {torch.__version__})"))  # fmt: skip
+    return rows
 
 
 def _order(args: argparse.Namespace, name: str) -> dict[int, list[tuple]]:

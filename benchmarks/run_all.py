@@ -26,7 +26,7 @@ HERE = Path(__file__).resolve().parent
 BENCHMARKS: list[tuple[str, list[str]]] = [
     ("trainer_overhead", ["--steps", "40", "--rounds", "2"]),
     ("parallel_memory", []),
-    ("pipeline_schedules", ["--pp", "2"]),
+    ("pipeline_schedules", ["--pp", "2", "--saved"]),
     ("ckpt_io", ["--mb", "400", "--shard-mb", "50"]),
     ("async_ckpt", ["--steps", "12", "--every", "3", "--rounds", "2"]),
     ("hf_io", ["--layers", "8", "--shard-mb", "100", "--repeats", "2"]),
@@ -37,6 +37,7 @@ BENCHMARKS: list[tuple[str, list[str]]] = [
     ("cli_startup", ["--repeats", "10"]),
     ("init_time", ["--hidden", "1024", "--layers", "8"]),
     ("host_syncs", []),
+    ("attention_backends", ["--steps", "10", "--seq", "256"]),
     ("grad_accumulation", []),
     ("context_parallel", ["--seq", "1024", "4096"]),
     ("lora_memory", []),

@@ -372,6 +372,30 @@ def test_plan_shows_precision_checkpointing_and_activations_with_and_without_it(
     assert len({tuple(s) for s in sizes}) == 3, sizes  # op's own figure, neither full's nor none's
 
 
+def test_plan_says_which_attention_kernel_and_refuses_what_cuda_cannot_run(runner, config):
+    # `d9d plan` plans for CUDA: without a GPU here `auto` waits for the job's GPU and says its rule
+    import torch
+
+    base = ["plan", str(config), "--seq-len", "64"]
+    (line,) = _lines(runner.invoke(cli, base).output, "attention:")
+    assert line.startswith("attention: auto (decided at start from the GPU: cudnn on sm90/sm100") or (
+        torch.cuda.is_available() and "auto on sm" in line
+    ), line
+    (line,) = _lines(
+        runner.invoke(cli, [*base, "--set", "trainer.attention.backend=efficient"]).output, "attention:"
+    )
+    assert line == "attention: efficient (asked by trainer.attention.backend; SDPA runs only this kernel)"
+    refused = runner.invoke(
+        cli,
+        [*base, "--set", "trainer.attention.backend=flash", "--set", "trainer.precision.param_dtype=float32"],
+    )
+    assert refused.exit_code == 2, refused.output
+    assert refused.output.strip() == (
+        "error: trainer.attention.backend: flash takes bfloat16/float16 only on CUDA, but the compute dtype is "
+        "float32; set trainer.precision.param_dtype: bfloat16, or use efficient, math or auto"
+    )
+
+
 def test_plan_without_a_sequence_length_says_how_to_get_the_activation_estimate(runner, cp_config):
     opaque = ["--set", "providers.dataset=cp_job.py:OpaqueProvider"]  # no seq_len in its config_type
     result = runner.invoke(cli, ["plan", str(cp_config), *opaque])

@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _tiny_hf import ARCHITECTURES, MORE_ARCHITECTURES, VOCAB, hf_job, load_hf, save_tiny
 
 from d9d.mesh import DistributedContext, MeshConfig
+from d9d.parallel import AttentionKernel
 from d9d.trainer import TrainingError, load_job_config, materialize_and_initialize, resolve_job
 from d9d.trainer.hf import HFCausalLM, HFCausalLMConfig, HFCausalLMProvider, HFModelError
 from d9d.trainer.planning.job_plan import check_model_mesh
@@ -29,11 +30,13 @@ def gemma2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny("gemma2", tmp_path_factory.mktemp("hf") / "gemma2")  # tied, no sdpa
 
 
-def _build(folder: Path, **options: object) -> HFCausalLM:
+def _build(folder: Path, kernel: str = "auto", **options: object) -> HFCausalLM:
     provider = HFCausalLMProvider(HFCausalLMConfig(folder=folder.name, **options))  # type: ignore[arg-type]
+    order = () if kernel in ("auto", "flex") else (kernel,)
     context = InitializeModelStageContext(
-        context=DistributedContext.from_env(MeshConfig()), base_dir=folder.parent
-    )
+        context=DistributedContext.from_env(MeshConfig()), base_dir=folder.parent,
+        attention=AttentionKernel(kernel, "trainer.attention.backend", order, kernel),
+    )  # fmt: skip
     with torch.device("meta"):
         model = provider.initialize_model_stage(context).model
     assert isinstance(model, HFCausalLM)
@@ -120,6 +123,21 @@ def test_attention_auto_takes_sdpa_where_the_architecture_has_it(llama, gemma2):
         HFModelError, match=r"model.attention: sdpa, but Gemma2ForCausalLM has no sdpa .*eager"
     ):
         _build(gemma2, attention="sdpa")
+
+
+def test_the_trainers_attention_kernel_maps_to_transformers_implementation(llama, gemma2):
+    # trainer.attention.backend: flex is transformers' flex_attention; an SDPA kernel its sdpa (the
+    # trainer restricts SDPA to the kernel around each step); what does not map is one line
+    assert _build(llama, "flex").config._attn_implementation == "flex_attention"
+    assert _build(llama, "math").config._attn_implementation == "sdpa"
+    assert _build(llama, "flash", attention="sdpa").config._attn_implementation == "sdpa"
+    with pytest.raises(HFModelError, match=r"^model.attention: eager, but trainer.attention.backend: math runs "
+                       r"through transformers' sdpa attention; set model.attention: auto"):  # fmt: skip
+        _build(llama, "math", attention="eager")
+    with pytest.raises(
+        HFModelError, match=r"trainer.attention.backend: flash, but Gemma2ForCausalLM has no sdpa"
+    ):
+        _build(gemma2, "flash")
 
 
 def test_a_tied_model_reads_its_table_once_and_ignores_a_stored_head_copy(tmp_path, gemma2):

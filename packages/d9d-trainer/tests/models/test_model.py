@@ -365,3 +365,28 @@ def test_qkv_biases_start_at_zero_and_build_alike_on_meta():
     attention = cpu_model.model.layers["0"].self_attn
     cpu_model.initialize_module("model.layers.0.self_attn.q_proj", attention.q_proj)
     assert torch.equal(attention.q_proj.bias, torch.zeros_like(attention.q_proj.bias))
+
+
+def _sdpa_calls(model: ReferenceForCausalLM, ids: torch.Tensor, **kwargs) -> tuple[torch.Tensor, int]:
+    """The logits (no grad: FlexAttention has no CPU backward) and how many SDPA calls made them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        logits = model(ids, **kwargs)
+    return logits, sum(e.name == "aten::scaled_dot_product_attention" for e in prof.events())
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_flex_attention_backend_gives_the_sdpa_logits(packed):
+    # trainer.attention.backend: flex sets `attention_backend` (d9d.parallel.apply_attention_kernel);
+    # causal rows then run FlexAttention with a one-document mask, packed rows their document mask
+    model = build(tiny())
+    ids = tokens(2, 16)
+    kwargs = {"document_ids": torch.tensor([[0] * 5 + [1] * 11, [2] * 9 + [3] * 7])} if packed else {}
+    want, sdpa = _sdpa_calls(model, ids, **kwargs)
+    assert sdpa == model.config.num_layers
+    for backend, calls in (("flex", 0), ("sdpa", model.config.num_layers)):
+        model.model.attention_backend = backend
+        got, sdpa = _sdpa_calls(model, ids, **kwargs)
+        assert sdpa == calls, (backend, sdpa)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -8,12 +8,17 @@ process group or compiles anything.
 
 `run_torchrun(...)` runs a real `torchrun` (one node, or several "nodes" on loopback) for the few
 end-to-end tests that must go through the launcher itself.
+
+Two dispatch modes prove on CPU what a GPU run would do: `HostSyncCounter` (host syncs) and
+`StorageCensus` (which storages made inside a block are still alive after it).
 """
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import datetime
 import faulthandler
+import gc
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -27,17 +32,20 @@ import tempfile
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 __all__ = [
     "SYNCING_OPS",
     "DistributedTestError",
     "HostSyncCounter",
+    "StorageCensus",
     "TorchrunResult",
     "free_port",
     "run_distributed",
@@ -89,6 +97,78 @@ class HostSyncCounter(TorchDispatchMode):
         if name in SYNCING_OPS:
             self.names.append(name)
         return func(*args, **(kwargs or {}))
+
+
+class StorageCensus(TorchDispatchMode):
+    """Which storages made under the mode are still alive afterwards, with no autograd hook.
+
+    Every aten op run under it (forward, backward, communication) has each new output storage (not a
+    view of an input's) remembered by a weak reference, with its size, the op, shape and dtype. After
+    the block, `alive(exclude)` lists those still referenced by anyone, but the storages of `exclude`
+    (what the block keeps on purpose: parameters, gradients, its outputs). Unlike a saved-tensor hook
+    it changes nothing autograd keeps (a pack hook keeping `tensor` makes a reference cycle that
+    outlives the graph), so what it finds alive is held by the code under test: saved activations,
+    communication buffers, cached outputs alike.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._born: dict[int, tuple[StorageWeakRef, int, str]] = {}
+
+    @property
+    def seen(self) -> int:
+        """Storages made under the mode so far (proof that it watched the work)."""
+        return len(self._born)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        """Run `func`; remember the storages of its outputs that none of its inputs had."""
+        out = func(*args, **(kwargs or {}))
+        inputs = {_storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.device.type != "meta":
+                key = _storage_key(tensor)
+                if key not in self._born and key not in inputs:
+                    what = f"{func} {tuple(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
+                    self._born[key] = (
+                        StorageWeakRef(tensor.untyped_storage()),
+                        tensor.untyped_storage().nbytes(),
+                        what,
+                    )
+        return out
+
+    def alive(self, exclude: Iterable[Any] = ()) -> tuple[int, list[str]]:
+        """(bytes, descriptions) of the storages made under the mode and still alive after a full garbage
+        collection, but those of the tensors in `exclude` (lists, tuples, dicts and dataclasses are
+        walked: a step's output, a module's `state_dict(keep_vars=True)`, an optimizer's `state`)."""
+        gc.collect()
+        skip = {_storage_key(t) for t in _tensors_in(list(exclude))}
+        found = [
+            (size, what)
+            for key, (ref, size, what) in self._born.items()
+            if key not in skip and not ref.expired()
+        ]
+        return sum(size for size, _ in found), [what for _, what in found]
+
+
+def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in `value`, walking lists, tuples, dicts and dataclass fields."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            yield from _tensors_in(getattr(value, field.name))
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _tensors_in(item)
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _tensors_in(item)
+
+
+def _storage_key(tensor: torch.Tensor) -> int | None:
+    """The identity of a tensor's storage (a DTensor's local one); None on the meta device."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return None if local.device.type == "meta" else local.untyped_storage()._cdata
 
 
 class DistributedTestError(AssertionError):

@@ -35,9 +35,16 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
         op_checkpoint_policy,
     )
     from d9d.parallel.activation_memory import saved_activation_bytes
+    from d9d.parallel.attention import (
+        AttentionKernel,
+        apply_attention_kernel,
+        cuda_attention_facts,
+        resolve_attention,
+    )
     from d9d.parallel.compile import compile_blocks
     from d9d.parallel.config import (
         ActivationCheckpointingConfig,
+        AttentionConfig,
         CompileConfig,
         Float8Config,
         LoraConfig,

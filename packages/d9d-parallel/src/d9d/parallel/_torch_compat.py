@@ -8,7 +8,7 @@ import contextlib
 import functools
 import inspect
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -23,6 +23,8 @@ __all__ = [
     "all_gather_autograd",
     "around_stage_forward",
     "ignore_profiler_ranges_in_selective_checkpoints",
+    "release_receive_buffers",
+    "restore_receive_buffers",
     "schedule_step",
     "selective_checkpoint_options",
     "skip_warmup_to_own_rank",
@@ -226,3 +228,46 @@ def ignore_profiler_ranges_in_selective_checkpoints() -> None:
         packet = getattr(torch.ops.profiler, name, None)
         if packet is not None:
             SAC_IGNORED_OPS.update(getattr(packet, overload) for overload in packet.overloads())
+
+
+def release_receive_buffers(stage: PipelineStage) -> int:
+    """Free the receive buffers `stage` keeps between steps; returns how many bytes that frees.
+
+    torch 2.11 gives every non-first stage one activation receive buffer per microbatch, and every
+    non-last stage one gradient receive buffer per microbatch, at the first step, and keeps them
+    (or the tensors a stage on the same rank handed over instead) for the stage's life: 2 ×
+    microbatches × one activation per middle stage, held between steps. torch 2.15 allocates each
+    buffer right before its receive and drops it once consumed (its `_RecvInfo.take_buffer`):
+    nothing is left to free there. Each kept buffer becomes a meta tensor of its shape, dtype and
+    `requires_grad`; `restore_receive_buffers` allocates it again before the next step.
+    """
+    freed: dict[int, int] = {}
+    for info in _kept_receives(stage):
+        buffer = info.buffer
+        storage = buffer.untyped_storage()
+        freed[storage._cdata] = storage.nbytes()
+        info.buffer = torch.empty(buffer.shape, dtype=buffer.dtype, device="meta").requires_grad_(
+            buffer.requires_grad
+        )
+    return sum(freed.values())
+
+
+def restore_receive_buffers(stage: PipelineStage) -> None:
+    """Allocate again, on the stage's device, the buffers `release_receive_buffers` freed."""
+    for info in _kept_receives(stage):
+        kept = info.buffer
+        if kept.device.type == "meta":
+            info.buffer = torch.empty(kept.shape, dtype=kept.dtype, device=stage.device).requires_grad_(
+                kept.requires_grad
+            )
+
+
+def _kept_receives(stage: PipelineStage) -> Iterator[Any]:
+    """The receive descriptors of `stage` that keep a buffer across steps (torch before per-receive buffers)."""
+    for table in (stage.args_recv_info, getattr(stage, "grad_recv_info", {})):
+        for infos in table.values():
+            for info in infos:
+                if hasattr(type(info), "take_buffer"):  # buffers allocated per receive: none kept
+                    return
+                if isinstance(getattr(info, "buffer", None), torch.Tensor):
+                    yield info

@@ -1,5 +1,5 @@
 """The config sections of d9d-parallel's per-block mechanisms: precision, activation checkpointing,
-compile, LoRA, memory (CPU offload) and the fused LM-head loss.
+compile, LoRA, memory (CPU offload), the fused LM-head loss and the attention kernel.
 
 Plain msgspec structs, importing no torch, so a job's config is checked (unknown keys, wrong values)
 before torch is imported; the code each one configures lives in its own module (`precision.py`,
@@ -12,9 +12,11 @@ from typing import Literal
 import msgspec
 
 __all__ = [
+    "ATTENTION_BACKENDS",
     "FLOAT8_KEY",
     "LORA_KEY",
     "ActivationCheckpointingConfig",
+    "AttentionConfig",
     "CompileConfig",
     "Float8Config",
     "LoraConfig",
@@ -187,3 +189,20 @@ class LoraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     def scale(self) -> float:
         """alpha / rank, the factor of the adapter's output."""
         return self.alpha / self.rank
+
+
+#: The names `trainer.attention.backend` takes.
+ATTENTION_BACKENDS = ("auto", "flash", "cudnn", "efficient", "math", "flex")
+
+
+class AttentionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """`trainer.attention`: which kernel computes the model's attention.
+
+    Attributes:
+        backend: `auto` (chosen for the device and compute dtype, with the reason in the plan and the
+            "job built" line), one of torch's SDPA kernels (`flash`, `cudnn`, `efficient`, `math`: that
+            kernel alone), or `flex` (FlexAttention). A kernel the device, the dtype, the mesh or the
+            mask cannot run is refused before anything is built (`d9d.parallel.resolve_attention`).
+    """
+
+    backend: Literal["auto", "flash", "cudnn", "efficient", "math", "flex"] = "auto"

@@ -211,7 +211,13 @@ class Trainer:
                 job,
                 ctx,
                 shape_model(
-                    job, ctx, plan.precision, layout=layout, stage=stage, data_vocab_size=plan.vocab_size
+                    job,
+                    ctx,
+                    plan.precision,
+                    layout=layout,
+                    stage=stage,
+                    data_vocab_size=plan.vocab_size,
+                    attention=plan.attention,
                 ),
             )
             for stage in plan.stages
@@ -240,6 +246,7 @@ class Trainer:
             timer=self._timer,
             busy_time=None if ctx.is_local else self._busy.busy,
             randomness=self._randomness,
+            attention=plan.attention,
         )
         self._evaluator = Evaluator(eval_set, model, job.task, settings)
         self._train_step: TrainStep

@@ -64,6 +64,8 @@ def _precision_lines(job_plan: "JobPlan", config: "JobConfig") -> list[str]:
         f"optimizer states {_state_dtype(job_plan)}; tf32 {'on' if prec.tf32 else 'off'}",
         f"activation checkpointing: {ac_text}; compile: {'on' if tcfg.compile.enabled else 'off'}",
     ]
+    if job_plan.attention is not None:
+        lines.append(f"attention: {job_plan.attention.describe()}")
     memory = job_plan.memory
     if memory is not None and memory.float8 is not None:
         gathered = "; FSDP all-gathers their weights in float8" if memory.float8_all_gather else ""

@@ -19,6 +19,8 @@ from torch.distributed.pipelining import PipelineStage
 from d9d.parallel._torch_compat import (
     StageForwardContext,
     around_stage_forward,
+    release_receive_buffers,
+    restore_receive_buffers,
     schedule_step,
     skip_warmup_to_own_rank,
 )
@@ -171,12 +173,14 @@ class Pipeline:
         The gradients of tied parameters' copies are summed over their holders at the end of every
         call, so zero the gradients between calls (as an optimizer step does).
 
-        Nothing saved for backward outlives the call, on any stage of any schedule, the first call's
-        metadata-inference forward included (d9d-parallel's tests/pipeline/test_saved_tensors.py). A
-        `saved_tensors_hooks` pack hook around the call must keep `tensor.detach()`, not `tensor`: a
-        kept saved output refers back to the node that saved it, a cycle gc cannot free when no
-        backward runs over that node (torch 2.15 runs stage 0's inference forward and no backward
-        over it: its inputs are token ids).
+        Nothing the step made outlives the call, on any stage of any schedule: no tensor saved for
+        backward (the first call's metadata-inference forward included), and no receive buffer
+        (torch 2.11 keeps one per microbatch and direction for the stage's life: they are freed
+        after the call and allocated again at the next; d9d-parallel's
+        tests/pipeline/test_saved_tensors.py counts both). A `saved_tensors_hooks` pack hook around
+        the call must keep `tensor.detach()`, not `tensor`: a kept saved output refers back to the
+        node that saved it, a cycle gc cannot free when no backward runs over that node (torch 2.15
+        runs stage 0's inference forward and no backward over it: its inputs are token ids).
 
         Args:
             inputs: per microbatch, the first stage's input (a tensor, or a tuple of positional
@@ -212,7 +216,11 @@ class Pipeline:
             arg_mbs = [() for _ in range(n)]
         losses: list[torch.Tensor] = []
         self.tied.copy_values()  # a later chunk's copy of a tied parameter: the updated (or loaded) value
+        for stage in self.stages:  # what the previous step released (torch 2.11's kept receive buffers)
+            restore_receive_buffers(stage)
         schedule_step(self.schedule, arg_mbs, kwarg_mbs, target_mbs, losses)
+        for stage in self.stages:  # nothing of the step outlives it, whatever the torch version
+            release_receive_buffers(stage)
         self.tied.sum_grads()  # before any clipping or update: every copy gets the whole gradient
         total = torch.stack([loss.detach() for loss in losses]).sum() if self.has_last_stage else None
         if broadcast_loss:

@@ -10,6 +10,7 @@ from torch import nn
 
 from d9d.mesh import D9dError, DistributedContext, first_line
 from d9d.parallel import (
+    AttentionKernel,
     Float8Config,
     LoraConfig,
     MixedPrecision,
@@ -164,12 +165,14 @@ def shape_model(
     layout: PipelineLayout | None = None,
     stage: StageSpec | None = None,
     data_vocab_size: int | None = None,
+    attention: AttentionKernel | None = None,
 ) -> nn.Module:
     """This rank's model (stage) on the meta device, parallelized by its provider and checked.
 
     `data_vocab_size` (the dataset's vocabulary, when it declares one) is checked against the model's
     input embedding first, so ids the embedding cannot look up fail before anything is written. On a
-    planning context (`d9d plan`) the same checks refuse what the trainer would.
+    planning context (`d9d plan`) the same checks refuse what the trainer would. `attention` (the
+    plan's kernel) reaches both provider calls.
 
     Raises:
         TrainingError: the provider's parallelization left a mesh degree unapplied, gave no module
@@ -183,6 +186,7 @@ def shape_model(
         "num_stages": layout.num_stages if layout is not None else 1,
         "stage": stage,
         "base_dir": job.loaded.base_dir,
+        "attention": attention,
     }
     with torch.device("meta"):
         model = job.model_provider.initialize_model_stage(

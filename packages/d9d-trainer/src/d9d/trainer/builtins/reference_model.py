@@ -13,6 +13,7 @@ from torch import nn
 
 from d9d.mesh import MeshConfig
 from d9d.parallel import (
+    apply_attention_kernel,
     apply_lora,
     fuse_linear_cross_entropy,
     fused_head_problem,
@@ -80,13 +81,14 @@ class ReferenceModelProvider:
 
 
 def parallelize_reference_model(model: nn.Module, context: ParallelizeModelStageContext) -> None:
-    """The reference model's parallelisms in their order: tensor → expert → context parallel → LoRA →
-    the fused head loss (`trainer.loss`, where the head is a plain linear) → per layer checkpointing and
-    compile, then the FSDP units of `d9d.parallel.parallelize_decoder`."""
+    """The reference model's parallelisms in their order: tensor → expert → context parallel (and the
+    attention kernel) → LoRA → the fused head loss (`trainer.loss`, where the head is a plain linear) →
+    per layer checkpointing and compile, then the FSDP units of `d9d.parallel.parallelize_decoder`."""
     ctx = context.context
     apply_tensor_parallel(model, ctx)  # mesh.tensor_parallel > 1
     apply_expert_parallel(model, ctx, context.precision)  # mesh.expert_parallel > 1 (MoE)
     parallelize_context_parallel(model, context.mesh)  # mesh.context_parallel > 1
+    apply_attention_kernel(model, context.attention)  # trainer.attention.backend: flex, or SDPA for masks
     if context.lora is not None:  # peft.lora: adapters follow the TP layout, FSDP shards them below
         apply_lora(model, context.lora)
     if context.loss.fused and model.lm_head is not None and fused_head_problem(model.lm_head) is None:

@@ -1,6 +1,6 @@
 """The `trainer:` section of the job config: the run's name and schedule, checkpointing, resume,
 logging, tracking, profiling, clipping, determinism, timeouts, callbacks, and the d9d.parallel
-mechanisms' own configs (precision, memory, activation checkpointing, compile)."""
+mechanisms' own configs (precision, memory, activation checkpointing, compile, attention)."""
 
 import math
 from typing import Any, Literal
@@ -9,6 +9,7 @@ import msgspec
 
 from d9d.parallel import (
     ActivationCheckpointingConfig,
+    AttentionConfig,
     CompileConfig,
     LossConfig,
     MemoryConfig,
@@ -275,7 +276,8 @@ class TrainerConfig(Section):
     `device`: `auto` (CUDA when usable, else CPU), `cuda` or `cpu`. `precision`, `memory`,
     `activation_checkpointing`, `compile` and `loss` (the LM head and cross-entropy fused over chunks
     of tokens, on by default) are the d9d.parallel mechanisms' own configs; the trainer passes them to
-    the model provider (see `ParallelizeModelStageContext`).
+    the model provider (see `ParallelizeModelStageContext`). `attention` picks the attention kernel
+    (`d9d.parallel.AttentionConfig`): the plan decides it, the steps run SDPA with it.
 
     `on_nonfinite`: a step whose loss or grad norm is not finite `stop`s the run (the last committed
     checkpoint stays the latest) or is `skip`ped: its gradients are dropped and weights and optimizer
@@ -298,6 +300,7 @@ class TrainerConfig(Section):
     activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()
     compile: CompileConfig = CompileConfig()
     loss: LossConfig = LossConfig()
+    attention: AttentionConfig = AttentionConfig()
     profiling: ProfilingConfig = ProfilingConfig()
     tracking: TrackingConfig = TrackingConfig()
     callbacks: list[str | CallbackConfig] = msgspec.field(default_factory=list)

@@ -18,7 +18,8 @@ class HFCausalLMConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
             like every path of a job. Nothing is downloaded.
         fp32_logits: return float32 logits whatever the compute dtype.
         attention: transformers' attention implementation: `auto` (sdpa where the architecture has
-            it, else eager), `sdpa` or `eager`.
+            it, else eager), `sdpa` or `eager`. `trainer.attention.backend` other than auto decides it
+            instead: `flex_attention` for flex, `sdpa` (restricted to the kernel) for the others.
     """
 
     folder: ConfigPath

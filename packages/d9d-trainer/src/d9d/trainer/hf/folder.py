@@ -116,13 +116,20 @@ def quiet_transformers() -> Iterator[None]:
         hf_logging.set_verbosity(level)
 
 
-def attention_implementation(folder: HFFolder, asked: Literal["auto", "sdpa", "eager"]) -> str:
-    """The attention implementation to build with: `asked`, or for `auto` sdpa where the class has it.
+def attention_implementation(
+    folder: HFFolder, asked: Literal["auto", "sdpa", "eager"], kernel: str = "auto"
+) -> str:
+    """The attention implementation to build with: `asked`, or for `auto` sdpa where the class has it;
+    `kernel` (`trainer.attention.backend`) other than auto maps to transformers' own: flex to
+    `flex_attention`, an SDPA kernel to `sdpa` (the trainer restricts SDPA to it around every step).
 
     Raises:
-        HFModelError: sdpa was asked of an architecture that has none.
+        HFModelError: sdpa or flex was asked of an architecture that has none, or `model.attention`
+            names another implementation than the kernel needs.
     """
     has_sdpa = bool(getattr(folder.model_class, "_supports_sdpa", False))
+    if kernel != "auto":
+        return _kernel_implementation(folder, asked, kernel, has_sdpa)
     if asked == "auto":
         return "sdpa" if has_sdpa else "eager"
     if asked == "sdpa" and not has_sdpa:
@@ -131,6 +138,26 @@ def attention_implementation(folder: HFFolder, asked: Literal["auto", "sdpa", "e
             f"{transformers.__version__}; set model.attention: eager (or auto)"
         )
     return asked
+
+
+def _kernel_implementation(folder: HFFolder, asked: str, kernel: str, has_sdpa: bool) -> str:
+    """transformers' implementation for `trainer.attention.backend: kernel` (flex or an SDPA kernel)."""
+    name = folder.model_class.__name__
+    wanted = "flex_attention" if kernel == "flex" else "sdpa"
+    if asked not in ("auto", wanted):
+        raise HFModelError(
+            f"model.attention: {asked}, but trainer.attention.backend: {kernel} runs through transformers' "
+            f"{wanted} attention; set model.attention: auto (or trainer.attention.backend: auto)"
+        )
+    supported = (
+        bool(getattr(folder.model_class, "_supports_flex_attn", False)) if kernel == "flex" else has_sdpa
+    )
+    if not supported:
+        raise HFModelError(
+            f"trainer.attention.backend: {kernel}, but {name} has no {wanted} attention in transformers "
+            f"{transformers.__version__}; set trainer.attention.backend: auto"
+        )
+    return wanted
 
 
 def exported_config(config: PretrainedConfig, architecture: str) -> str:

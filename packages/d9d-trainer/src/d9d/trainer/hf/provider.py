@@ -165,7 +165,8 @@ class HFCausalLMProvider:
         if context.stage is not None:
             raise HFModelError(mesh_refusal(MeshConfig(pipeline_parallel=context.num_stages)) or "")
         folder = read_folder((Path(context.base_dir) / self.config.folder).resolve())
-        attention = attention_implementation(folder, self.config.attention)
+        kernel = context.attention.configured if context.attention is not None else "auto"
+        attention = attention_implementation(folder, self.config.attention, kernel)
         try:
             with quiet_transformers():
                 hf_model = AutoModelForCausalLM.from_config(

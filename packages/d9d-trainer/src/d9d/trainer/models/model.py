@@ -59,14 +59,25 @@ def block_causal(document_ids: torch.Tensor) -> torch.Tensor:
     return (same & causal).unsqueeze(1)
 
 
-def document_mask(document_ids: torch.Tensor) -> Any:
-    """The attention mask of packed documents, built once per batch: `d9d.parallel.DocumentMask`
-    (FlexAttention on CUDA, masked SDPA elsewhere), or `block_causal`'s tensor without d9d.parallel."""
+def document_mask(document_ids: torch.Tensor, backend: str = "auto") -> Any:
+    """The attention mask of packed documents, built once per batch: `d9d.parallel.DocumentMask` with
+    `backend` ("auto": FlexAttention on CUDA, masked SDPA elsewhere; "flex"; "sdpa"), or
+    `block_causal`'s tensor without d9d.parallel."""
     try:
         from d9d.parallel import DocumentMask
     except ImportError:  # the model itself is plain PyTorch
         return block_causal(document_ids)
-    return DocumentMask(document_ids)
+    return DocumentMask(document_ids, backend=backend)  # type: ignore[arg-type]
+
+
+def _attention_mask(document_ids: torch.Tensor | None, backend: str, inputs: torch.Tensor, seq: int) -> Any:
+    """What every layer attends under: the document mask of packed rows; with FlexAttention
+    (`backend` "flex") the causal mask as a one-document `DocumentMask`; else None (SDPA's causal)."""
+    if document_ids is not None:
+        return document_mask(document_ids, backend)
+    if backend != "flex":
+        return None
+    return document_mask(torch.zeros(inputs.shape[0], seq, dtype=torch.long, device=inputs.device), backend)
 
 
 def _weight_in(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -302,6 +313,9 @@ class ReferenceModel(nn.Module):
         self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.attention_head_dim, config.rope_theta, config.rope_scaling)
         self.context_parallel: Any = None  # as in Attention: this rank's tokens' global positions
+        # Which attention code runs (set by d9d.parallel.apply_attention_kernel from trainer.attention):
+        # "auto"/"sdpa": SDPA (packed documents: DocumentMask's own choice / a dense mask), "flex": FlexAttention.
+        self.attention_backend = "auto"
         # Tensor parallelism's sequence-parallel norms split the hidden states between layers over tp
         # ranks: a pipeline stage that starts from hidden states sees 1/tp of the sequence.
         self.sequence_parallel: int = 1
@@ -342,7 +356,7 @@ class ReferenceModel(nn.Module):
             position_ids = torch.arange(seq, device=inputs.device)
         position_ids = position_ids.expand(batch, -1)
         position_embeddings = self.rotary_emb(position_ids, hidden_states.dtype)
-        mask = None if document_ids is None else document_mask(document_ids)  # once, for every layer
+        mask = _attention_mask(document_ids, self.attention_backend, inputs, seq)  # once, for every layer
         for layer in self.layers.values():
             if mask is None:  # the plain call keeps the layers' (compiled, checkpointed) signature
                 hidden_states = layer(hidden_states, position_embeddings=position_embeddings)

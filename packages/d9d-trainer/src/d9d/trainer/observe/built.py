@@ -1,6 +1,6 @@
 """The "job built" line: what this rank built, once, before the first step (mesh, parameters and the
-trainable ones, precision, the memory levers in effect, what the LoRA patterns matched, and the model
-provider's own account), and a warning line when the LoRA patterns look like they miss projections."""
+trainable ones, precision, the memory levers in effect, the attention kernel and why, what the LoRA
+patterns matched, and the model provider's own account), and a warning line when the LoRA patterns look like they miss projections."""
 
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,7 @@ def log_job_built(
         "lora_targets": coverage.describe() if coverage is not None else None,
         "compile": True if tcfg.compile.enabled else None,
         "cpu_offload": _offload_note(model, ctx.device) if tcfg.memory.cpu_offload else None,
+        "attention": plan.attention.describe() if plan.attention is not None else None,
         "float8": (
             select_float8_linears(model, tcfg.precision.float8).describe()
             if tcfg.precision.float8 is not None

@@ -15,7 +15,15 @@ import msgspec
 import torch
 
 from d9d.mesh import DistributedContext, MeshConfig, axis_groups
-from d9d.parallel import SequenceShare, check_sequence_length, resolve_precision
+from d9d.parallel import (
+    AttentionKernel,
+    MixedPrecision,
+    SequenceShare,
+    check_sequence_length,
+    cuda_attention_facts,
+    resolve_attention,
+    resolve_precision,
+)
 from d9d.parallel.pipeline import PipelineConfig, PipelineLayout, pipeline_bubble, plan_pipeline
 from d9d.trainer.errors import TrainingError
 from d9d.trainer.job.load import LoadedJob
@@ -72,6 +80,7 @@ def plan_job(
         PipelineError: the schedule, stage, layer or microbatch counts do not fit.
         SequenceLengthError: context parallelism cannot cut the sequences.
         BatchSizeError: the declared batching does not split over the data-parallel ranks.
+        ParallelizeError: the device, dtype, mesh or document mask cannot run `trainer.attention.backend`.
     """
     mesh = job.config.mesh
     check_model_mesh(job)
@@ -84,16 +93,18 @@ def plan_job(
     ):  # `d9d plan`: the eval set's length from the config (the trainer checks the built one)
         _check_eval_seq_len(job)
     device = torch.device(device) if device is not None else context.device
+    precision = resolve_precision(job.config.trainer.precision, device)
     plan = JobPlan(
         mesh=mesh,
         rank=context.rank,
         device=device,
-        precision=resolve_precision(job.config.trainer.precision, device),
+        precision=precision,
         batching=batching,
         pipeline=pipeline,
         sequence=sequence,
         vocab_size=dataset.vocab_size if dataset is not None else None,
         optimizer_states=_optimizer_states(job),
+        attention=attention_kernel(job, device, precision, dataset),
     )
     return replace(plan, memory=plan_memory(job, plan, context)) if memory else plan
 
@@ -252,7 +263,7 @@ def _check_document_masking(job: ResolvedJob, dataset: BuildDatasetResult | None
     cp = job.config.mesh.context_parallel
     if cp <= 1:
         return
-    keys = [key for key in _PACKING_KEYS if configured_value(job, "dataset", key)[0] is True]
+    keys = _packing_keys(job)
     masking = dataset.document_masking if dataset is not None else bool(keys)
     if not masking:
         return
@@ -260,6 +271,33 @@ def _check_document_masking(job: ResolvedJob, dataset: BuildDatasetResult | None
     raise TrainingError(
         f"mesh.context_parallel={cp} with packed documents (samples whose documents must not attend to "
         f"each other) is not supported yet; set {named}, or mesh.context_parallel: 1"
+    )
+
+
+def _packing_keys(job: ResolvedJob) -> list[str]:
+    """The dataset keys of `_PACKING_KEYS` that the config (or its provider's default) sets true."""
+    return [key for key in _PACKING_KEYS if configured_value(job, "dataset", key)[0] is True]
+
+
+def attention_kernel(
+    job: ResolvedJob, device: torch.device, precision: MixedPrecision, dataset: BuildDatasetResult | None
+) -> AttentionKernel:
+    """`trainer.attention.backend` on `device` in the compute dtype (`auto` decided from the CUDA device's
+    capability when there is one), for the built dataset's document masking (`d9d plan`: the config's).
+
+    Raises:
+        ParallelizeError: the kernel cannot run there (one line: why, and what to use).
+    """
+    capability, cudnn_version = cuda_attention_facts(device)
+    masking = dataset.document_masking if dataset is not None else bool(_packing_keys(job))
+    return resolve_attention(
+        job.config.trainer.attention,
+        device,
+        precision.param_dtype,
+        capability=capability,
+        cudnn_version=cudnn_version,
+        document_masking=bool(masking),
+        context_parallel=job.config.mesh.context_parallel,
     )
 
 

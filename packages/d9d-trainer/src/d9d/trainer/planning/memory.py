@@ -191,7 +191,13 @@ def _shaped_stages(job: ResolvedJob, plan: JobPlan, context: DistributedContext)
     others = [stage for stage in layout.stages if stage.index not in mine] if layout is not None else []
     return {
         stage.index if stage is not None else 0: shape_model(
-            job, context, plan.precision, layout=layout, stage=stage, data_vocab_size=plan.vocab_size
+            job,
+            context,
+            plan.precision,
+            layout=layout,
+            stage=stage,
+            data_vocab_size=plan.vocab_size,
+            attention=plan.attention,
         )
         for stage in [*plan.stages, *others]
     }

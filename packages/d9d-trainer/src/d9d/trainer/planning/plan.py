@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from d9d.mesh import MeshConfig
-from d9d.parallel import Float8Selection, LoraCoverage, MixedPrecision, SequenceShare
+from d9d.parallel import AttentionKernel, Float8Selection, LoraCoverage, MixedPrecision, SequenceShare
 from d9d.parallel.pipeline import PipelineBubble, PipelineLayout, StageSpec
 from d9d.trainer.providers.data import Batching
 from d9d.trainer.providers.optim import OptimizerStates
@@ -238,6 +238,7 @@ class JobPlan:
         optimizer_states: optimizer tensors per trainable parameter (declared, or assumed: its
             description says so).
         memory: the per-rank memory estimate, when asked for (`plan_job(..., memory=True)`).
+        attention: the attention kernel (`trainer.attention.backend` on `device`) and why.
     """
 
     mesh: MeshConfig
@@ -250,6 +251,7 @@ class JobPlan:
     vocab_size: int | None
     optimizer_states: OptimizerStates
     memory: MemoryPlan | None = None
+    attention: AttentionKernel | None = None
 
     @property
     def stages(self) -> tuple[StageSpec | None, ...]:

@@ -10,7 +10,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from d9d.mesh import DistributedContext, MeshConfig
-from d9d.parallel import ActivationCheckpointingConfig, CompileConfig, LoraConfig, LossConfig, MixedPrecision
+from d9d.parallel import (
+    ActivationCheckpointingConfig,
+    AttentionKernel,
+    CompileConfig,
+    LoraConfig,
+    LossConfig,
+    MixedPrecision,
+)
 
 
 @dataclass(frozen=True)
@@ -27,6 +34,8 @@ class InitializeModelStageContext:
         base_dir: the config file's directory.
         precision: the job's resolved `trainer.precision` (compute and reduction dtypes). Build the
             model in float32 anyway: master weights stay float32 and the trainer casts the compute.
+        attention: the plan's attention kernel (`trainer.attention.backend`), e.g. to pick the model's
+            own attention implementation; None when no plan decided one.
     """
 
     context: DistributedContext
@@ -35,6 +44,7 @@ class InitializeModelStageContext:
     stage: Any = None
     base_dir: Path = Path()
     precision: MixedPrecision = field(default_factory=MixedPrecision)
+    attention: AttentionKernel | None = None
 
 
 @dataclass(frozen=True)
@@ -77,6 +87,9 @@ class ParallelizeModelStageContext:
         loss: `trainer.loss`: when `fused`, a causal LM may make its head compute the loss
             (`d9d.parallel.fuse_linear_cross_entropy`, before `parallelize_decoder`) and declare it
             (`d9d.trainer.providers.ComputesTokenLoss`); the built-in task then passes it the labels.
+        attention: the plan's attention kernel: pass it to `d9d.parallel.apply_attention_kernel` so
+            a model that computes attention itself (FlexAttention, document masks) follows it; the
+            trainer restricts SDPA to it around every step itself. None when no plan decided one.
     """
 
     context: DistributedContext
@@ -93,6 +106,7 @@ class ParallelizeModelStageContext:
     lora: LoraConfig | None = None
     cpu_offload: bool = False
     loss: LossConfig = field(default_factory=LossConfig)
+    attention: AttentionKernel | None = None
 
     @property
     def mesh(self) -> DeviceMesh | None:

@@ -168,7 +168,7 @@ class Evaluator:
         was_training = model.training
         model.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), settings.attention_kernels():
                 for samples, counted in plan:
                     batch = settings.local_batch(eval_set.batch(samples))
                     with precision_autocast(settings.precision, settings.device):

@@ -12,6 +12,7 @@ from torch import nn
 
 from d9d.mesh import get_logger
 from d9d.parallel import (
+    AttentionKernel,
     ContextParallel,
     MixedPrecision,
     clip_grad_norm_,
@@ -98,6 +99,13 @@ class StepSettings:
     randomness: TrainingRandomness | None = None
     """This rank's random streams: the step seeds torch's generator from them before each microbatch's
     forward (a pipeline: each stage's); None leaves the generator alone."""
+    attention: AttentionKernel | None = None
+    """The plan's attention kernel: forward and backward run with SDPA restricted to it (`attention_kernels`)."""
+
+    def attention_kernels(self) -> contextlib.AbstractContextManager[None]:
+        """SDPA restricted to the plan's kernel(s) inside the block (`AttentionKernel.sdpa`): wrap forward
+        AND backward, so an activation-checkpointing recompute runs the same kernel."""
+        return self.attention.sdpa() if self.attention is not None else contextlib.nullcontext()
 
     def local_batch(self, batch: Any) -> Any:
         """This rank's part of a microbatch: its share of every sequence under context parallelism

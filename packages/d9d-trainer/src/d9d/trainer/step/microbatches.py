@@ -47,7 +47,7 @@ class MicrobatchStep(StepBase):
         model, settings = self.model, self.settings
         if settings.randomness is not None:
             settings.randomness.seed_microbatch(step, i, count)
-        with self.microbatch_range(i):
+        with self.microbatch_range(i), settings.attention_kernels():
             set_gradient_accumulation(model, final=i == count - 1)
             with precision_autocast(settings.precision, settings.device):
                 result = self.task.compute_loss(LossContext(model=model, batch=batch, device=settings.device))

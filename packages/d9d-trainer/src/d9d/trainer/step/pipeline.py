@@ -101,7 +101,9 @@ class PipelineStep(StepBase):
         self._step = step
         if self._per_step_stream and self.settings.randomness is not None:
             self.settings.randomness.seed_pipeline(step)
-        with self.weights_cast_once():  # the stages' compute copies of the weights: one for all microbatches
+        # the schedule interleaves forwards and backwards: the kernel choice and the weights' compute
+        # copies (one for all microbatches) hold around the whole of it
+        with self.settings.attention_kernels(), self.weights_cast_once():
             share = self.pipeline.step(inputs, targets, kwargs=kwargs, broadcast_loss=True)
         assert share is not None
         self.add_expert_load()  # the stage's MoE layers hold the step's last microbatch
