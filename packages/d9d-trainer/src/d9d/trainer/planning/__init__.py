@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING
 from d9d.mesh.lazy import lazy_face
 
 if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
+    from d9d.trainer.planning.activations import estimate_activations
     from d9d.trainer.planning.fit import FIT_HEADROOM, FitPlan, Lever, plan_fit
     from d9d.trainer.planning.job_plan import plan_config, plan_job
-    from d9d.trainer.planning.memory import estimate_activations, estimate_memory
+    from d9d.trainer.planning.memory import estimate_memory
     from d9d.trainer.planning.plan import (
         ActivationEstimate,
         JobPlan,

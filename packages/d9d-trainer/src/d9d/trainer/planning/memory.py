@@ -10,50 +10,34 @@ model provider and the trainer's checks of what it built (`d9d.trainer.build.mod
 a job the trainer would refuse is refused here too.
 """
 
-import copy
 from collections.abc import Iterable
-from typing import Any, cast
 
-import msgspec
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from d9d.mesh import DistributedContext
 from d9d.parallel import (
-    ActivationCheckpointingConfig,
-    CompileConfig,
-    MixedPrecision,
-    apply_activation_checkpointing,
     cast_once_parameters,
     describe_fused_loss,
     lora_coverage,
-    parallelize_context_parallel,
-    saved_activation_bytes,
     select_float8_linears,
 )
 from d9d.parallel.pipeline import StageSpec, declared_ties
 from d9d.trainer.build.model import shape_model
 from d9d.trainer.job.resolve import ResolvedJob
 from d9d.trainer.job.rules import shards_parameters
+from d9d.trainer.planning.activations import estimate_activations
 from d9d.trainer.planning.plan import (
     ActivationEstimate,
     JobPlan,
     MemoryEstimate,
     MemoryPlan,
-    PipelinePlan,
     RankMemory,
     full_logits_path,
 )
-from d9d.trainer.providers.model import InitializeModelStageContext, ParallelizeModelStageContext
-from d9d.trainer.providers.task import LossContext, PipelineStageKwargs, PipelineTask
+from d9d.trainer.providers.model import InitializeModelStageContext
 
-__all__ = [
-    "estimate_activations",
-    "estimate_memory",
-    "plan_memory",
-]
+__all__ = ["estimate_memory", "plan_memory"]
 
 
 def estimate_memory(
@@ -268,241 +252,3 @@ def _activations(
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         return None, f"not estimated: the forward does not run on the meta device ({first[:120]})"
     return estimate, ""
-
-
-def estimate_activations(
-    job: ResolvedJob,
-    context: DistributedContext,
-    *,
-    seq_len: int,
-    microbatch_size: int,
-    precision: MixedPrecision,
-    pipeline: "PipelinePlan | None" = None,
-    stages: tuple[StageSpec, ...] | None = None,
-) -> ActivationEstimate:
-    """Run the task's loss on the meta device (no memory) and count what autograd saves for backward.
-
-    The model is shaped by its provider on one process (adapters and frozen weights as the job
-    trains them: a frozen weight's input is saved only where something before it trains) and cast to
-    the compute dtype (`precision.param_dtype`, as FSDP2 computes); blocks are the entries of the
-    model's largest ModuleList/ModuleDict. `seq_len` is the dataset's full sequence length. Under context
-    parallelism the model gets the context's cp group (`parallelize_context_parallel`; on a
-    planning context a fake process group) and the forward runs rank 0's share of each sequence
-    (seq_len / cp tokens), so everything is counted at that length except the K/V that attention
-    all-gathers, which it keeps at the full length for backward. `F.scaled_dot_product_attention` is
-    counted as the fused kernels on CUDA and CPU save it (q, k, v, output, float32 log-sum-exp), not
-    as its math path, which the meta device would take (a float32 seq × seq matrix). The weights'
-    compute copies that matmuls save are not activations: the trainer casts each weight once per step
-    and keeps the copy for the step (`MemoryPlan.weight_copies`), whatever the checkpointing. `mode:
-    op` is counted as it runs: what its policy keeps passes through the same count.
-
-    Under tensor or pipeline parallelism the model is built and parallelized by its provider as the
-    rank's stages, on the rank's tensor-parallel group alone
-    (`DistributedContext.tensor_parallel_view`: no FSDP, which needs real memory; the cp group is
-    then given as in the one-process path), so what tensor
-    parallelism splits and what it keeps whole (e.g. the embedding's output, the loss) is counted as
-    it runs. Each stage runs the previous stage's output; the rank's figure adds each of its stages
-    times the microbatches the schedule keeps in flight there (`_in_flight`). `stages`: the stages
-    of the pp rank to count (default: this rank's, `pipeline.stages`).
-
-    Raises:
-        Exception: whatever the model's forward raised on the meta device (e.g. data-dependent MoE
-            routing), for the caller to report.
-    """
-    config = job.config.trainer.activation_checkpointing
-    mesh = job.config.mesh
-    local = seq_len // mesh.context_parallel
-    tokens = f"{microbatch_size} × {local}"
-    if mesh.tensor_parallel > 1 or pipeline is not None:
-        if pipeline is not None and stages is None:
-            stages = pipeline.stages
-        return _split_activations(
-            job, context, seq_len, microbatch_size, precision, pipeline, tokens, stages or (None,)
-        )
-    # shaped on one process (no FSDP, which needs real memory); the cp group is the context's, below
-    one = context if context.is_local else DistributedContext.single_process()
-    base = _shaped(job, one, precision, None, None, ActivationCheckpointingConfig())
-    shape = (microbatch_size, seq_len)  # ids and labels are two tensors, as a dataset gives them
-    batch: Any = {
-        name: torch.zeros(shape, dtype=torch.long, device="meta") for name in ("input_ids", "labels")
-    }
-    if mesh.context_parallel > 1:
-        batch = parallelize_context_parallel(base, context.mesh("dense")).shard_batch(batch)
-
-    def measure(mode: str) -> int:
-        model = copy.deepcopy(base)  # the cp group is shared, not copied
-        if mode != "none":
-            apply_activation_checkpointing(
-                _blocks(model),
-                ActivationCheckpointingConfig(mode=mode, every=config.every),  # type: ignore[arg-type]
-            )
-
-        def loss() -> object:
-            return job.task.compute_loss(LossContext(model=model, batch=batch, device=torch.device("meta")))
-
-        with _AttentionAsFusedKernel():
-            return saved_activation_bytes(loss, exclude=model.parameters())
-
-    plain = measure("none")
-    full = measure("full")
-    checkpointed = {"none": plain, "full": full}.get(config.mode) or measure(config.mode)
-    return ActivationEstimate(plain=plain, checkpointed=checkpointed, full=full, tokens=tokens)
-
-
-def _split_activations(
-    job: ResolvedJob,
-    context: DistributedContext,
-    seq_len: int,
-    microbatch_size: int,
-    precision: MixedPrecision,
-    pipeline: "PipelinePlan | None",
-    tokens: str,
-    stages: tuple[Any, ...],
-) -> ActivationEstimate:
-    """`estimate_activations` under tensor or pipeline parallelism: a pp rank's `stages` (or (None,),
-    the whole model) as its provider parallelizes them, on the view of this rank's tp group."""
-    config = job.config
-    ac = config.trainer.activation_checkpointing
-    view = context.tensor_parallel_view()
-    in_flight, note = _in_flight(pipeline, stages)
-    shape = (microbatch_size, seq_len)
-    full_batch: Any = {
-        name: torch.zeros(shape, dtype=torch.long, device="meta") for name in ("input_ids", "labels")
-    }
-
-    def measure(mode: str) -> int:
-        models = [_shaped(job, view, precision, stage, pipeline, msgspec.structs.replace(ac, mode=mode))
-                  for stage in stages]  # fmt: skip
-        batch = full_batch
-        if config.mesh.context_parallel > 1:
-            cp = [parallelize_context_parallel(model, context.mesh("dense")) for model in models][0]  # noqa: RUF015 (every stage gets the group)
-            batch = cp.shard_batch(batch)
-        if pipeline is None:
-            (model,) = models
-
-            def loss() -> object:
-                return job.task.compute_loss(
-                    LossContext(model=model, batch=batch, device=torch.device("meta"))
-                )
-
-            with _AttentionAsFusedKernel():
-                return saved_activation_bytes(loss, exclude=model.parameters())
-        task = cast(PipelineTask, job.task)
-        x, target = task.pipeline_inputs(batch)
-        kwargs = dict(task.pipeline_kwargs(batch, models)) if isinstance(task, PipelineStageKwargs) else {}
-        total = 0
-        for model, stage, count in zip(models, stages, in_flight, strict=True):
-            if stage.index > 0:  # a stage receives the output of the stage before it (on any rank)
-                x = _stage_input(job, view, precision, pipeline, stage.index - 1, batch)
-            run_x = x
-
-            def forward(model: nn.Module = model, stage: Any = stage, run_x: Any = run_x) -> object:
-                out = model(run_x, **kwargs)  # e.g. labels: a fused head's loss (as the schedule runs it)
-                return task.pipeline_loss(out, target) if stage.is_last else out
-
-            with _AttentionAsFusedKernel():
-                total += count * saved_activation_bytes(forward, exclude=model.parameters())
-        return total
-
-    plain = measure("none")
-    full = measure("full")
-    checkpointed = {"none": plain, "full": full}.get(ac.mode) or measure(ac.mode)
-    return ActivationEstimate(
-        plain=plain, checkpointed=checkpointed, full=full, tokens=tokens, in_flight=in_flight,
-        in_flight_note=note,
-    )  # fmt: skip
-
-
-def _shaped(
-    job: ResolvedJob,
-    view: DistributedContext,
-    precision: MixedPrecision,
-    stage: Any,
-    pipeline: "PipelinePlan | None",
-    ac: Any,
-) -> nn.Module:
-    """One stage (or the whole model) on the meta device, parallelized by its provider on `view`, in
-    the compute dtype."""
-    where: dict[str, Any] = {
-        "stage_index": stage.index if stage is not None else 0,
-        "num_stages": pipeline.layout.num_stages if pipeline is not None else 1,
-        "stage": stage,
-        "base_dir": job.loaded.base_dir,
-    }
-    with torch.device("meta"):
-        model = job.model_provider.initialize_model_stage(
-            InitializeModelStageContext(context=view, precision=precision, **where)
-        ).model
-    job.model_provider.parallelize_model_stage(
-        ParallelizeModelStageContext(
-            context=view,
-            model=model,
-            precision=precision,
-            activation_checkpointing=ac,
-            compile=CompileConfig(),
-            lora=job.config.peft.lora,
-            loss=job.config.trainer.loss,
-            **where,
-        )
-    )
-    return model.to(precision.param_dtype)
-
-
-def _stage_input(
-    job: ResolvedJob,
-    view: DistributedContext,
-    precision: MixedPrecision,
-    pipeline: "PipelinePlan | None",
-    index: int,
-    batch: Any,
-) -> Any:
-    """What stage `index + 1` receives: stage `index`'s output (run from the first stage, no grad),
-    detached and requiring grad as the schedule hands it over."""
-    assert pipeline is not None
-    task = cast(PipelineTask, job.task)
-    x, _ = task.pipeline_inputs(batch)
-    with torch.no_grad():
-        for stage in pipeline.layout.stages[: index + 1]:
-            x = _shaped(job, view, precision, stage, pipeline, ActivationCheckpointingConfig())(x)
-    return x.detach().requires_grad_(x.is_floating_point())
-
-
-def _in_flight(pipeline: "PipelinePlan | None", stages: tuple[Any, ...]) -> tuple[tuple[int, ...], str]:
-    """Per stage of `stages` (one pp rank's), the microbatches whose activations it holds at once, and how."""
-    if pipeline is None:
-        return (1,), ""
-    schedule = pipeline.layout.config.schedule
-    m, p = pipeline.microbatches_per_step, pipeline.layout.pp_size
-    if schedule == "1f1b":
-        counts = tuple(min(p - stage.index, m) for stage in stages)
-        return counts, "1F1B: stage s holds min(pp − s, microbatches) forwards before its first backward"
-    if schedule == "gpipe":
-        return tuple(m for _ in stages), "GPipe: every microbatch's forward before any backward"
-    return (
-        tuple(m for _ in stages),
-        f"{schedule}: an upper bound (every microbatch in flight on every stage); the schedule keeps fewer",
-    )
-
-
-class _AttentionAsFusedKernel(TorchFunctionMode):
-    """Under it `F.scaled_dot_product_attention` runs as CPU's fused kernel, whose meta kernel gives the
-    shapes: it saves for backward what the fused kernels of CUDA and CPU save (q, k, v, output,
-    float32 log-sum-exp), and `op` checkpointing keeps its output and log-sum-exp, as theirs. On the
-    meta device SDPA would take its math path (a float32 seq × seq matrix, saved and kept)."""
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            named = {**dict(zip(("query", "key", "value"), args, strict=False)), **kwargs}
-            fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-            return fused(named["query"], named["key"], named["value"], is_causal=True)[0]
-        return func(*args, **kwargs)
-
-
-def _blocks(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks: the entries of the largest ModuleList/ModuleDict (by parameters)."""
-    containers = [m for m in model.modules() if isinstance(m, nn.ModuleList | nn.ModuleDict)]
-    if not containers:
-        return []
-    best = max(containers, key=lambda c: sum(p.numel() for p in c.parameters()))
-    return list(best.values()) if isinstance(best, nn.ModuleDict) else list(best)
