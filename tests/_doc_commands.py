@@ -28,7 +28,6 @@ import re
 import runpy
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from d9d.mesh.testing import wait_for_child
 
 ROOT = Path(__file__).resolve().parents[1]
 SHELL_LANGUAGES = ("bash", "sh", "shell", "console")
@@ -334,19 +335,6 @@ def _forked(cwd: Path, timeout: float, fn: Callable[[list[str]], None], argv: li
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(code)
-        code = _wait(pid, timeout)
+        code = wait_for_child(pid, timeout, group=True)
         log.seek(0)
         return code, log.read().decode(errors="replace")
-
-
-def _wait(pid: int, timeout: float) -> int:
-    deadline = time.monotonic() + timeout
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        if time.monotonic() > deadline:
-            os.killpg(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            raise AssertionError(f"the command did not finish within {timeout} s")
-        time.sleep(0.02)

@@ -401,3 +401,43 @@ def _run_dir(args: list[str]) -> Path:
         key, _, value = arg.partition("=")
         found[key] = value
     return Path(found["trainer.checkpointing.save_dir"]) / found["trainer.run.name"]
+
+
+def saved_activation_peaks(root: str, variants: list[list[str]]) -> list[int]:
+    """This rank's peak of bytes held saved for backward (`d9d.parallel.SavedActivations`: weights and
+    their compute copies left out) during the second optimizer step of each variant's job, a
+    `Trainer` each, one after the other in this process (the first step is a warm-up: the pipeline
+    schedule infers its shapes there)."""
+    from d9d.parallel import SavedActivations
+    from d9d.trainer import Trainer
+
+    peaks = []
+    for i, args in enumerate(variants):
+        sets = [*args, f"trainer.checkpointing.save_dir={root}/{i}", "trainer.run.name=acts"]
+        with Trainer.from_config(CONFIG, sets) as trainer:
+            batches = iter(trainer.data)
+            trainer.train_step.run(next(batches), 1)
+            with SavedActivations(exclude=trainer.model.parameters()) as saved:
+                trainer.train_step.run(next(batches), 2)
+            peaks.append(saved.peak)
+    return peaks
+
+
+def planned_activations(variants: list[list[str]], world: int) -> list[list[int]]:
+    """Per variant, every rank's planned activation bytes (`plan_job` on each rank's planning context,
+    on the CPU: the dtype the variant sets)."""
+    from d9d.mesh import DistributedContext
+    from d9d.trainer import load_job_config, resolve_job
+    from d9d.trainer.planning import plan_job
+
+    figures = []
+    for args in variants:
+        job = resolve_job(load_job_config(CONFIG, args))
+        per_rank = []
+        for rank in range(world):
+            with DistributedContext.for_planning(job.config.mesh, rank=rank) as ctx:
+                plan = plan_job(job, ctx, device="cpu", memory=True)
+            assert plan.memory is not None and plan.memory.activations is not None, plan.memory
+            per_rank.append(plan.memory.activations.checkpointed)
+        figures.append(per_rank)
+    return figures

@@ -12,8 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from faults._harness import Job, preload_distributed, start_job, start_ranks
+
+from d9d.mesh.testing import wait_for_child
 
 ROOT = Path(__file__).resolve().parents[1]
 FINETUNE = ROOT / "examples" / "finetune" / "finetune.py"
@@ -137,6 +140,8 @@ def _run_forked(tmp_path: Path, model: dict) -> tuple[int, list[str]]:
                 "MASTER_PORT",
             ):
                 os.environ.pop(name, None)
+            os.environ["OMP_NUM_THREADS"] = "1"
+            torch.set_num_threads(1)  # no OpenMP pool: the parent's may have been busy when it forked
             sys.argv = [str(FINETUNE), str(config)]
             runpy.run_path(str(FINETUNE), run_name="__main__")
             code = 0
@@ -147,8 +152,8 @@ def _run_forked(tmp_path: Path, model: dict) -> tuple[int, list[str]]:
         finally:
             sys.stderr.flush()
             os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status), [line for line in err.read_text().splitlines() if line.strip()]
+    code = wait_for_child(pid, 300)
+    return code, [line for line in err.read_text().splitlines() if line.strip()]
 
 
 def _llama_folder(

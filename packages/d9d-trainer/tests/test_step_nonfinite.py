@@ -72,6 +72,11 @@ def test_one_ranks_nonfinite_gradients_skip_the_step_on_every_rank_2ranks(tmp_pa
 def _main(config: str, stderr: str) -> None:
     from d9d.trainer import main
 
+    # one thread (the trainer sets it from OMP_NUM_THREADS): the OpenMP pool this process inherited
+    # from its parent (which trained in the tests before) has no threads after the fork, and a
+    # parallel region of several waits on them forever
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
     os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
     sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115  # the fd, not pytest's capture
     code = 0

@@ -10,12 +10,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _tiny_hf import hf_job, save_tiny
 
 import d9d.trainer.hf  # noqa: F401  # imported once here, not in every forked job
+from d9d.mesh.testing import wait_for_child
 from d9d.trainer import Trainer  # noqa: F401
 
 _LAUNCHER = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -45,6 +47,8 @@ def _in_a_process(job: Callable[[], None], stderr: Path, *, without_transformers
                 for name in [m for m in sys.modules if m.split(".")[0] in ("transformers", "peft", "d9d")]:
                     del sys.modules[name]
                 sys.modules["transformers"] = None  # type: ignore[assignment]  # import fails as if absent
+            os.environ["OMP_NUM_THREADS"] = "1"
+            torch.set_num_threads(1)  # no OpenMP pool: the parent's may have been busy when it forked
             job()
             code = 0
         except SystemExit as exc:
@@ -54,8 +58,7 @@ def _in_a_process(job: Callable[[], None], stderr: Path, *, without_transformers
         finally:
             sys.stderr.flush()
             os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
+    return wait_for_child(pid, 300)
 
 
 def _train(config: Path, *, without_transformers: bool = False) -> tuple[int, list[str]]:

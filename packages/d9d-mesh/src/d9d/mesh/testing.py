@@ -50,6 +50,7 @@ __all__ = [
     "free_port",
     "run_distributed",
     "run_torchrun",
+    "wait_for_child",
 ]
 
 _GRACE_AFTER_FAILURE_S = 3.0
@@ -334,6 +335,26 @@ def _collect(
             "(their stacks are on stderr); a collective is probably waiting for a rank that skipped it"
         )
     return [results[r] for r in range(len(procs))]
+
+
+def wait_for_child(pid: int, timeout: float, *, group: bool = False) -> int:
+    """The exit status of forked child `pid`; past `timeout` seconds it is killed (with its process
+    group when `group`: a child that called `os.setsid()`) and an AssertionError names the timeout, so a
+    child that hangs (e.g. on a lock some thread of the parent held when it forked) fails its test
+    instead of the whole run."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            if group:
+                os.killpg(pid, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError(f"the forked child did not finish within {timeout} s")
+        time.sleep(0.02)
 
 
 def free_port() -> int:

@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
         checkpointed_blocks,
         op_checkpoint_policy,
     )
-    from d9d.parallel.activation_memory import saved_activation_bytes
+    from d9d.parallel.activation_memory import SavedActivations, saved_activation_bytes
     from d9d.parallel.attention import (
         AttentionKernel,
         apply_attention_kernel,

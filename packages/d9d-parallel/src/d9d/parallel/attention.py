@@ -68,8 +68,13 @@ class AttentionKernel:
     configured: str = "auto"
 
     def describe(self) -> str:
-        """One phrase for the plan and the "job built" line: the kernel and why."""
+        """One phrase for the plan: the kernel and why."""
         return f"{self.name} ({self.reason})"
+
+    def brief(self) -> str:
+        """A short phrase for the "job built" line: the kernel and what decided it (the device,
+        dtype and cuDNN for `auto`; the config), without the fallbacks `describe` lists."""
+        return f"{self.name} ({self.reason.split(':')[0].split(';')[0]})"
 
     @property
     def model_backend(self) -> DocumentAttentionBackend:

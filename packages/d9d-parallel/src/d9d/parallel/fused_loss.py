@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from d9d.parallel.errors import ParallelizeError
+from d9d.parallel.weight_casts import step_copy
 
 __all__ = [
     "LinearCrossEntropyHead",
@@ -82,6 +83,9 @@ def linear_cross_entropy(
     dtype = hidden.dtype
     if device_type != "meta" and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
+    copy = step_copy(weight, dtype)  # inside the trainer's step: one cast of the head for all microbatches
+    if isinstance(copy, DTensor):
+        copy = copy.to_local()
     hidden, weight, bias, shard = _local_operands(hidden, weight, bias)
     return _LinearCrossEntropy.apply(
         hidden.reshape(-1, hidden.shape[-1]),
@@ -89,6 +93,7 @@ def linear_cross_entropy(
         bias,
         labels.reshape(-1),
         _Options(chunk_size, ignore_index, softcap, dtype, *shard),
+        copy,
     )
 
 
@@ -195,10 +200,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         bias: torch.Tensor | None,
         labels: torch.Tensor,
         options: _Options,
+        weight_copy: torch.Tensor | None,
     ) -> torch.Tensor:
         with _no_autocast(hidden.device):
             h = hidden.to(options.dtype)
-            w = weight.to(options.dtype)  # one cast of the head per forward, none when it is in dtype
+            # the step's copy (`weights_cast_once`), else one cast per forward; none when in dtype
+            w = weight_copy if weight_copy is not None else weight.to(options.dtype)
             b = bias.to(options.dtype) if bias is not None else None
             log_sum_exp = torch.empty(h.shape[0], dtype=_FP32, device=h.device)
             total = torch.zeros((), dtype=_FP32, device=h.device)
@@ -218,7 +225,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad_loss: torch.Tensor) -> tuple[
-        torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None
+        torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None, None
     ]:  # fmt: skip
         h, w, b, labels, log_sum_exp = ctx.saved_tensors  # type: ignore[attr-defined]
         options: _Options = ctx.options  # type: ignore[attr-defined]
@@ -244,6 +251,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_h.to(hidden_dtype) if grad_h is not None else None,
             grad_w.to(weight_dtype) if grad_w is not None else None,
             grad_b.to(bias_dtype) if grad_b is not None and bias_dtype is not None else None,
+            None,
             None,
             None,
         )
@@ -298,6 +306,7 @@ class LinearCrossEntropyHead(nn.Linear):
     chunk_size: int = 1024
     softcap: float | None = None
     ignore_index: int = -100
+    casts_weight_once: bool = True  # inside `weights_cast_once` the loss computes from the step's copy
 
     def forward(self, input: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """The logits of `input`, or with `labels` (pass it by keyword) the summed loss against them."""

@@ -66,6 +66,10 @@ class WeightCasts:
         self.casts += 1
         return copy
 
+    def copies(self) -> list[torch.Tensor]:
+        """The copies alive in the scope."""
+        return [c.copy for c in self._copies.values()]
+
     @property
     def bytes(self) -> int:
         """Bytes of the copies alive in the scope (this rank's part of a DTensor)."""
@@ -101,6 +105,17 @@ def cast_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return scope.get(weight, dtype)
 
 
+def step_copy(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """For an op that computes its own gradient of `weight` (in float32): the open scope's copy of
+    `weight` in `dtype`, made without autograd on first use; None outside a scope, while compiling,
+    or when `weight` is in `dtype` already (the op casts as before)."""
+    scope = _active
+    if scope is None or weight.dtype == dtype or torch.compiler.is_compiling():
+        return None
+    with torch.no_grad():
+        return scope.get(weight, dtype)
+
+
 def cast_linears_once(module: nn.Module) -> int:
     """Hook every plain `nn.Linear` in `module` (a subclass with its own forward, e.g. a float8 linear,
     is left alone) so that, inside `weights_cast_once` and under autocast, its forward reads the
@@ -120,12 +135,15 @@ def cast_linears_once(module: nn.Module) -> int:
 def cast_once_parameters(module: nn.Module) -> list[nn.Parameter]:
     """The parameters of `module` a step inside `weights_cast_once` keeps a compute copy of, an upper
     bound: every floating parameter but embedding tables and the weights of linears with a forward of
-    their own (float8), which compute from float32 (a weight held by both, a tied head, counts). A
-    float32 norm scale that its module never casts counts too."""
+    their own (float8), which compute from float32 (a weight held by both, a tied head, counts); a
+    linear whose class sets `casts_weight_once` (the fused LM head: `step_copy`) counts. A float32
+    norm scale that its module never casts counts too."""
     keep: set[int] = set()
     for sub in module.modules():
         from_float32 = isinstance(sub, nn.Embedding) or (
-            isinstance(sub, nn.Linear) and type(sub).forward is not nn.Linear.forward
+            isinstance(sub, nn.Linear)
+            and type(sub).forward is not nn.Linear.forward
+            and not getattr(sub, "casts_weight_once", False)
         )
         if not from_float32:
             keep.update(id(p) for p in sub._parameters.values() if p is not None and p.is_floating_point())

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from d9d.mesh.lazy import lazy_face
 
 if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
+    from d9d.trainer.models.attention_inputs import KVCache
     from d9d.trainer.models.config import (
         LinearRopeScaling,
         Llama3RopeScaling,
@@ -55,7 +56,6 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
         MLP,
         Attention,
         DecoderLayer,
-        KVCache,
         ReferenceForCausalLM,
         ReferenceModel,
         RMSNorm,

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from d9d.trainer.models.attention_inputs import KVCache, attention_mask
 from d9d.trainer.models.config import MoEConfig, ReferenceModelConfig, check_sequence_length
 from d9d.trainer.models.rope import RotaryEmbedding, apply_rotary
 
@@ -21,13 +22,10 @@ __all__ = [
     "MLP",
     "Attention",
     "DecoderLayer",
-    "KVCache",
     "RMSNorm",
     "ReferenceForCausalLM",
     "ReferenceModel",
-    "block_causal",
     "build_moe",
-    "document_mask",
 ]
 
 
@@ -51,35 +49,6 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-def block_causal(document_ids: torch.Tensor) -> torch.Tensor:
-    """Bool [batch, 1, seq, seq]: token q attends to token k iff k <= q and both are of one document."""
-    seq = document_ids.shape[-1]
-    same = document_ids[:, :, None] == document_ids[:, None, :]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
-    return (same & causal).unsqueeze(1)
-
-
-def document_mask(document_ids: torch.Tensor, backend: str = "auto") -> Any:
-    """The attention mask of packed documents, built once per batch: `d9d.parallel.DocumentMask` with
-    `backend` ("auto": FlexAttention on CUDA, masked SDPA elsewhere; "flex"; "sdpa"), or
-    `block_causal`'s tensor without d9d.parallel."""
-    try:
-        from d9d.parallel import DocumentMask
-    except ImportError:  # the model itself is plain PyTorch
-        return block_causal(document_ids)
-    return DocumentMask(document_ids, backend=backend)  # type: ignore[arg-type]
-
-
-def _attention_mask(document_ids: torch.Tensor | None, backend: str, inputs: torch.Tensor, seq: int) -> Any:
-    """What every layer attends under: the document mask of packed rows; with FlexAttention
-    (`backend` "flex") the causal mask as a one-document `DocumentMask`; else None (SDPA's causal)."""
-    if document_ids is not None:
-        return document_mask(document_ids, backend)
-    if backend != "flex":
-        return None
-    return document_mask(torch.zeros(inputs.shape[0], seq, dtype=torch.long, device=inputs.device), backend)
-
-
 def _weight_in(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`weight` in `dtype`: once per optimizer step inside the trainer's step (`d9d.parallel.cast_weight`),
     at every call without d9d.parallel."""
@@ -100,41 +69,6 @@ def _in_compute_dtype(hidden_states: torch.Tensor) -> torch.Tensor:
     except ImportError:  # the model itself is plain PyTorch
         return hidden_states
     return to_autocast_dtype(hidden_states)
-
-
-class KVCache:
-    """The keys and values of the tokens seen so far, for generating one token at a time.
-
-    One [batch, kv_heads, max_length, head_dim] buffer pair per layer (made in the dtype and on the
-    device of the layer's first keys), filled from position 0;
-    `length` tokens are held. `ReferenceForCausalLM.new_kv_cache` makes one;
-    `ReferenceForCausalLM.forward(..., kv_cache=cache)` appends the new tokens' keys and values,
-    attends over everything held, and advances `length`.
-    """
-
-    def __init__(self, max_length: int) -> None:
-        self.keys: dict[str, torch.Tensor] = {}  # by layer name, made at the layer's first tokens
-        self.values: dict[str, torch.Tensor] = {}
-        self.max_length = max_length
-        self.length = 0
-
-    def extend(self, layer: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store `k`, `v` ([batch, kv_heads, seq, head_dim]) after the held tokens of `layer`; the keys
-        and values of every token held and new (the cache's `length` moves on in `advance`)."""
-        end = self.length + k.shape[2]
-        if end > self.max_length:
-            raise ValueError(f"the KV cache holds {self.max_length} tokens; {end} were asked for")
-        if layer not in self.keys:  # in the dtype and on the device the layer computes in
-            batch, heads, _, width = k.shape
-            self.keys[layer] = k.new_zeros(batch, heads, self.max_length, width)
-            self.values[layer] = v.new_zeros(batch, heads, self.max_length, width)
-        self.keys[layer][:, :, self.length : end] = k
-        self.values[layer][:, :, self.length : end] = v
-        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
-
-    def advance(self, tokens: int) -> None:
-        """Count `tokens` more as held (after every layer stored them)."""
-        self.length += tokens
 
 
 class Attention(nn.Module):
@@ -356,7 +290,7 @@ class ReferenceModel(nn.Module):
             position_ids = torch.arange(seq, device=inputs.device)
         position_ids = position_ids.expand(batch, -1)
         position_embeddings = self.rotary_emb(position_ids, hidden_states.dtype)
-        mask = _attention_mask(document_ids, self.attention_backend, inputs, seq)  # once, for every layer
+        mask = attention_mask(document_ids, self.attention_backend, inputs, seq)  # once, for every layer
         for layer in self.layers.values():
             if mask is None:  # the plain call keeps the layers' (compiled, checkpointed) signature
                 hidden_states = layer(hidden_states, position_embeddings=position_embeddings)

@@ -48,7 +48,7 @@ def log_job_built(
         "lora_targets": coverage.describe() if coverage is not None else None,
         "compile": True if tcfg.compile.enabled else None,
         "cpu_offload": _offload_note(model, ctx.device) if tcfg.memory.cpu_offload else None,
-        "attention": plan.attention.describe() if plan.attention is not None else None,
+        "attention": plan.attention.brief() if plan.attention is not None else None,
         "float8": (
             select_float8_linears(model, tcfg.precision.float8).describe()
             if tcfg.precision.float8 is not None
