@@ -48,6 +48,7 @@ BENCHMARKS: list[tuple[str, list[str]]] = [
     ("cpu_offload", ["--steps", "12", "--rounds", "2"]),
     ("fused_loss", ["--tokens", "1024", "--hidden", "512", "--chunk", "128", "--repeats", "2"]),
     ("weight_casts", []),
+    ("plan_activations", []),
     ("activation_checkpointing", ["--repeats", "5"]),
 ]
 

@@ -181,3 +181,11 @@ def test_fused_loss_tiny_mode_measures_both_paths(tmp_path):
         "fused / full loss: step time (CPU)",
     ]
     assert 0 < got["fused / full loss: peak bytes of the loss step"] < 0.5, rows  # 256 tokens, chunks of 32
+
+
+def test_plan_activations_one_mesh_prints_every_dtype_and_mode_and_a_ratio(tmp_path):
+    stdout, rows = _run(tmp_path, "plan_activations.py", "--meshes", "1 process", timeout=300)
+    lines = [line for line in stdout.splitlines() if line.startswith("1 process")]
+    assert len(lines) == 6, stdout  # float32 and bfloat16 × none, full, op
+    (only,) = rows
+    assert only["name"].endswith("1 process") and abs(only["ratio"] - 1) < 1e-3, only

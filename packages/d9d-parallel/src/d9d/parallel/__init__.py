@@ -59,6 +59,7 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
         check_sequence_length,
         context_parallel_attention,
         context_parallel_of,
+        meta_attention_as,
         parallelize_context_parallel,
         sequence_length_problem,
     )

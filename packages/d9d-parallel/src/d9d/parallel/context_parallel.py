@@ -12,7 +12,9 @@ keys `[0, (c+1)·L)` under a lower-right-aligned causal mask. Every other activa
 stays at `seq_len / cp` tokens per rank.
 """
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,9 +36,25 @@ __all__ = [
     "check_sequence_length",
     "context_parallel_attention",
     "context_parallel_of",
+    "meta_attention_as",
     "parallelize_context_parallel",
     "sequence_length_problem",
 ]
+
+_META_AS: ContextVar[str] = ContextVar("d9d_cp_meta_attention_as", default="meta")
+
+
+@contextlib.contextmanager
+def meta_attention_as(device_type: str) -> Iterator[None]:
+    """Within it, context-parallel attention on meta tensors (a plan's estimate) takes the path it
+    takes on `device_type`: "cpu" pads each query chunk to a square (what a CPU run saves for
+    backward); any other keeps the meta path, whose SDPA call a plan counts as the fused kernels of
+    CUDA save."""
+    token = _META_AS.set(device_type)
+    try:
+        yield
+    finally:
+        _META_AS.reset(token)
 
 
 class SequenceLengthError(ParallelizeError):
@@ -411,7 +429,7 @@ def _causal_lower_right(
         # efficient branch passes K/V to the kernel as they are, so GQA goes there only with flash.
         bias = causal_lower_right(q_len, kv_len)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=gqa)
-    if q.device.type == "cpu":
+    if q.device.type == "cpu" or (q.device.type == "meta" and _META_AS.get() == "cpu"):
         # CPU: SDPA would save an explicit mask for backward as float32 [q_len, kv_len] (640 MiB per rank
         # at 16k tokens, cp 2). Pad the queries in front to a square and use the causal kernel instead:
         # the real queries sit at the end, exactly where lower-right alignment puts them, and the padded

@@ -22,6 +22,7 @@ from d9d.parallel import (
     CompileConfig,
     MixedPrecision,
     apply_activation_checkpointing,
+    meta_attention_as,
     parallelize_context_parallel,
     saved_activation_bytes,
 )
@@ -43,6 +44,7 @@ def estimate_activations(
     precision: MixedPrecision,
     pipeline: "PipelinePlan | None" = None,
     stages: tuple[StageSpec, ...] | None = None,
+    device: torch.device | str = "cuda",
 ) -> ActivationEstimate:
     """Run the task's loss on the meta device (no memory) and count what autograd saves for backward.
 
@@ -67,7 +69,9 @@ def estimate_activations(
     parallelism splits and what it keeps whole (e.g. the embedding's output, the loss) is counted as
     it runs. Each stage runs the previous stage's output; the rank's figure adds each of its stages
     times the microbatches the schedule keeps in flight there (`_in_flight`). `stages`: the stages
-    of the pp rank to count (default: this rank's, `pipeline.stages`).
+    of the pp rank to count (default: this rank's, `pipeline.stages`). `device`: the device the job
+    runs on; on "cpu" context parallelism's attention is counted as its CPU path runs it
+    (`d9d.parallel.meta_attention_as`: each query chunk padded to a square).
 
     Raises:
         Exception: whatever the model's forward raised on the meta device (e.g. data-dependent MoE
@@ -81,7 +85,7 @@ def estimate_activations(
         if pipeline is not None and stages is None:
             stages = pipeline.stages
         return _split_activations(
-            job, context, seq_len, microbatch_size, precision, pipeline, tokens, stages or (None,)
+            job, context, seq_len, microbatch_size, precision, pipeline, tokens, stages or (None,), device
         )
     # shaped on one process (no FSDP, which needs real memory); the cp group is the context's, below
     one = context if context.is_local else DistributedContext.single_process()
@@ -104,7 +108,7 @@ def estimate_activations(
         def loss() -> object:
             return job.task.compute_loss(LossContext(model=model, batch=batch, device=torch.device("meta")))
 
-        with _AttentionAsFusedKernel():
+        with _AttentionAsFusedKernel(device):
             return saved_activation_bytes(loss, exclude=model.parameters())
 
     plain = measure("none")
@@ -122,6 +126,7 @@ def _split_activations(
     pipeline: "PipelinePlan | None",
     tokens: str,
     stages: tuple[Any, ...],
+    device: torch.device | str,
 ) -> ActivationEstimate:
     """`estimate_activations` under tensor or pipeline parallelism: a pp rank's `stages` (or (None,),
     the whole model) as its provider parallelizes them, on the view of this rank's tp group."""
@@ -149,7 +154,7 @@ def _split_activations(
                     LossContext(model=model, batch=batch, device=torch.device("meta"))
                 )
 
-            with _AttentionAsFusedKernel():
+            with _AttentionAsFusedKernel(device):
                 return saved_activation_bytes(loss, exclude=model.parameters())
         task = cast(PipelineTask, job.task)
         x, target = task.pipeline_inputs(batch)
@@ -164,7 +169,7 @@ def _split_activations(
                 out = model(run_x, **kwargs)  # e.g. labels: a fused head's loss (as the schedule runs it)
                 return task.pipeline_loss(out, target) if stage.is_last else out
 
-            with _AttentionAsFusedKernel():
+            with _AttentionAsFusedKernel(device):
                 total += count * saved_activation_bytes(forward, exclude=model.parameters())
         return total
 
@@ -252,7 +257,20 @@ class _AttentionAsFusedKernel(TorchFunctionMode):
     """Under it `F.scaled_dot_product_attention` runs as CPU's fused kernel, whose meta kernel gives the
     shapes: it saves for backward what the fused kernels of CUDA and CPU save (q, k, v, output,
     float32 log-sum-exp), and `op` checkpointing keeps its output and log-sum-exp, as theirs. On the
-    meta device SDPA would take its math path (a float32 seq × seq matrix, saved and kept)."""
+    meta device SDPA would take its math path (a float32 seq × seq matrix, saved and kept). Context
+    parallelism's attention takes the path it takes on `device` (`meta_attention_as`)."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        super().__init__()
+        self._device_path = meta_attention_as(torch.device(device).type)
+
+    def __enter__(self) -> "_AttentionAsFusedKernel":
+        self._device_path.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._device_path.__exit__(*exc)
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}

@@ -247,6 +247,7 @@ def _activations(
             precision=plan.precision,
             pipeline=plan.pipeline,
             stages=stages,
+            device=plan.device,
         )
     except Exception as exc:  # a forward that cannot run on meta (e.g. MoE routing) is not an error
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
