@@ -168,9 +168,10 @@ def _activations_line(
     if config.trainer.precision.param_dtype == "auto":
         dtype = f"{compute}, the auto dtype on CUDA (a CPU run computes in float32: about 2×)"
     ac = config.trainer.activation_checkpointing
+    recompute = f"; + {format_size(acts.recompute)} while a block recomputes" if acts.recompute else ""
     return (
-        f"  activations {format_size(acts.checkpointed):>10}  (one microbatch of {acts.tokens} tokens"
-        f"{flight} in {dtype}, checkpointing {ac.mode}; none: {format_size(acts.plain)}, full: "
+        f"  activations {format_size(acts.peak):>10}  (one microbatch of {acts.tokens} tokens"
+        f"{flight} in {dtype}, checkpointing {ac.mode}{recompute}; none: {format_size(acts.plain)}, full: "
         f"{format_size(acts.full)})"
     )
 

@@ -22,6 +22,7 @@ from d9d.parallel import (
     CompileConfig,
     MixedPrecision,
     apply_activation_checkpointing,
+    checkpointed_blocks,
     meta_attention_as,
     parallelize_context_parallel,
     saved_activation_bytes,
@@ -114,7 +115,10 @@ def estimate_activations(
     plain = measure("none")
     full = measure("full")
     checkpointed = {"none": plain, "full": full}.get(config.mode) or measure(config.mode)
-    return ActivationEstimate(plain=plain, checkpointed=checkpointed, full=full, tokens=tokens)
+    recompute = _recompute(plain, checkpointed, len(_blocks(base)), config)
+    return ActivationEstimate(
+        plain=plain, checkpointed=checkpointed, full=full, tokens=tokens, recompute=recompute
+    )
 
 
 def _split_activations(
@@ -139,9 +143,11 @@ def _split_activations(
         name: torch.zeros(shape, dtype=torch.long, device="meta") for name in ("input_ids", "labels")
     }
 
-    def measure(mode: str) -> int:
+    def measure(mode: str) -> list[int]:
+        """One microbatch's saved bytes of each stage."""
         models = [_shaped(job, view, precision, stage, pipeline, msgspec.structs.replace(ac, mode=mode))
                   for stage in stages]  # fmt: skip
+        blocks[:] = [len(_blocks(model)) for model in models]
         batch = full_batch
         if config.mesh.context_parallel > 1:
             cp = [parallelize_context_parallel(model, context.mesh("dense")) for model in models][0]  # noqa: RUF015 (every stage gets the group)
@@ -155,12 +161,12 @@ def _split_activations(
                 )
 
             with _AttentionAsFusedKernel(device):
-                return saved_activation_bytes(loss, exclude=model.parameters())
+                return [saved_activation_bytes(loss, exclude=model.parameters())]
         task = cast(PipelineTask, job.task)
         x, target = task.pipeline_inputs(batch)
         kwargs = dict(task.pipeline_kwargs(batch, models)) if isinstance(task, PipelineStageKwargs) else {}
-        total = 0
-        for model, stage, count in zip(models, stages, in_flight, strict=True):
+        per_stage = []
+        for model, stage in zip(models, stages, strict=True):
             if stage.index > 0:  # a stage receives the output of the stage before it (on any rank)
                 x = _stage_input(job, view, precision, pipeline, stage.index - 1, batch)
             run_x = x
@@ -170,16 +176,32 @@ def _split_activations(
                 return task.pipeline_loss(out, target) if stage.is_last else out
 
             with _AttentionAsFusedKernel(device):
-                total += count * saved_activation_bytes(forward, exclude=model.parameters())
-        return total
+                per_stage.append(saved_activation_bytes(forward, exclude=model.parameters()))
+        return per_stage
 
+    blocks: list[int] = []
     plain = measure("none")
     full = measure("full")
     checkpointed = {"none": plain, "full": full}.get(ac.mode) or measure(ac.mode)
+    recompute = max(_recompute(p, c, n, ac) for p, c, n in zip(plain, checkpointed, blocks, strict=True))
+
+    def in_flight_total(per_stage: list[int]) -> int:
+        return sum(count * b for count, b in zip(in_flight, per_stage, strict=True))
+
     return ActivationEstimate(
-        plain=plain, checkpointed=checkpointed, full=full, tokens=tokens, in_flight=in_flight,
-        in_flight_note=note,
+        plain=in_flight_total(plain), checkpointed=in_flight_total(checkpointed), full=in_flight_total(full),
+        tokens=tokens, in_flight=in_flight, in_flight_note=note, recompute=recompute,
     )  # fmt: skip
+
+
+def _recompute(plain: int, checkpointed: int, blocks: int, config: ActivationCheckpointingConfig) -> int:
+    """What one checkpointed block's backward holds recomputed on top of `checkpointed` (one
+    microbatch of a stage of `blocks` blocks): the bytes its checkpointing saved, the mean over the
+    blocks the mode checkpoints (`plain − checkpointed` is their sum; identical blocks, as a decoder's).
+    0 where checkpointing spares nothing (e.g. `op` under tensor parallelism, which keeps the
+    collectives' outputs too)."""
+    count = len(checkpointed_blocks(blocks, config))
+    return max(plain - checkpointed, 0) // count if count else 0
 
 
 def _shaped(

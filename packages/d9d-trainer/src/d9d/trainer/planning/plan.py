@@ -102,6 +102,9 @@ class ActivationEstimate:
         tokens: microbatch size × sequence length the forward ran on (this rank's share under cp).
         in_flight: per stage of this rank (stage order), the microbatches it holds at once.
         in_flight_note: how `in_flight` follows from the schedule ("" without pipeline parallelism).
+        recompute: with checkpointing, what the backward of one checkpointed block holds recomputed
+            for a moment on top of `checkpointed` (the bytes checkpointing spared that block, one
+            microbatch); 0 for `none`. Counted in `peak`: an upper bound of the step's most.
     """
 
     plain: int
@@ -110,6 +113,12 @@ class ActivationEstimate:
     tokens: str
     in_flight: tuple[int, ...] = (1,)
     in_flight_note: str = ""
+    recompute: int = 0
+
+    @property
+    def peak(self) -> int:
+        """The most held for backward at once: `checkpointed` + one block's `recompute`."""
+        return self.checkpointed + self.recompute
 
 
 @dataclass(frozen=True)
@@ -147,7 +156,7 @@ class RankMemory:
     def total(self) -> int:
         """Device bytes: the state kept there, the weights' compute copies and the activations with the
         job's checkpointing."""
-        acts = self.activations.checkpointed if self.activations is not None else 0
+        acts = self.activations.peak if self.activations is not None else 0
         return self.state.total - self.host_state + self.weight_copies + acts
 
 
@@ -219,7 +228,7 @@ class MemoryPlan:
         peak = self.peak
         if peak is not None:
             return peak.total
-        return self.device_state + (self.activations.checkpointed if self.activations is not None else 0)
+        return self.device_state + (self.activations.peak if self.activations is not None else 0)
 
 
 @dataclass(frozen=True)
