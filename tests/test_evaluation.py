@@ -66,6 +66,11 @@ def test_period_and_end_of_run_evals_land_on_their_step_records(reference):
         ("fsdp2", 2, ["mesh.data_parallel_shard=2"]),
         ("ddp2", 2, ["mesh.data_parallel_replicate=2"]),
         ("cp2", 2, ["mesh.context_parallel=2"]),
+        ("pp2-1f1b", 2, ["mesh.pipeline_parallel=2", "pipelining.schedule=1f1b"]),
+        ("pp2-interleaved", 2, ["mesh.pipeline_parallel=2", "pipelining.schedule=interleaved_1f1b"]),
+        ("pp2-zbv", 2, ["mesh.pipeline_parallel=2", "pipelining.schedule=zbv"]),
+        ("pp2-dualpipev", 2, ["mesh.pipeline_parallel=2", "pipelining.schedule=dualpipev"]),
+        ("pp2-fsdp2", 4, ["mesh.pipeline_parallel=2", "mesh.data_parallel_shard=2"]),
     ],
 )
 def test_eval_equals_one_process(tmp_path, reference, name, nproc, mesh):
