@@ -1,14 +1,21 @@
 """`Pipeline.forward_only` (evaluation through the stages): on every schedule's layout, each
 microbatch's last-stage output equals the whole model's forward in one process, for microbatch
-counts and shapes other than the training step's, after a training step; and nothing it made
-outlives the call (no tensor saved for backward, no storage held but its returned outputs).
+counts and shapes other than the training step's, after a training step; both ranks post their
+transfers in the same order (else a pair on one ordered stream, as NCCL's, would hang: sending each
+output at once failed this on the loop layouts); and nothing it made outlives the call (no tensor
+saved for backward, no storage held but its returned outputs).
 
 Two forked ranks over gloo. Measured: outputs identical to one process (fp32, the same ops in the
 same order), 0 bytes saved and 0 bytes alive after every call, on every schedule.
 """
 
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
 import torch
+import torch.distributed as dist
 from _alive_storages import StorageCensus
 from _pipeline_model import SCHEDULE_CASES, SEQ, TinyConfig, batches, build_stage, loss_fn
 from _saved_tensors import SavedTensors
@@ -25,6 +32,29 @@ EVAL_SHAPES = [(3, SEQ), (1, SEQ), (2, SEQ - 3)]
 def _eval_inputs(cfg: TinyConfig) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(2)
     return [torch.randint(0, cfg.vocab_size, shape, generator=gen) for shape in EVAL_SHAPES]
+
+
+@contextlib.contextmanager
+def _transfers() -> Iterator[list[str]]:
+    """The point-to-point transfers of this rank in the order it posts them, each named by its
+    direction between group ranks ("0>1": from 0 to 1), whichever side posts it."""
+    order: list[str] = []
+    me = dist.get_rank()
+    isend, recv = dist.isend, dist.recv
+
+    def recorded_isend(tensor: torch.Tensor, *args: Any, group_dst: int, **kwargs: Any) -> Any:
+        order.append(f"{me}>{group_dst}")
+        return isend(tensor, *args, group_dst=group_dst, **kwargs)
+
+    def recorded_recv(tensor: torch.Tensor, *args: Any, group_src: int, **kwargs: Any) -> Any:
+        order.append(f"{group_src}>{me}")
+        return recv(tensor, *args, group_src=group_src, **kwargs)
+
+    dist.isend, dist.recv = recorded_isend, recorded_recv
+    try:
+        yield order
+    finally:
+        dist.isend, dist.recv = isend, recv
 
 
 def _forward_only_per_schedule() -> dict[str, object]:
@@ -52,7 +82,7 @@ def _forward_only_per_schedule() -> dict[str, object]:
                         p.sub_(0.5 * p.grad)
                         p.grad = None
             saved, census = SavedTensors(), StorageCensus()
-            with saved.recording(), census:
+            with saved.recording(), census, _transfers() as order:
                 outputs = pipe.forward_only(
                     inputs, kwargs=[{"positions": torch.arange(x.shape[1])} for x in inputs]
                 )
@@ -64,6 +94,7 @@ def _forward_only_per_schedule() -> dict[str, object]:
                 "alive": census.alive([*params, *(outputs or [])])[0],
                 "seen": census.seen,
                 "stages": {k: v.clone() for m in modules for k, v in m.state_dict().items()},
+                "order": order,
             }
             del outputs
         return found
@@ -87,6 +118,17 @@ def test_forward_only_equals_the_whole_model_on_every_schedule_2ranks(ranks, cas
     assert [tuple(o.shape) for o in holders[0]] == [tuple(e.shape) for e in expected]
     for got, want in zip(holders[0], expected, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("case", [f"{s} x{k}" for s, k, _ in SCHEDULE_CASES])
+def test_both_ranks_post_their_transfers_in_one_order_2ranks(ranks, case):
+    """Where a pair's sends and receives share one ordered stream (NCCL), a rank whose next transfer
+    with its peer is not the peer's next one waits forever: both must post the same sequence (gloo,
+    which does not order them, would not hang; this checks the order itself)."""
+    orders = [rank[case]["order"] for rank in ranks]
+    assert orders[0] and orders[0] == orders[1], (
+        f"{case}: the ranks post their transfers in other orders: {orders}"
+    )
 
 
 @pytest.mark.parametrize("case", [f"{s} x{k}" for s, k, _ in SCHEDULE_CASES])

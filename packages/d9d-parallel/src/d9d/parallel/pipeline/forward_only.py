@@ -1,8 +1,12 @@
 """Forward-only runs of a pipeline (evaluation): every microbatch through every stage, no backward.
 
 A forward-only pass has one order whatever the training schedule: stage by stage in index order,
-each rank running all microbatches of its stage before its next stage, receiving a microbatch from
-the stage before it and sending it (without waiting) to the stage after. Its outputs are the
+each rank running all microbatches of its stage before its next stage, each as it arrives from the
+stage before, and sending the stage's outputs (without waiting) once all its inputs are received.
+So every rank posts its transfers in one global order (by stage boundary, then microbatch), and
+no two ranks can wait on each other even where their sends and receives to one peer share one
+ordered stream (NCCL's point-to-point; a send posted before the receives of its stage would make a
+cycle on a layout whose pair of ranks talks both ways: interleaved and V). Its outputs are the
 one-process forward's whatever the stage-to-rank layout (loop or V), and it keeps nothing: no
 receive buffer, no tensor saved for backward (it runs under `torch.no_grad()`). Each transfer sends
 a small header first (the tensors' count, dtypes and shapes), so microbatches may have any shape,
@@ -66,12 +70,11 @@ def forward_only(
                     args = _as_args(held[m])
                 else:
                     args = _receive(layout.stages[spec.index - 1].rank, group, device)
-                out = module(*args, **microbatch_kwargs)
-                if to is not None and to != rank:
-                    sends.append(_send(out, to, group))
-                    out = None
-                outputs.append(out)
+                outputs.append(module(*args, **microbatch_kwargs))
             held = outputs
+            if to is not None and to != rank:  # after the stage's receives: see the module docstring
+                sends += [_send(out, to, group) for out in outputs]
+                held = []
     for pending in sends:
         for work in pending[0]:
             work.wait()
