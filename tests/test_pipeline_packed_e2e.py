@@ -6,9 +6,9 @@ The rows (`_packed_rows_provider`) hold documents of skewed lengths laid end to 
 row and microbatch boundaries, start exactly at a row's start and span whole rows (checked below).
 Ranks are forked from this process (`_quickstart.train`). SGD without clipping, fp32, 4 layers.
 Measured spread against one process (3 steps): loss <= 4.5e-8, grad norm <= 7.2e-8, weights <= 1.2e-7
-for every schedule; interleaved 1F1B with FSDP 2: 6.5e-8, 1.5e-7, 1.5e-7; REL is 1e-5 as the issue asks. Without the
-document ids on the stages (a hand mutation of `pipeline_kwargs`) the loss is off by 3.8e-3 and the
-grad norm by 0.84. (Without the positions alone nothing changes beyond rounding: under a document
+for every schedule; interleaved 1F1B with FSDP 2: 6.5e-8, 1.5e-7, 1.5e-7; REL is 1e-5 as the issue
+asks. Without the document ids on the stages (a hand mutation of `pipeline_kwargs`) the loss is off
+by 3.8e-3 and the grad norm by 0.84. (Without the positions alone nothing changes beyond rounding: under a document
 mask, RoPE sees only distances within a document, which a shift of every position keeps.)
 """
 
