@@ -5,12 +5,11 @@ and document ids d9d.data yields."""
 import copy
 from pathlib import Path
 
-import pytest
 import torch
 import torch.nn.functional as F
 
 from d9d.data import TextDataset
-from d9d.trainer import CausalLMTask, TrainingError
+from d9d.trainer import CausalLMTask
 from d9d.trainer.models import ReferenceForCausalLM, ReferenceModelConfig
 from d9d.trainer.providers import LossContext
 
@@ -75,8 +74,3 @@ def test_with_document_masking_a_document_is_blind_to_the_others_in_its_row():
     others = docs[0] != first
     assert torch.equal(before[0, others], after[0, others])  # the later documents did not see it
     assert not torch.equal(before[0, ~others], after[0, ~others])
-
-
-def test_packed_documents_under_pipeline_parallelism_are_refused_with_the_fix():
-    with pytest.raises(TrainingError, match=r"document_ids.*pipeline_parallel > 1 are not supported yet"):
-        CausalLMTask().pipeline_inputs({"input_ids": None, "labels": None, "document_ids": None})

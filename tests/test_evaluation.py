@@ -1,11 +1,14 @@
 """The validation loop (`eval:`) through the trainer with the quickstart: the eval numbers are the same
-on 1 process, FSDP 2, DDP 2 and cp 2, equal a hand computation from the final weights, land on the
+on 1 process, FSDP 2, DDP 2, cp 2 and pp 2 (forward only through the stages, on every layout: 1F1B,
+interleaved, the V schedules; and composed with FSDP 2, TP 2 and CP 2), equal a hand computation from the final weights, land on the
 step records at every period and at the end, and a resumed run never repeats one.
 
 Ranks are forked from this process (`_quickstart.train`). SGD without clipping (fp32), as the other
 parity tests. Measured largest relative spread of eval loss and perplexity against one process (4
-steps, evals at 2 and 4): FSDP 2 9.5e-8, DDP 2 9.5e-8, cp 2 4.8e-8 (mostly the training's own spread
-in the weights); the final eval against the hand computation 1.6e-8. REL is 1e-6.
+steps, evals at 2 and 4): FSDP 2 9.5e-8 to 1.9e-7, DDP 2 9.5e-8 to 1.9e-7, cp 2 4.8e-8 to 2.9e-7
+(mostly the training's own spread in the weights); pp 2 alone 0 on every schedule (the same ops in
+the same order), pp 2 × FSDP 2 1.9e-7, × TP 2 2.9e-7, × CP 2 2.4e-7; the final eval against the hand
+computation 1.6e-8. REL is 1e-6.
 """
 
 import math
@@ -66,6 +69,18 @@ def test_period_and_end_of_run_evals_land_on_their_step_records(reference):
         ("fsdp2", 2, ["mesh.data_parallel_shard=2"]),
         ("ddp2", 2, ["mesh.data_parallel_replicate=2"]),
         ("cp2", 2, ["mesh.context_parallel=2"]),
+        ("pp2-1f1b", 2, ["mesh.pipeline_parallel=2", "pipelining.schedule=1f1b"]),
+        ("pp2-interleaved", 2, ["mesh.pipeline_parallel=2", "pipelining.schedule=interleaved_1f1b"]),
+        ("pp2-zbv", 2, ["mesh.pipeline_parallel=2", "pipelining.schedule=zbv"]),
+        ("pp2-dualpipev", 2, ["mesh.pipeline_parallel=2", "pipelining.schedule=dualpipev"]),
+        ("pp2-fsdp2", 4, ["mesh.pipeline_parallel=2", "mesh.data_parallel_shard=2"]),
+        ("pp2-tp2", 4, ["mesh.pipeline_parallel=2", "mesh.tensor_parallel=2"]),
+        ("pp2-cp2", 4, ["mesh.pipeline_parallel=2", "mesh.context_parallel=2"]),
+        (
+            "pp2-zbv-fsdp2",
+            4,
+            ["mesh.pipeline_parallel=2", "mesh.data_parallel_shard=2", "pipelining.schedule=zbv"],
+        ),
     ],
 )
 def test_eval_equals_one_process(tmp_path, reference, name, nproc, mesh):

@@ -1,4 +1,5 @@
-"""Through the trainer: nothing a pipeline step makes outlives the step, on either stage.
+"""Through the trainer: nothing a pipeline step (or an eval through the stages) makes outlives it,
+on either stage.
 
 The quickstart on 2 forked pipeline ranks (1F1B, the schedule the leak was reported on); each rank
 wraps its `PipelineStep.run` in the `SavedTensors` registry of d9d-parallel's pipeline tests (why it
@@ -76,4 +77,47 @@ def test_no_saved_tensor_outlives_a_trainer_pipeline_step_2ranks(tmp_path, model
         )
         assert [size for size, _ in rank["alive"]] == [0] * STEPS, (
             f"rank {pp_rank}: storages of the schedule still alive after each step: {rank['alive']}"
+        )
+
+
+def _alive_after_each_eval(args: list[str]) -> dict[str, list[Any]]:
+    from d9d.trainer import Trainer
+    from d9d.trainer.run.evaluation import Evaluator
+
+    saved = SavedTensors()
+    packed: list[int] = []
+    alive: list[tuple[int, list[str]]] = []
+    seen: list[int] = []
+    run = Evaluator.run
+
+    def recorded_run(self: Evaluator, step: int) -> object:
+        census = StorageCensus()
+        before = saved.packed_bytes
+        with saved.recording(), census:
+            result = run(self, step)
+        packed.append(saved.packed_bytes - before)
+        seen.append(census.seen)
+        alive.append(census.alive(training_state(self._model)))
+        return result
+
+    Evaluator.run = recorded_run  # type: ignore[method-assign]  # this forked rank only
+    with Trainer.from_config(CONFIG, args) as trainer:
+        trainer.train()
+    return {"packed": packed, "alive": alive, "seen": seen}
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_nothing_outlives_an_eval_on_pipeline_stages_2ranks(tmp_path, schedule):
+    """The eval (forward only through the stages, `Pipeline.forward_only`) after steps 1 and 2: nothing
+    saved for backward and no storage it made alive after it, on either rank. Measured: 0 and 0."""
+    eval_args = ["providers.eval_dataset=train.py:CorpusProvider", "eval_dataset.path=../data/passages.txt",
+                 "eval_dataset.seq_len=32", "eval.period_steps=1", "eval.microbatch_size=4", "eval.steps=3"]  # fmt: skip
+    args = overrides(tmp_path, "pp2-eval", STEPS, *SGD, *NO_CLIP, "mesh.pipeline_parallel=2",
+                     f"pipelining.schedule={schedule}", "trainer.checkpointing.period_steps=100",
+                     *eval_args)  # fmt: skip
+    for pp_rank, rank in enumerate(run_distributed(_alive_after_each_eval, 2, args, timeout=300)):
+        assert len(rank["seen"]) == STEPS and all(n > 0 for n in rank["seen"]), (pp_rank, rank)
+        assert rank["packed"] == [0] * STEPS, f"rank {pp_rank}: an eval saved tensors for backward: {rank}"
+        assert [size for size, _ in rank["alive"]] == [0] * STEPS, (
+            f"rank {pp_rank}: storages of the eval still alive after it: {rank['alive']}"
         )

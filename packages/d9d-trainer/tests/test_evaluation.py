@@ -48,7 +48,6 @@ def test_the_ranks_share_every_microbatch_once_and_run_as_many_forwards(dp, samp
         ({"eval": {"steps": 0}}, r"eval\.steps must be >= 1"),
         ({"eval": {"microbatch_size": 0}}, r"eval\.microbatch_size must be >= 1"),
         ({"unset_eval": True}, r"providers\.eval_dataset is set but there is no eval: section"),
-        ({"mesh": {"pipeline_parallel": 2}}, r"eval: with mesh\.pipeline_parallel=2 is not supported"),
         (
             {"eval": {"microbatch_size": 21}},
             r"eval_dataset: the eval set has 20 samples.*lower eval\.microbatch_size",

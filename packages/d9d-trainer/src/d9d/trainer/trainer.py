@@ -248,7 +248,6 @@ class Trainer:
             randomness=self._randomness,
             attention=plan.attention,
         )
-        self._evaluator = Evaluator(eval_set, model, job.task, settings)
         self._train_step: TrainStep
         if pipeline is not None:
             task = job.task
@@ -265,6 +264,8 @@ class Trainer:
             )
         else:
             self._train_step = MicrobatchStep(model, job.task, self._optimizer, self._scheduler, settings)
+        pipelined = self._train_step if isinstance(self._train_step, PipelineStep) else None
+        self._evaluator = Evaluator(eval_set, model, job.task, settings, pipeline=pipelined)
 
     def _run_parts(self, guards: RunGuards, profiler: StepProfiler) -> RunParts:
         return RunParts(

@@ -26,6 +26,7 @@ from d9d.parallel._torch_compat import (
 )
 from d9d.parallel.pipeline.config import PipelineConfig, check_pipeline_microbatches
 from d9d.parallel.pipeline.errors import PipelineError
+from d9d.parallel.pipeline.forward_only import forward_only
 from d9d.parallel.pipeline.layout import PipelineLayout
 from d9d.parallel.pipeline.tied import TiedParameters
 
@@ -224,13 +225,41 @@ class Pipeline:
         self.tied.sum_grads()  # before any clipping or update: every copy gets the whole gradient
         total = torch.stack([loss.detach() for loss in losses]).sum() if self.has_last_stage else None
         if broadcast_loss:
-            group = self.stages[0].group
-            src_rank = self.layout.stages[-1].rank
             if total is None:
                 total = torch.zeros((), dtype=torch.float32, device=self.stages[0].device)
-            total = total.to(torch.float32)
-            dist.broadcast(total, group_src=src_rank, group=group)
+            total = self.from_last_stage(total.to(torch.float32))
         return total
+
+    def forward_only(
+        self, inputs: Sequence[Any], *, kwargs: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[Any] | None:
+        """Run every microbatch forward through all stages, no backward (evaluation; call it in the
+        stages' eval mode). Works whatever the schedule, for any number and shape of microbatches,
+        and keeps nothing after the call (`d9d.parallel.pipeline.forward_only`).
+
+        Args:
+            inputs: per microbatch, the first stage's input (a tensor, or a tuple of positional
+                tensors), given on every rank (their count is the microbatch count; their values are
+                read on the rank with the first stage only).
+            kwargs: per microbatch, keyword inputs given to every stage's forward.
+
+        Returns:
+            The last stage's output per microbatch on the rank with the last stage, else None.
+        """
+        if kwargs is not None and len(kwargs) != len(inputs):
+            raise PipelineError(
+                f"pipeline forward_only: {len(inputs)} microbatch inputs but {len(kwargs)} kwargs; give one each"
+            )
+        self.tied.copy_values()  # a later chunk's copy of a tied parameter: the updated (or loaded) value
+        stage = self.stages[0]
+        mbs_kwargs = list(kwargs) if kwargs is not None else [{} for _ in inputs]
+        return forward_only(self.layout, self.modules, stage.group, inputs, mbs_kwargs, stage.device)
+
+    def from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` as the rank with the last stage holds it, on every pipeline rank (one broadcast,
+        in place: the same shape and dtype on every rank)."""
+        dist.broadcast(value, group_src=self.layout.stages[-1].rank, group=self.stages[0].group)
+        return value
 
     def around_stage_forwards(self, context: StageForwardContext) -> bool:
         """Run every stage forward of this rank inside `context(stage_index, microbatch_index, probe)`

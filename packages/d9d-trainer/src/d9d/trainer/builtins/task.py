@@ -8,7 +8,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from d9d.data import IGNORE_INDEX
-from d9d.trainer.errors import TrainingError
 from d9d.trainer.providers.task import LossContext, LossResult, fused_loss_chunk_size
 
 __all__ = ["CausalLMTask"]
@@ -56,26 +55,17 @@ class CausalLMTask:
         return self.pipeline_loss(model(input_ids, **packed), labels)
 
     def pipeline_inputs(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Under pipeline parallelism: the first stage gets `input_ids`, the loss gets `labels`.
-
-        Raises:
-            TrainingError: the batch holds packed documents (`document_ids`), which the pipeline's
-                stages do not receive yet.
-        """
-        if "document_ids" in batch:
-            raise TrainingError(
-                "packed documents (document_ids) with mesh.pipeline_parallel > 1 are not supported yet: "
-                "the stages would attend across documents; turn off the dataset's document masking or "
-                "set mesh.pipeline_parallel: 1"
-            )
+        """Under pipeline parallelism: the first stage gets `input_ids`, the loss gets `labels`."""
         return batch["input_ids"], batch["labels"]
 
     def pipeline_kwargs(self, batch: Any, stages: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
-        """Under pipeline parallelism: `labels` for every stage when this rank's last stage computes its
-        loss fused (the other stages take them and ignore them); none otherwise."""
+        """Under pipeline parallelism, what every stage's forward takes besides its input: a packed
+        batch's `position_ids` and `document_ids` (each stage's attention stays within each document),
+        and `labels` when this rank's last stage computes its loss fused (other stages ignore them)."""
+        kwargs = {key: batch[key] for key in _PACKED_KEYS if key in batch}
         if any(fused_loss_chunk_size(stage) is not None for stage in stages):
-            return {"labels": batch["labels"]}
-        return {}
+            kwargs["labels"] = batch["labels"]
+        return kwargs
 
     def pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> LossResult:
         """Summed cross-entropy of `logits` against `labels` (labels equal to IGNORE_INDEX skipped).

@@ -120,7 +120,7 @@ def _check_combinations(config: JobConfig, where: str) -> None:
 
 
 def _check_eval(config: JobConfig, where: str) -> None:
-    """The `eval:` section and `providers.eval_dataset` come together, and not with pipeline stages (yet)."""
+    """The `eval:` section and `providers.eval_dataset` come together."""
     providers = config.providers
     if config.eval is not None and providers.eval_dataset is None:
         raise ConfigError(
@@ -132,12 +132,6 @@ def _check_eval(config: JobConfig, where: str) -> None:
         raise ConfigError(
             f"{where}: providers.eval_dataset is set but there is no eval: section, so it would never be "
             "used; add eval: {period_steps: N} (0: only after the last step) or remove providers.eval_dataset"
-        )
-    if config.eval is not None and config.mesh.pipeline_parallel > 1:
-        raise ConfigError(
-            f"{where}: eval: with mesh.pipeline_parallel={config.mesh.pipeline_parallel} is not supported yet "
-            "(the pipeline schedules run training steps only); remove the eval: section or set "
-            "mesh.pipeline_parallel: 1"
         )
     keep_best = config.trainer.checkpointing.keep_best
     if keep_best is not None and config.eval is None:

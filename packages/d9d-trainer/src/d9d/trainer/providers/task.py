@@ -71,7 +71,8 @@ class PipelineStageKwargs(Protocol):
 
     def pipeline_kwargs(self, batch: Any, stages: Sequence[nn.Module]) -> Mapping[str, Any]:
         """Keyword inputs of every stage's forward for `batch`, given this rank's stage modules
-        (e.g. `labels` for a last stage whose head computes the loss: `ComputesTokenLoss`)."""
+        (e.g. a packed batch's `position_ids` and `document_ids`, which every stage's attention needs;
+        `labels` for a last stage whose head computes the loss: `ComputesTokenLoss`)."""
         ...
 
 

@@ -9,6 +9,12 @@ since FSDP gathers and expert dispatch are collectives of every forward. Summed 
 token counts stay on the device, are all-reduced over dp × cp once, and are read once (the eval's one
 host sync); so the numbers depend on the weights and the eval set only, not on the mesh.
 
+Under pipeline parallelism the microbatches run forward only through the stages
+(`PipelineStep.forward_only`, any schedule), in rounds of a training step's microbatch count; the
+rank with the last stage holds the sums, broadcast over the pipeline ranks after the dp × cp
+all-reduce. (A stage that receives reads each microbatch's small shape header: one more host sync
+per microbatch there.)
+
 An eval runs after every `eval.period_steps`-th step and after the last one, before that step's
 records are flushed and its checkpoint is saved, so a committed step always has its eval recorded and
 a resumed run never repeats it.
@@ -31,9 +37,10 @@ from d9d.trainer.errors import ConfigError, TrainingError
 from d9d.trainer.job.resolve import ResolvedJob
 from d9d.trainer.planning.job_plan import EVAL_LENGTH
 from d9d.trainer.providers.data import BuildDatasetContext
-from d9d.trainer.providers.task import LossContext, Task
+from d9d.trainer.providers.task import LossContext, LossResult, Task
 from d9d.trainer.results import EvalResult
 from d9d.trainer.step.base import StepSettings
+from d9d.trainer.step.pipeline import PipelineStep
 
 __all__ = ["EvalSet", "Evaluator", "eval_microbatches", "load_eval_set"]
 
@@ -129,9 +136,17 @@ class Evaluator:
     """Runs the eval when it is due (see the module docstring); does nothing without an eval set."""
 
     def __init__(
-        self, eval_set: EvalSet | None, model: nn.Module, task: Task, settings: StepSettings
+        self,
+        eval_set: EvalSet | None,
+        model: nn.Module,
+        task: Task,
+        settings: StepSettings,
+        pipeline: PipelineStep | None = None,
     ) -> None:
+        """`pipeline`: under pipeline parallelism, the training step, whose stages the eval runs
+        forward only (`PipelineStep.forward_only`); `model` then holds this rank's stages."""
         self._set = eval_set
+        self._pipeline = pipeline
         self._model = model
         self._task = task
         self._settings = settings
@@ -163,27 +178,21 @@ class Evaluator:
         # one with none (fewer eval microbatches than dp ranks) runs the set's first sample, discarded
         filler = mine[0] if mine else range(0, 1)
         plan = [(samples, True) for samples in mine] + [(filler, False)] * (eval_set.forwards - len(mine))
-        loss_sum = torch.zeros((), dtype=torch.float64, device=settings.device)
-        tokens = torch.zeros((), dtype=torch.float64, device=settings.device)
         was_training = model.training
         model.eval()
         try:
             with torch.no_grad(), settings.attention_kernels():
-                for samples, counted in plan:
-                    batch = settings.local_batch(eval_set.batch(samples))
-                    with precision_autocast(settings.precision, settings.device):
-                        result = self._task.compute_loss(
-                            LossContext(model=model, batch=batch, device=settings.device)
-                        )
-                    if counted:
-                        loss_sum += result.loss_sum.detach().to(torch.float64)
-                        tokens += torch.as_tensor(result.weight, dtype=torch.float64).to(settings.device)
+                if self._pipeline is None:
+                    totals = self._sums(plan)
+                else:
+                    totals = self._pipeline_sums(plan, self._pipeline)
         finally:
             model.train(was_training)
-        totals = torch.stack([loss_sum, tokens])
         group = settings.dp_group
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(totals, group=group)
+        if self._pipeline is not None:  # the sums are the last stage's: every pipeline rank reports them
+            totals = self._pipeline.from_last_stage(totals)
         total_loss, total_tokens = totals.tolist()  # the eval's one host sync
         mean = total_loss / total_tokens if total_tokens > 0 else math.nan
         return EvalResult(
@@ -193,6 +202,44 @@ class Evaluator:
             tokens=total_tokens,
             wall_s=time.perf_counter() - began,
         )
+
+    def _sums(self, plan: list[tuple[range, bool]]) -> torch.Tensor:
+        """[summed token loss, tokens] of the counted microbatches of `plan` (float64, on the device)."""
+        settings, eval_set = self._settings, self._set
+        assert eval_set is not None
+        sums = torch.zeros(2, dtype=torch.float64, device=settings.device)
+        for samples, counted in plan:
+            batch = settings.local_batch(eval_set.batch(samples))
+            with precision_autocast(settings.precision, settings.device):
+                result = self._task.compute_loss(
+                    LossContext(model=self._model, batch=batch, device=settings.device)
+                )
+            if counted:
+                sums += _pair(result, settings.device)
+        return sums
+
+    def _pipeline_sums(self, plan: list[tuple[range, bool]], pipeline: PipelineStep) -> torch.Tensor:
+        """`_sums` through the pipeline, forward only, in rounds of a training step's microbatch count
+        (as many activations in flight as a step); zeros on ranks without the last stage."""
+        settings, eval_set = self._settings, self._set
+        assert eval_set is not None
+        sums = torch.zeros(2, dtype=torch.float64, device=settings.device)
+        per_round = pipeline.pipeline.n_microbatches
+        for start in range(0, len(plan), per_round):
+            part = plan[start : start + per_round]
+            batches = [settings.local_batch(eval_set.batch(samples)) for samples, _ in part]
+            with precision_autocast(settings.precision, settings.device):
+                results = pipeline.forward_only(batches)
+            for result, (_, counted) in zip(results or [], part, strict=False):
+                if counted:
+                    sums += _pair(result, settings.device)
+        return sums
+
+
+def _pair(result: LossResult, device: torch.device) -> torch.Tensor:
+    """[loss_sum, weight] of one microbatch, float64 on `device`."""
+    weight = torch.as_tensor(result.weight, dtype=torch.float64).to(device)
+    return torch.stack([result.loss_sum.detach().to(torch.float64), weight])
 
 
 def _exp(value: float) -> float:

@@ -10,7 +10,7 @@ from torch import nn
 from d9d.parallel import autocast_forward
 from d9d.parallel.pipeline import Pipeline, PipelineLayout
 from d9d.trainer.errors import TrainingError
-from d9d.trainer.providers.task import PipelineStageKwargs, PipelineTask
+from d9d.trainer.providers.task import LossResult, PipelineStageKwargs, PipelineTask
 from d9d.trainer.step.base import StepBase, StepOutput, StepSettings
 
 __all__ = ["PipelineStep"]
@@ -83,6 +83,25 @@ class PipelineStep(StepBase):
             {k: v.to(device) for k, v in task.pipeline_kwargs(mb, self._chunks).items()}
             for mb in microbatches
         ]
+
+    def forward_only(self, microbatches: Sequence[Any]) -> list[LossResult] | None:
+        """The task's loss of each microbatch (already this rank's part), forward only through the
+        pipeline (`Pipeline.forward_only`: any count and shape of microbatches; the evaluation); on the
+        rank with the last stage, else None. Call it under `torch.no_grad()`, the stages in eval mode."""
+        device = self.settings.device
+        pairs = [self.pipeline_task.pipeline_inputs(mb) for mb in microbatches]
+        inputs = [x.to(device) for x, _ in pairs]
+        outputs = self.pipeline.forward_only(inputs, kwargs=self._stage_kwargs(microbatches))
+        if outputs is None:
+            return None
+        return [
+            self.pipeline_task.pipeline_loss(out, y.to(device))
+            for out, (_, y) in zip(outputs, pairs, strict=True)
+        ]
+
+    def from_last_stage(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` of the rank with the last stage, on every pipeline rank (`Pipeline.from_last_stage`)."""
+        return self.pipeline.from_last_stage(value)
 
     def run(self, microbatches: Sequence[Any], step: int) -> StepOutput:
         """One optimizer step: the schedule's forward/backward (one "forward_backward" phase of the
