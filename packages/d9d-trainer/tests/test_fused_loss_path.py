@@ -98,3 +98,32 @@ def test_the_fused_forward_is_the_logits_loss(grad):
         loss = model(ids, labels=labels)
     assert loss.requires_grad is grad and loss.shape == ()
     assert abs(float(loss.detach()) - float(expected)) <= 1e-6 * float(expected)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "1f1b"])
+def test_a_torch_whose_zero_bubble_pass_cannot_split_the_fused_head_gets_full_logits_and_says_why(
+    tmp_path, monkeypatch, schedule
+):
+    """torch 2.11's zero-bubble weight pass fails on the fused head's autograd Function (probed by
+    `d9d.parallel.pipeline.zero_bubble_custom_function_problem`, which `.ci/torch_compat` runs for
+    real with the zbv schedule through the trainer); there the trainer keeps the head unfused for
+    zero-bubble schedules only, and the plan says why. Here the probe's answer is set."""
+    import d9d.trainer.build.model as build_model
+    from d9d.trainer.build.model import applied_loss
+
+    config = _config(tmp_path)
+    config["mesh"] = {"pipeline_parallel": 2}
+    config["pipelining"] = {"schedule": schedule}
+    job = resolve_job(load_job_config(config))
+    assert applied_loss(job) == (job.config.trainer.loss, None)  # this torch splits it (2.15)
+    reason = "torch 2.11.0 cannot split its backward in a zero-bubble schedule"
+    monkeypatch.setattr(build_model, "zero_bubble_custom_function_problem", lambda: reason)
+    loss, why = applied_loss(job)
+    if schedule == "1f1b":  # no weight pass apart: fused as asked
+        assert (loss, why) == (job.config.trainer.loss, None)
+        return
+    assert not loss.fused and loss.chunk_size == job.config.trainer.loss.chunk_size
+    assert why is not None and why.startswith(reason)
+    with DistributedContext.for_planning(job.config.mesh) as ctx:
+        plan = plan_job(job, ctx, device="cpu", memory=True)
+    assert plan.memory is not None and plan.memory.loss == f"full logits ({why})"

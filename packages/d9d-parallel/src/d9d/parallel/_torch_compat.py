@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _PipelineSchedule
 from torch.utils._pytree import tree_map
@@ -29,6 +30,7 @@ __all__ = [
     "selective_checkpoint_options",
     "skip_warmup_to_own_rank",
     "traceable_grouped_mm_dtypes",
+    "zero_bubble_custom_function_problem",
 ]
 
 #: `context(stage_index, microbatch_index, probe)`: the context one stage forward runs in; `probe` is
@@ -271,3 +273,41 @@ def _kept_receives(stage: PipelineStage) -> Iterator[Any]:
                     return
                 if isinstance(getattr(info, "buffer", None), torch.Tensor):
                     yield info
+
+
+@functools.cache
+def zero_bubble_custom_function_problem() -> str | None:
+    """Why this torch's zero-bubble schedules cannot split a backward that runs through a custom
+    autograd Function (e.g. the fused head loss), or None when they can.
+
+    torch 2.11's weight-gradient pass (`stage_backward_weight`) hands `autograd.grad` gradient edges
+    of the graph's nodes, and reading a Python Function node's metadata there raises ("Attribute
+    '_input_metadata' is invalid"); 2.15 runs it. Probed once on three tiny CPU tensors.
+    """
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    weight = nn.Parameter(torch.ones(3, 2))
+    x = torch.ones(4, 2, requires_grad=True)
+    try:
+        loss = _ProbeProduct.apply(x * 2, weight)
+        _, groups = stage_backward_input([loss], None, [x], iter([weight]))
+        stage_backward_weight(iter([weight]), groups)
+    except RuntimeError as exc:
+        del exc  # e.g. "Attribute '_input_metadata' is invalid for this instance of _C._FunctionBase"
+        return f"torch {torch.__version__.split('+')[0]} cannot split its backward in a zero-bubble schedule"
+    return None
+
+
+class _ProbeProduct(torch.autograd.Function):
+    """sum(h @ w.T), with a backward of its own: the smallest custom Function for the probe."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(h, w)
+        return (h @ w.t()).sum()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h, w = ctx.saved_tensors
+        ones = grad * torch.ones(h.shape[0], w.shape[0], dtype=h.dtype)
+        return ones @ w, ones.t() @ h

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from d9d.mesh.lazy import lazy_face
 
 if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
+    from d9d.parallel._torch_compat import zero_bubble_custom_function_problem
     from d9d.parallel.pipeline.bubble import ZERO_BUBBLE_SCHEDULES, PipelineBubble, pipeline_bubble
     from d9d.parallel.pipeline.chunks import StageChunks, merge_stage_modules
     from d9d.parallel.pipeline.config import (

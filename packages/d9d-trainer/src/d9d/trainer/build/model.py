@@ -5,6 +5,7 @@ what the starting weights fill allocated but not initialized."""
 
 from typing import Any
 
+import msgspec
 import torch
 from torch import nn
 
@@ -13,6 +14,7 @@ from d9d.parallel import (
     AttentionKernel,
     Float8Config,
     LoraConfig,
+    LossConfig,
     MixedPrecision,
     apply_float8,
     cast_linears_once,
@@ -20,7 +22,12 @@ from d9d.parallel import (
     fsdp_parameters,
     lora_parameters,
 )
-from d9d.parallel.pipeline import PipelineLayout, StageSpec
+from d9d.parallel.pipeline import (
+    ZERO_BUBBLE_SCHEDULES,
+    PipelineLayout,
+    StageSpec,
+    zero_bubble_custom_function_problem,
+)
 from d9d.trainer.build.materialize import materialize_and_initialize
 from d9d.trainer.build.starting_weights import imported_keys
 from d9d.trainer.errors import OutOfMemoryError, TrainingError, is_out_of_memory
@@ -221,7 +228,7 @@ def _parallelize(
                 compile=tcfg.compile,
                 lora=job.config.peft.lora,
                 cpu_offload=tcfg.memory.cpu_offload,
-                loss=tcfg.loss,
+                loss=applied_loss(job)[0],
                 **where,
             )
         )
@@ -233,6 +240,19 @@ def _parallelize(
                 "instead of context.context.mesh('dense'), or check context.context.is_local"
             ) from exc
         raise
+
+
+def applied_loss(job: ResolvedJob) -> tuple[LossConfig, str | None]:
+    """`trainer.loss` as the trainer applies it, and why it differs from the config (None when it
+    does not): under a zero-bubble pipeline schedule on a torch whose weight-gradient pass cannot run
+    through a custom autograd Function (torch 2.11), the head returns full logits instead of fusing."""
+    config = job.config
+    loss = config.trainer.loss
+    zero_bubble = config.mesh.pipeline_parallel > 1 and config.pipelining.schedule in ZERO_BUBBLE_SCHEDULES
+    problem = zero_bubble_custom_function_problem() if loss.fused and zero_bubble else None
+    if problem is None:
+        return loss, None
+    return msgspec.structs.replace(loss, fused=False), f"{problem} through the fused head (torch 2.15 can)"
 
 
 def _check_shaped(job: ResolvedJob, context: DistributedContext, model: nn.Module) -> None:

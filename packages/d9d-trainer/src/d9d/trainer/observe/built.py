@@ -16,6 +16,7 @@ from d9d.parallel import (
     lora_coverage,
     select_float8_linears,
 )
+from d9d.trainer.build.model import applied_loss
 from d9d.trainer.job.resolve import ResolvedJob
 from d9d.trainer.planning.plan import JobPlan, full_logits_path
 from d9d.trainer.providers.model import DescribesModel
@@ -54,7 +55,7 @@ def log_job_built(
             if tcfg.precision.float8 is not None
             else None
         ),
-        "loss": _loss_path(model, plan, fused=tcfg.loss.fused),
+        "loss": _loss_path(model, plan, fused=tcfg.loss.fused, reason=applied_loss(job)[1]),
     }
     _log.info(
         "job built",
@@ -80,12 +81,12 @@ def _warn_lora_coverage(coverage: LoraCoverage, ctx: DistributedContext) -> None
         _log.warning(warning)
 
 
-def _loss_path(model: torch.nn.Module, plan: JobPlan, *, fused: bool) -> str | None:
+def _loss_path(model: torch.nn.Module, plan: JobPlan, *, fused: bool, reason: str | None) -> str | None:
     """The full logits and why, where this rank's loss runs on them; None where it runs fused (the
     default, `trainer.loss`: `d9d plan` says it) or on another rank (a pipeline without the last stage)."""
     if describe_fused_loss(model) is not None or not any(s is None or s.is_last for s in plan.stages):
         return None
-    return full_logits_path(fused=fused)
+    return full_logits_path(fused=fused, reason=reason)
 
 
 def _local_numel(param: torch.Tensor) -> int:

@@ -28,6 +28,7 @@ from d9d.parallel import (
     saved_activation_bytes,
 )
 from d9d.parallel.pipeline import StageSpec
+from d9d.trainer.build.model import applied_loss
 from d9d.trainer.job.resolve import ResolvedJob
 from d9d.trainer.planning.plan import ActivationEstimate, PipelinePlan
 from d9d.trainer.providers.model import InitializeModelStageContext, ParallelizeModelStageContext
@@ -59,16 +60,12 @@ def estimate_activations(
     all-gathers, which it keeps at the full length for backward. `F.scaled_dot_product_attention` is
     counted as the fused kernels on CUDA and CPU save it (q, k, v, output, float32 log-sum-exp), not
     as its math path, which the meta device would take (a float32 seq × seq matrix). The weights'
-    compute copies that matmuls save are not activations: the trainer casts each weight once per step
-    and keeps the copy for the step (`MemoryPlan.weight_copies`), whatever the checkpointing. `mode:
-    op` is counted as it runs: what its policy keeps passes through the same count.
+    compute copies are not activations (`MemoryPlan.weight_copies`). `mode: op` is counted as it runs.
 
     Under tensor or pipeline parallelism the model is built and parallelized by its provider as the
-    rank's stages, on the rank's tensor-parallel group alone
-    (`DistributedContext.tensor_parallel_view`: no FSDP, which needs real memory; the cp group is
-    then given as in the one-process path), so what tensor
-    parallelism splits and what it keeps whole (e.g. the embedding's output, the loss) is counted as
-    it runs. Each stage runs the previous stage's output; the rank's figure adds each of its stages
+    rank's stages, on the rank's tensor-parallel group alone (`DistributedContext.tensor_parallel_view`:
+    no FSDP, which needs real memory; the cp group as above), so what tensor parallelism splits and
+    what it keeps whole (e.g. the embedding's output, the loss) is counted as it runs. Each stage runs the previous stage's output; the rank's figure adds each of its stages
     times the microbatches the schedule keeps in flight there (`_in_flight`). `stages`: the stages
     of the pp rank to count (default: this rank's, `pipeline.stages`). `device`: the device the job
     runs on; on "cpu" context parallelism's attention is counted as its CPU path runs it
@@ -232,7 +229,7 @@ def _shaped(
             activation_checkpointing=ac,
             compile=CompileConfig(),
             lora=job.config.peft.lora,
-            loss=job.config.trainer.loss,
+            loss=applied_loss(job)[0],
             **where,
         )
     )

@@ -23,7 +23,7 @@ from d9d.parallel import (
     select_float8_linears,
 )
 from d9d.parallel.pipeline import StageSpec, declared_ties
-from d9d.trainer.build.model import shape_model
+from d9d.trainer.build.model import applied_loss, shape_model
 from d9d.trainer.job.resolve import ResolvedJob
 from d9d.trainer.job.rules import shards_parameters
 from d9d.trainer.planning.activations import estimate_activations
@@ -108,7 +108,8 @@ def plan_memory(job: ResolvedJob, plan: JobPlan, context: DistributedContext) ->
         activations_note=note,
         lora=lora_coverage(list(stages.values()), lora) if lora is not None else None,
         pp_ranks=pp_ranks,
-        loss=describe_fused_loss(*stages.values()) or full_logits_path(fused=job.config.trainer.loss.fused),
+        loss=describe_fused_loss(*stages.values())
+        or full_logits_path(fused=job.config.trainer.loss.fused, reason=applied_loss(job)[1]),
         weight_copies=_weight_copy_bytes(list(stages.values()), params, plan, plan.mesh.pipeline_parallel),
     )
 

@@ -268,6 +268,8 @@ class JobPlan:
         return self.pipeline.stages if self.pipeline is not None else (None,)
 
 
-def full_logits_path(*, fused: bool) -> str:
-    """The loss path of a model whose head returns the full logits, and why (`trainer.loss.fused`)."""
-    return f"full logits ({'the model does not fuse its head' if fused else 'trainer.loss.fused: false'})"
+def full_logits_path(*, fused: bool, reason: str | None = None) -> str:
+    """The loss path of a model whose head returns the full logits, and why (`trainer.loss.fused`, or
+    `reason`: why the trainer did not fuse it, `d9d.trainer.build.model.applied_loss`)."""
+    why = reason or ("the model does not fuse its head" if fused else "trainer.loss.fused: false")
+    return f"full logits ({why})"
