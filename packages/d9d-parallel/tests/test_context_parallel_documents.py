@@ -15,6 +15,8 @@ from d9d.parallel import ContextParallel, DocumentMask
 #: one (it reaches into an earlier chunk), and the whole row (the same as none).
 WINDOWS = (None, 1, 3, 7, 10_000)
 CHUNK = 4  # tokens per chunk: each row is 2·cp chunks
+#: (window, soft cap) of each case: every window, and Gemma 2's capped scores with and without one.
+CASES = [*((w, None) for w in WINDOWS), (None, 0.5), (3, 0.5)]
 
 
 def _rows(seq: int) -> torch.Tensor:
@@ -27,17 +29,26 @@ def _rows(seq: int) -> torch.Tensor:
     return torch.stack([row, torch.full((seq,), 7)])
 
 
-def _reference(q, k, v, ids: torch.Tensor, window: int | None, scale: float | None):
-    """One process, the whole row: SDPA under a mask written out here from its definition."""
+def _reference(
+    q, k, v, ids: torch.Tensor, window: int | None, scale: float | None, softcap: float | None = None
+):
+    """One process, the whole row: SDPA under a mask written out here from its definition; with a
+    soft cap, the capped scores' softmax written out."""
     seq = ids.size(1)
     i = torch.arange(seq)[:, None]
     j = torch.arange(seq)[None, :]
     allowed = (ids[:, :, None] == ids[:, None, :]) & (j <= i)
     if window is not None:
         allowed = allowed & (i - j < window)
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=allowed[:, None], scale=scale, enable_gqa=q.size(1) != k.size(1)
-    )
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed[:, None], scale=scale, enable_gqa=q.size(1) != k.size(1)
+        )
+    groups = q.size(1) // k.size(1)
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * (scale or q.size(-1) ** -0.5)
+    scores = torch.where(allowed[:, None], softcap * torch.tanh(scores / softcap), float("-inf"))
+    return torch.einsum("bhqk,bhkd->bhqd", scores.softmax(-1), v)
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -46,7 +57,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _errors(cp: ContextParallel, heads: int, kv_heads: int, dtype: torch.dtype) -> dict[str, float]:
-    """Per window: the largest relative difference of this rank's output and q/k/v gradients from one process."""
+    """Per (window, soft cap): the largest relative difference of this rank's output and q/k/v gradients from one process."""
     seq = 2 * cp.size * CHUNK
     ids = _rows(seq)
     gen = torch.Generator().manual_seed(heads * 10 + kv_heads)
@@ -55,17 +66,17 @@ def _errors(cp: ContextParallel, heads: int, kv_heads: int, dtype: torch.dtype) 
     )
     mask = DocumentMask(cp.shard_sequence(ids), backend="sdpa", context_parallel=cp, windows=WINDOWS)
     errors = {}
-    for window in WINDOWS:
+    for window, softcap in CASES:
         scale = 0.3 if window == 3 else None
         full = [t.clone().requires_grad_() for t in (q, k, v)]
-        want = _reference(*full, ids, window, scale)
+        want = _reference(*full, ids, window, scale, softcap)
         want.backward(grad)
         local = [cp.shard_sequence(t, dim=2).requires_grad_() for t in (q, k, v)]
-        got = mask.attention(*local, scale=scale, window=window)
+        got = mask.attention(*local, scale=scale, window=window, softcap=softcap)
         got.backward(cp.shard_sequence(grad, dim=2))
         diffs = [_rel(got, cp.shard_sequence(want, dim=2))]
         diffs += [_rel(t.grad, cp.shard_sequence(f.grad, dim=2)) for t, f in zip(local, full, strict=True)]
-        errors[str(window)] = max(diffs)
+        errors[f"{window}/{softcap}"] = max(diffs)
     return errors
 
 
@@ -79,12 +90,15 @@ def _flex_errors(cp: ContextParallel) -> dict[str, float]:
     mask = DocumentMask(cp.shard_sequence(ids), backend="flex", context_parallel=cp, windows=WINDOWS)
     local = [cp.shard_sequence(t, dim=2) for t in (q, k, v)]
     return {
-        str(w): float(
-            (mask.attention(*local, window=w) - cp.shard_sequence(_reference(q, k, v, ids, w, None), dim=2))
+        f"{w}/{c}": float(
+            (
+                mask.attention(*local, window=w, softcap=c)
+                - cp.shard_sequence(_reference(q, k, v, ids, w, None, c), dim=2)
+            )
             .abs()
             .max()
         )
-        for w in WINDOWS
+        for w, c in CASES
     }
 
 

@@ -44,13 +44,14 @@ def test_cp2_by_fsdp2_on_four_ranks_trains_like_one_process(tmp_path):
 
 
 #: Windowed models (a window of 5 tokens, shorter than the rows' documents of 10 and 6): every layer
-#: (mistral), a local layer then a global one (gemma3_text, qwen2 with use_sliding_window), Gemma 2
-#: without its soft-capped attention logits (the soft cap is refused, below).
+#: (mistral), a local layer then a global one (gemma3_text, qwen2 with use_sliding_window, gemma2,
+#: whose attention logits are soft-capped: at 1.0, with weights initialized 10x wider than the
+#: default, so the cap changes the logits by 0.08 where at the defaults it changes them by 1e-7).
 WINDOWED = {
     "mistral": {"sliding_window": 5},
     "gemma3_text": {"sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"]},
     "qwen2": {"use_sliding_window": True, "sliding_window": 5, "layer_types": ["full_attention", "sliding_attention"]},
-    "gemma2": {"sliding_window": 5, "attn_logit_softcapping": None},
+    "gemma2": {"sliding_window": 5, "attn_logit_softcapping": 1.0, "initializer_range": 0.2},
 }  # fmt: skip
 
 
@@ -126,19 +127,24 @@ def test_the_batch_mask_holds_the_windows_transformers_gives_the_layers():
 
 
 def test_what_context_parallelism_cannot_split_is_one_line_naming_the_key_and_the_fix(tmp_path):
-    gemma2 = save_tiny("gemma2", tmp_path / "gemma2")  # soft-capped logits: not offered
-    provider = HFCausalLMProvider(HFCausalLMConfig(folder=str(gemma2)))
+    llama = save_tiny("llama", tmp_path / "llama", config={"attention_dropout": 0.1})  # dropout: not offered
+    provider = HFCausalLMProvider(HFCausalLMConfig(folder=str(llama)))
     with pytest.raises(HFModelError) as refused:
         provider.check_mesh(MeshConfig(context_parallel=2))
     (line,) = str(refused.value).splitlines()
     assert line.startswith("mesh.context_parallel=2: the Hugging Face backend")
-    assert "soft-caps the logits (attn_logit_softcapping=" in line and "sliding window" not in line
-    assert line.endswith("set mesh.context_parallel: 1")  # gemma2: no reference path to name
+    assert "has dropout (attention_dropout > 0; set it to 0)" in line
+    assert line.endswith(
+        "(model.backend: reference, d9d.trainer:HFModelProvider)"
+    )  # llama: the reference has it
     import transformers
 
     from d9d.trainer.hf.context_parallel import context_parallel_problem
 
-    windowed = transformers.Qwen2Config(use_sliding_window=True, sliding_window=8)
-    assert context_parallel_problem(transformers.Qwen2ForCausalLM, windowed) is None  # computed now
+    for model_class, config in (
+        (transformers.Qwen2ForCausalLM, transformers.Qwen2Config(use_sliding_window=True, sliding_window=8)),
+        (transformers.Gemma2ForCausalLM, transformers.Gemma2Config()),  # windows and soft-capped logits
+    ):
+        assert context_parallel_problem(model_class, config) is None  # computed now
     plain = context_parallel_problem(transformers.Olmo2ForCausalLM, transformers.Olmo2Config())
     assert plain is not None and "model_type 'olmo2' is not verified" in plain

@@ -15,7 +15,9 @@ belong to one document and, with a window `w` (Mistral, Qwen2, Gemma 2/3 local l
 - `"sdpa"`: `scaled_dot_product_attention` with a dense boolean mask. It runs everywhere and trains
   on CPU, but the mask costs a byte per (query, key) pair and a masked SDPA cannot use flash.
 
-`"auto"` picks FlexAttention on CUDA and SDPA elsewhere.
+`"auto"` picks FlexAttention on CUDA and SDPA elsewhere. Soft-capped scores (Gemma 2's
+`attn_logit_softcapping`) are FlexAttention's score modification, and on the "sdpa" path the scores
+written out (SDPA has no cap), under the same mask.
 
 Context parallelism (`context_parallel=` an enabled `ContextParallel`): `document_ids` is this rank's
 share in the load-balanced layout (`ContextParallel.shard_batch` shards it with the batch). The
@@ -42,6 +44,8 @@ DocumentAttentionBackend = Literal["auto", "flex", "sdpa"]
 
 #: What `_compiled_on_cuda` compiled in this process, by the function compiled.
 _compiled: dict[Callable[..., Any], Callable[..., Any]] = {}
+#: FlexAttention's soft-cap score modification, by cap (`_score_mod`).
+_score_mods: dict[float, Callable[..., Any]] = {}
 
 
 def document_attention_backend(device: torch.device, backend: DocumentAttentionBackend = "auto") -> str:
@@ -110,9 +114,11 @@ class DocumentMask:
         *,
         scale: float | None = None,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Attention of q [batch, heads, seq, dim] over k, v [batch, kv_heads, seq, dim] (GQA when
-        kv_heads divides heads) under the mask and `window`; [batch, heads, seq, dim]. Under context
+        kv_heads divides heads) under the mask and `window`; [batch, heads, seq, dim]. `softcap`:
+        scores capped to softcap·tanh(score / softcap) before the softmax (Gemma 2). Under context
         parallelism `seq` is this rank's share; every rank of the group must call it."""
         gqa = q.shape[1] != k.shape[1]
         mask = self._mask(window)
@@ -120,18 +126,17 @@ class DocumentMask:
         if cp is not None:
             k, v = _gather_keys_values(k, v, cp)
         if self.backend == "flex":
-            return _flex(q.device)(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+            return _flex(q.device)(
+                q, k, v, score_mod=_score_mod(softcap), block_mask=mask, scale=scale, enable_gqa=gqa
+            )
         if cp is None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            return _masked_attention(q, k, v, mask, scale, softcap)
         chunk = q.size(2) // 2
         outputs = []
         for half, (start, end, allowed) in enumerate(mask):
             q_chunk = q.narrow(2, half * chunk, chunk)
-            k_seen, v_seen = k[:, :, start:end], v[:, :, start:end]
             outputs.append(
-                F.scaled_dot_product_attention(
-                    q_chunk, k_seen, v_seen, attn_mask=allowed, scale=scale, enable_gqa=gqa
-                )
+                _masked_attention(q_chunk, k[:, :, start:end], v[:, :, start:end], allowed, scale, softcap)
             )
         return torch.cat(outputs, 2)
 
@@ -158,6 +163,41 @@ class DocumentMask:
             queries = torch.arange(c * chunk, end, device=ids.device)
             masks.append((start, end, _allowed(ids, queries, start, end, window)))
         return masks
+
+
+def _masked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    scale: float | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """SDPA under the boolean mask `allowed`; with `softcap`, which SDPA has no argument for, the scores
+    written out (softmax in at least float32, as transformers' eager attention computes them)."""
+    gqa = q.size(1) != k.size(1)
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
+    if gqa:
+        k = k.repeat_interleave(q.size(1) // k.size(1), 1)
+        v = v.repeat_interleave(q.size(1) // v.size(1), 1)
+    scores = (q @ k.transpose(-1, -2)) * (scale if scale is not None else q.size(-1) ** -0.5)
+    scores = (softcap * torch.tanh(scores / softcap)).masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, -1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype) @ v
+
+
+def _score_mod(softcap: float | None) -> Callable[..., Any] | None:
+    """FlexAttention's score modification for `softcap` (one function per value, so a compiled
+    FlexAttention sees the same one in every layer); None without a cap."""
+    if softcap is None:
+        return None
+    if softcap not in _score_mods:
+
+        def soft_cap(score: Any, b: Any, h: Any, q: Any, k: Any) -> Any:
+            return softcap * torch.tanh(score / softcap)
+
+        _score_mods[softcap] = soft_cap
+    return _score_mods[softcap]
 
 
 def _allowed(

@@ -11,7 +11,8 @@ function builds no mask (causality comes from the global positions of the chunks
 over the local ones).
 
 Packed documents and sliding windows (Mistral, Qwen2 with a window, Gemma 2/3's local layers): the
-model's forward builds one `d9d.parallel.DocumentMask` per batch over the cp group (`batch_mask`:
+model's forward builds one `d9d.parallel.DocumentMask` per batch over the cp group (`batch_mask`,
+also for Gemma 2's soft-capped logits, which the mask's attention computes:
 the keys' document ids gathered once, a mask per window the layers use) and passes it down to every
 attention call as the keyword `d9d_attention_mask`; each layer asks it for its own window
 (transformers passes `sliding_window` per layer), so a query sees the earlier keys of its own
@@ -20,7 +21,7 @@ document within its window, on whichever rank they are.
 It is offered for the architectures whose every layer is causal attention (windowed or not) through
 transformers' attention interface and that are tested against one process
 (`CONTEXT_PARALLEL_ARCHITECTURES`); anything else (linear-attention, convolution or chunked layers,
-soft-capped logits, attention sinks, bidirectional attention, attention dropout) is refused before
+attention sinks, bidirectional attention, attention dropout) is refused before
 anything is built (`context_parallel_problem`), and the attention refuses any argument it would drop.
 """
 
@@ -66,16 +67,13 @@ _HARMLESS = frozenset({"sliding_window", "softcap", "position_ids", "cu_seq_lens
 def context_parallel_problem(model_class: type, config: PretrainedConfig) -> str | None:
     """Why context parallelism cannot run `model_class` built from `config` exactly, or None.
 
-    What the config's attention computes that d9d's context-parallel attention does not (soft-capped
-    logits, dropout) is named first, every such feature at once: it is the reason that holds whatever
-    is verified later. Sliding windows are computed (`batch_mask`).
+    What the config's attention computes that d9d's context-parallel attention does not (dropout) is
+    named first: it is the reason that holds whatever is verified later. Sliding windows and
+    soft-capped logits are computed (`batch_mask`).
     """
     text = config.get_text_config()
     model_type = getattr(text, "model_type", None) or getattr(config, "model_type", "?")
     features = []
-    softcap = getattr(text, "attn_logit_softcapping", None)
-    if softcap:
-        features.append(f"soft-caps the logits (attn_logit_softcapping={softcap})")
     if float(getattr(text, "attention_dropout", 0.0) or 0.0) > 0:
         features.append("has dropout (attention_dropout > 0; set it to 0)")
     if features:
@@ -138,9 +136,11 @@ def batch_mask(
 ) -> DocumentMask | None:
     """The attention mask of this batch under context parallelism, built once for every layer: over
     the packed documents (`document_ids`, this rank's share) and the layers' windows; None when the
-    rows are single documents and no layer has a window (plain causal attention needs none)."""
+    rows are single documents, no layer has a window and the logits are not soft-capped (plain
+    causal attention needs none)."""
     windows = layer_windows(config)
-    if document_ids is None and windows == (None,):
+    softcap = getattr(config.get_text_config(), "attn_logit_softcapping", None)
+    if document_ids is None and windows == (None,) and not softcap:
         return None
     if document_ids is None:
         document_ids = torch.zeros_like(input_ids)
@@ -166,11 +166,11 @@ def _attention(
     if not isinstance(cp, ContextParallel):
         raise HFModelError(f"{type(module).__name__} runs the {ATTENTION} attention without a cp group")
     mask = kwargs.pop(MASK_KEYWORD, None)
-    window = kwargs.get("sliding_window")
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
     unknown = sorted(k for k, v in kwargs.items() if k not in _HARMLESS and v is not None)
     asks = [name for name, on in (("dropout", bool(dropout)),
                                   ("a sliding window without the batch's mask", window is not None and mask is None),
-                                  ("soft-capping", kwargs.get("softcap") is not None),
+                                  ("soft-capping without the batch's mask", softcap is not None and mask is None),
                                   ("bidirectional attention", getattr(module, "is_causal", True) is False),
                                   (f"arguments it would drop ({', '.join(unknown)})", bool(unknown))) if on]  # fmt: skip
     if asks:
@@ -179,7 +179,7 @@ def _attention(
             "not implement; set mesh.context_parallel: 1"
         )
     if mask is not None:
-        out = mask.attention(query, key, value, scale=scaling, window=window)
+        out = mask.attention(query, key, value, scale=scaling, window=window, softcap=softcap)
     else:
         out = context_parallel_attention(query, key, value, cp, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
