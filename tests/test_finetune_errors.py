@@ -1,6 +1,5 @@
 """The fine-tune example's bad inputs are one line and exit 2, through real processes, writing nothing:
-a model folder without config.json, context parallelism with its packed rows (2 ranks), a chat
-role the template would render silently, and folders neither path trains (t5, an unknown model_type)
+a model folder without config.json, a chat role the template would render silently, and folders neither path trains (t5, an unknown model_type)
 or the reference path refuses (an unknown RoPE type, a sliding window shorter than the sequence, a
 missing or stray shard, weights config.json does not describe), and data whose vocabulary
 exceeds the model's embedding on either path."""
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from faults._harness import Job, preload_distributed, start_job, start_ranks
+from faults._harness import Job, start_job
 
 from d9d.mesh.testing import wait_for_child
 
@@ -76,20 +75,6 @@ def _finetune_args(tmp_path: Path, *extra: str) -> list[str]:
     """The example job, its run and export under tmp_path."""
     return [f"trainer.checkpointing.save_dir={tmp_path / 'runs'}", f"export.dir={tmp_path / 'export'}",
             "trainer.logging.progress_bar=false", *extra]  # fmt: skip
-
-
-def test_context_parallel_with_packed_rows_is_refused_naming_dataset_pack_2ranks(tmp_path, finetune_example):
-    preload_distributed()
-    before = _snapshot(finetune_example)
-    args = _finetune_args(tmp_path, "mesh.context_parallel=2")
-    ranks = start_ranks(2, args, tmp_path, config=finetune_example / "config.yaml")  # logs: rank-N.txt
-    line = _refusal(ranks[0])
-    assert line.startswith("error: mesh.context_parallel=2 with packed documents"), line
-    assert "set dataset.pack: false" in line and "or mesh.context_parallel: 1" in line, line
-    assert ranks[1].wait() == 2, ranks[1].output()[-3000:]
-    assert "error:" not in ranks[1].output() and "Traceback" not in ranks[1].output()  # said once
-    assert not (tmp_path / "runs").exists() and not (tmp_path / "export").exists()  # no run dir, no lock
-    assert _snapshot(finetune_example) == before
 
 
 def test_an_unknown_chat_role_is_refused_with_its_file_and_line(tmp_path, finetune_example):

@@ -87,6 +87,11 @@ def _layout(batch: int, seq: int, seed: int) -> torch.Tensor:
     return starts.cumsum(1)
 
 
+def _causal(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+    """The block-mask builder's arguments for one process, no window: keys' ids, query positions."""
+    return ids, torch.arange(ids.size(1)), None
+
+
 @pytest.fixture
 def counted_compile(monkeypatch):
     """torch.compile with dynamo's counting backend (graphs are counted, not lowered by inductor),
@@ -115,11 +120,32 @@ def test_the_cuda_block_mask_builder_compiles_once_for_every_document_layout(cou
     builder = module._mask_builder(torch.device("cuda"))
     for seed in range(3):
         ids = _layout(2, 256, seed)
-        assert torch.equal(builder(ids).to_dense(), module._build_block_mask(ids).to_dense()), seed
+        assert torch.equal(
+            builder(*_causal(ids)).to_dense(), module._build_block_mask(*_causal(ids)).to_dense()
+        ), seed
     assert counter.frame_count == 1
     assert module._mask_builder(torch.device("cuda")) is builder and len(calls) == 1
     for seq, graphs in ((384, 2), (512, 2), (384, 2)):  # an eval set of another length, and a third
         ids = _layout(2, seq, seq)
-        assert torch.equal(builder(ids).to_dense(), module._build_block_mask(ids).to_dense()), seq
+        assert torch.equal(
+            builder(*_causal(ids)).to_dense(), module._build_block_mask(*_causal(ids)).to_dense()
+        ), seq
         assert counter.frame_count == graphs, seq
     assert module._mask_builder(torch.device("cpu")) is module._build_block_mask  # eager off CUDA
+
+
+def test_the_cuda_block_mask_of_a_context_parallel_rank_compiles_once_per_window(counted_compile):
+    """Under context parallelism the builder takes this rank's query positions against the whole row's
+    keys (a [seq / cp, seq] block mask). New document layouts reuse the graph; a window is one more
+    graph (its value is a constant of the mask function), and further layouts reuse that one too."""
+    from d9d.parallel.context_parallel import _positions
+
+    counter, _ = counted_compile
+    builder = module._mask_builder(torch.device("cuda"))
+    positions = _positions(512, 2, 1)  # cp 2, rank 1: chunks 1 and 2 of 4
+    for window, graphs in ((None, 1), (100, 2)):
+        for seed in range(3):
+            ids = _layout(2, 512, seed)
+            got = builder(ids, positions, window).to_dense()
+            assert torch.equal(got, module._build_block_mask(ids, positions, window).to_dense()), seed
+            assert counter.frame_count == graphs, (window, seed)

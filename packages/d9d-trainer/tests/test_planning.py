@@ -218,12 +218,10 @@ def test_a_model_provider_adds_its_own_fields_to_the_job_built_line(tmp_path, ca
     assert "backend=tiny-reference" in line
 
 
-def test_packed_documents_with_context_parallelism_are_refused_before_anything_is_built(tmp_path):
+def test_packed_documents_with_context_parallelism_are_planned_like_unpacked_rows(tmp_path):
     job = _job(tmp_path, mesh={"context_parallel": 2, "data_parallel_shard": 1})
     packed = BuildDatasetResult(dataset=[], seq_len=8, document_masking=True)
     with DistributedContext.for_planning(job.config.mesh) as ctx:
-        with pytest.raises(
-            TrainingError, match=r"mesh.context_parallel=2 with packed documents .* not supported"
-        ):
-            plan_job(job, ctx, dataset=packed)
-        assert plan_job(job, ctx, dataset=BuildDatasetResult(dataset=[], seq_len=8)).sequence.seq_len == 8
+        plan = plan_job(job, ctx, dataset=packed)
+        assert plan == plan_job(job, ctx, dataset=BuildDatasetResult(dataset=[], seq_len=8))
+        assert plan.sequence.seq_len == 8 and plan.sequence.share.local_tokens == 4

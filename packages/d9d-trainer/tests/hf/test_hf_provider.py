@@ -304,6 +304,4 @@ def test_gemma_2_9b_config_builds_on_meta_with_its_shapes_and_the_mesh_verdicts(
     stored = {k: v for k, v in shapes.items() if k not in model.layout.tied}
     problem = tensor_parallel_problem(read.config, 2, prefix=model.base_model_path, shapes=stored)
     assert problem is not None and "'gemma2' is not verified" in problem
-    refusal = context_parallel_refusal(read, 2)
-    assert refusal is not None and "soft-caps the logits (attn_logit_softcapping=50.0)" in refusal
-    assert refusal.startswith("mesh.context_parallel=2: the Hugging Face backend") and "\n" not in refusal
+    assert context_parallel_refusal(read, 2) is None  # its windows and soft-capped logits run under cp

@@ -305,17 +305,24 @@ def context_parallel_attention(
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     cp.check_seq_len(q.size(2) * cp.size)
     chunk = q.size(2) // 2
-    # One all-gather for K and V together; [2, batch, kv_heads, seq_len, head_dim] in global order.
-    if k.size(-1) == v.size(-1):
-        k_full, v_full = cp.unshard_sequence(torch.stack([k, v]), dim=3).unbind(0)
-    else:
-        k_full, v_full = cp.unshard_sequence(k, dim=2), cp.unshard_sequence(v, dim=2)
+    k_full, v_full = _gather_keys_values(k, v, cp)
     outputs = []
     for half, c in enumerate(_chunk_ids(cp.size, cp.rank)):
         end = (c + 1) * chunk
         q_chunk = q.narrow(2, half * chunk, chunk)
         outputs.append(_causal_lower_right(q_chunk, k_full[:, :, :end], v_full[:, :, :end], scale, gqa))
     return torch.cat(outputs, 2)
+
+
+def _gather_keys_values(
+    k: torch.Tensor, v: torch.Tensor, cp: ContextParallel
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole sequence's K and V ([batch, kv_heads, seq_len, dim], global order) from every cp
+    rank's share: one all-gather for both when their head dims agree; gradients return to the owners."""
+    if k.size(-1) == v.size(-1):
+        k_full, v_full = cp.unshard_sequence(torch.stack([k, v]), dim=3).unbind(0)
+        return k_full, v_full
+    return cp.unshard_sequence(k, dim=2), cp.unshard_sequence(v, dim=2)
 
 
 def parallelize_context_parallel(module: nn.Module, mesh: DeviceMesh | None) -> ContextParallel:

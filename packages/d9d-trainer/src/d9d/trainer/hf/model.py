@@ -10,7 +10,8 @@ Packed documents: transformers keeps the documents of a row apart by their `posi
 position that does not follow the one before starts a new document, for every attention
 implementation), which is exactly d9d.data's packing (positions restart at 0 in every document and
 in the padding). So `position_ids` is what reaches the model and `document_ids` only has to come
-with it.
+with it; under context parallelism the documents are kept apart by `document_ids` instead (the
+chunks of a row are on several ranks: `hf.context_parallel.batch_mask`).
 """
 
 import re
@@ -23,6 +24,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from d9d.parallel import LinearCrossEntropyHead, LossConfig, fuse_linear_cross_entropy, fused_head_problem
+from d9d.trainer.hf.context_parallel import MASK_KEYWORD, batch_mask
 from d9d.trainer.hf.errors import HFModelError
 
 __all__ = [
@@ -157,7 +159,7 @@ class HFCausalLM(nn.Module):
             position_ids: [batch, seq] positions; for packed rows they restart at 0 in every document,
                 which is how transformers keeps the documents apart.
             document_ids: [batch, seq] document of each token (packed rows): only accepted with
-                `position_ids`, which carry the same boundaries.
+                `position_ids`, which carry the same boundaries; context parallelism masks by them.
             labels: [batch, seq], already shifted (-100 adds nothing): with a fused head, the summed
                 token cross-entropy (float32, 0-dim) instead of the logits: the base model's hidden
                 states through the head's fused loss, no full-vocabulary logits made.
@@ -172,23 +174,26 @@ class HFCausalLM(nn.Module):
                 "packed datasets yield them); add position_ids to the batch"
             )
         cp = self.context_parallel
-        if cp is not None and cp.enabled and document_ids is not None:
-            raise HFModelError(
-                "the batch packs documents (document_ids), which context parallelism of the Hugging Face "
-                "backend cannot keep apart (its attention is causal over the whole row); use one document "
-                "per row (no packing) or mesh.context_parallel: 1"
-            )
-        if cp is not None and cp.enabled and position_ids is None:  # the chunks' global positions
-            local = cp.position_ids(input_ids.size(1) * cp.size, device=input_ids.device)
-            position_ids = local.unsqueeze(0).expand(input_ids.size(0), -1)
+        extra: dict[str, Any] = {}
+        if cp is not None and cp.enabled:
+            if position_ids is None:  # the chunks' global positions
+                local = cp.position_ids(input_ids.size(1) * cp.size, device=input_ids.device)
+                position_ids = local.unsqueeze(0).expand(input_ids.size(0), -1)
+            mask = batch_mask(self.config, cp, input_ids, document_ids)  # documents, windows: once a batch
+            if mask is not None:
+                extra[MASK_KEYWORD] = mask
         if labels is not None:
-            return self._fused_loss(input_ids, position_ids, labels)
-        output = self._hf(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+            return self._fused_loss(input_ids, position_ids, labels, extra)
+        output = self._hf(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
         logits: torch.Tensor = output.logits
         return logits.float() if self.fp32_logits else logits
 
     def _fused_loss(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, labels: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        labels: torch.Tensor,
+        extra: dict[str, Any],
     ) -> torch.Tensor:
         """What the causal LM's forward computes before its head, then the head's fused loss."""
         head = self._hf.get_output_embeddings()
@@ -198,7 +203,7 @@ class HFCausalLM(nn.Module):
                 "(trainer.loss.fused), or compute the loss from the logits"
             )
         base = self.get_submodule(self.base_model_path)
-        output = base(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        output = base(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
         loss: torch.Tensor = head(output.last_hidden_state, labels=labels)
         return loss
 

@@ -17,25 +17,35 @@ def block_causal(document_ids: torch.Tensor) -> torch.Tensor:
     return (same & causal).unsqueeze(1)
 
 
-def document_mask(document_ids: torch.Tensor, backend: str = "auto") -> Any:
+def document_mask(document_ids: torch.Tensor, backend: str = "auto", context_parallel: Any = None) -> Any:
     """The attention mask of packed documents, built once per batch: `d9d.parallel.DocumentMask` with
-    `backend` ("auto": FlexAttention on CUDA, masked SDPA elsewhere; "flex"; "sdpa"), or
+    `backend` ("auto": FlexAttention on CUDA, masked SDPA elsewhere; "flex"; "sdpa") over the cp group
+    `context_parallel` (None: one process; the ids are then this rank's share of the rows), or
     `block_causal`'s tensor without d9d.parallel."""
     try:
         from d9d.parallel import DocumentMask
     except ImportError:  # the model itself is plain PyTorch
         return block_causal(document_ids)
-    return DocumentMask(document_ids, backend=backend)  # type: ignore[arg-type]
+    return DocumentMask(document_ids, backend=backend, context_parallel=context_parallel)  # type: ignore[arg-type]
 
 
-def attention_mask(document_ids: torch.Tensor | None, backend: str, inputs: torch.Tensor, seq: int) -> Any:
+def attention_mask(
+    document_ids: torch.Tensor | None,
+    backend: str,
+    inputs: torch.Tensor,
+    seq: int,
+    context_parallel: Any = None,
+) -> Any:
     """What every layer attends under: the document mask of packed rows; with FlexAttention
-    (`backend` "flex") the causal mask as a one-document `DocumentMask`; else None (SDPA's causal)."""
+    (`backend` "flex") the causal mask as a one-document `DocumentMask`; else None (SDPA's causal).
+    Under context parallelism (`context_parallel`, the cp group) `document_ids` and `seq` are this
+    rank's share."""
     if document_ids is not None:
-        return document_mask(document_ids, backend)
+        return document_mask(document_ids, backend, context_parallel)
     if backend != "flex":
         return None
-    return document_mask(torch.zeros(inputs.shape[0], seq, dtype=torch.long, device=inputs.device), backend)
+    zeros = torch.zeros(inputs.shape[0], seq, dtype=torch.long, device=inputs.device)
+    return document_mask(zeros, backend, context_parallel)
 
 
 class KVCache:

@@ -130,12 +130,7 @@ class Attention(nn.Module):
                 new = torch.arange(seq, device=q.device)[:, None] + held
                 allowed = torch.arange(held + seq, device=q.device)[None, :] <= new
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=gqa)
-        elif attention_mask is not None:
-            if self.context_parallel is not None:
-                raise NotImplementedError(
-                    "document masking (document_ids) with mesh.context_parallel > 1 is not supported yet; "
-                    "turn off the dataset's document masking or set mesh.context_parallel: 1"
-                )
+        elif attention_mask is not None:  # under context parallelism a DocumentMask over the cp group
             if isinstance(attention_mask, torch.Tensor):
                 out = F.scaled_dot_product_attention(
                     q, k, v, attn_mask=attention_mask, enable_gqa=q.shape[1] != k.shape[1]
@@ -290,7 +285,8 @@ class ReferenceModel(nn.Module):
             position_ids = torch.arange(seq, device=inputs.device)
         position_ids = position_ids.expand(batch, -1)
         position_embeddings = self.rotary_emb(position_ids, hidden_states.dtype)
-        mask = attention_mask(document_ids, self.attention_backend, inputs, seq)  # once, for every layer
+        # once, for every layer; under cp it gathers the documents of the whole row once
+        mask = attention_mask(document_ids, self.attention_backend, inputs, seq, self.context_parallel)
         for layer in self.layers.values():
             if mask is None:  # the plain call keeps the layers' (compiled, checkpointed) signature
                 hidden_states = layer(hidden_states, position_embeddings=position_embeddings)

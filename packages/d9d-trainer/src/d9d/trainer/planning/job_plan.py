@@ -87,7 +87,6 @@ def plan_job(
     batching = declared_batching(job, mesh)
     pipeline = _pipeline_plan(job, context, batching) if mesh.pipeline_parallel > 1 else None
     sequence = _sequence_plan(job, context, dataset, seq_len)
-    _check_document_masking(job, dataset)
     if (
         dataset is None
     ):  # `d9d plan`: the eval set's length from the config (the trainer checks the built one)
@@ -252,26 +251,8 @@ def _sequence_plan(
     return SequencePlan(seq_len=length, source=source, cp_groups=groups, share=share)
 
 
-#: The dataset config keys that pack documents, in the order `_check_document_masking` names them.
+#: The dataset config keys that pack documents (a document mask in every batch).
 _PACKING_KEYS = ("pack", "document_masking")
-
-
-def _check_document_masking(job: ResolvedJob, dataset: BuildDatasetResult | None) -> None:
-    """Packed documents (position and document ids per sample) with context parallelism: refused
-    before anything is built. From the built dataset's declaration, or (`d9d plan`) the config's
-    `dataset.pack` / `dataset.document_masking` (set, or its provider's default)."""
-    cp = job.config.mesh.context_parallel
-    if cp <= 1:
-        return
-    keys = _packing_keys(job)
-    masking = dataset.document_masking if dataset is not None else bool(keys)
-    if not masking:
-        return
-    named = " / ".join(f"dataset.{key}: false" for key in keys) or "the dataset's document masking off"
-    raise TrainingError(
-        f"mesh.context_parallel={cp} with packed documents (samples whose documents must not attend to "
-        f"each other) is not supported yet; set {named}, or mesh.context_parallel: 1"
-    )
 
 
 def _packing_keys(job: ResolvedJob) -> list[str]:
