@@ -24,7 +24,8 @@ from d9d.mesh import DistributedContext, MeshConfig
 from d9d.mesh.testing import run_distributed
 from d9d.parallel.pipeline import Pipeline, PipelineConfig, PipelineError, plan_pipeline
 
-ATOL = 0.0  # identical: the same ops in the same order as one process
+ATOL = 1e-6  # the same ops in the same order as one process; a matmul's sums may split across threads
+# differently in the forked ranks (one thread) and the reference (the test process's): 2.4e-7 seen
 #: Eval microbatches unlike the step's (4 rows of SEQ): other counts, row counts and lengths.
 EVAL_SHAPES = [(3, SEQ), (1, SEQ), (2, SEQ - 3)]
 
@@ -117,7 +118,7 @@ def test_forward_only_equals_the_whole_model_on_every_schedule_2ranks(ranks, cas
         expected = [whole(x, torch.arange(x.shape[1])) for x in _eval_inputs(cfg)]
     assert [tuple(o.shape) for o in holders[0]] == [tuple(e.shape) for e in expected]
     for got, want in zip(holders[0], expected, strict=True):
-        torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=ATOL)
 
 
 @pytest.mark.parametrize("case", [f"{s} x{k}" for s, k, _ in SCHEDULE_CASES])
