@@ -40,8 +40,9 @@ def _rows(seq: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("window", [None, 1, 5, 1000])
-def test_token_pairs_are_the_mask_row_sums(window: int | None) -> None:
-    ids = _rows(48, seed=1)
+@pytest.mark.parametrize("rows", [[0, 1, 3], [0, 1, 2, 3]], ids=["one-run-documents", "a-split-document"])
+def test_token_pairs_are_the_mask_row_sums(window: int | None, rows: list[int]) -> None:
+    ids = _rows(48, seed=1)[rows]
     assert torch.equal(token_attention_pairs(ids, window), _mask(ids, window).sum(-1))
 
 

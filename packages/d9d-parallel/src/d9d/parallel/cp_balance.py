@@ -9,8 +9,8 @@ the last chunk. The attention of every layer waits for the slowest rank of the c
 
 `attention_pairs_per_rank` counts the exact pairs each rank computes, from the document ids alone:
 token p attends to the tokens of its document at or before p (at most `window` of them), so its count
-is its rank among its document's tokens, found by one sort of (document, position), O(seq log seq)
-per row and no [seq, seq] mask. `balance_ratio` is the most loaded rank over the mean.
+is its place in its document: O(seq) per row when every document is one run of tokens (packing), one
+sort of (document, position) when an id comes back later in its row; never a [seq, seq] mask. `balance_ratio` is the most loaded rank over the mean.
 
 `balanced_document_order` is the remedy: a permutation of each row that moves whole documents (their
 tokens keep their order, position ids and document ids travel with them) so the pair counts even out.
@@ -45,10 +45,24 @@ def token_attention_pairs(document_ids: torch.Tensor, window: int | None = None)
         raise ValueError(f"a sliding window must be at least 1 token, got {window}")
     batch, seq = document_ids.shape
     ids = document_ids.detach().to("cpu", torch.int64)
+    positions = torch.arange(seq).expand(batch, seq)
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    run_ids = torch.stack([torch.arange(batch)[:, None].expand(batch, seq)[starts], ids[starts]])
+    if torch.unique(run_ids, dim=1).size(1) == run_ids.size(1):  # each document one run: O(seq)
+        first = torch.where(starts, positions, 0).cummax(1).values
+        pairs = positions - first + 1
+        return pairs.clamp(max=window) if window is not None else pairs
+    return _pairs_by_sort(ids, positions, window)
+
+
+def _pairs_by_sort(ids: torch.Tensor, positions: torch.Tensor, window: int | None) -> torch.Tensor:
+    """`token_attention_pairs` where a document id comes back after another: one sort of (document,
+    position), O(seq log seq)."""
+    batch, seq = ids.shape
     _, group = torch.unique(ids, return_inverse=True)  # dense document numbers
     groups = int(group.max()) + 1 if group.numel() else 1
     group = group + torch.arange(batch)[:, None] * groups  # documents of different rows differ
-    positions = torch.arange(seq).expand(batch, seq)
     stride = seq + 1
     keys = (group * stride + positions).flatten()  # (document, position), already unique
     ordered = keys.sort().values
