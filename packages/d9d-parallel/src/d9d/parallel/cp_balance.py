@@ -10,7 +10,8 @@ the last chunk. The attention of every layer waits for the slowest rank of the c
 `attention_pairs_per_rank` counts the exact pairs each rank computes, from the document ids alone:
 token p attends to the tokens of its document at or before p (at most `window` of them), so its count
 is its place in its document: O(seq) per row when every document is one run of tokens (packing), one
-sort of (document, position) when an id comes back later in its row; never a [seq, seq] mask. `balance_ratio` is the most loaded rank over the mean.
+sort of (document, position) when an id comes back later in its row; never a [seq, seq] mask.
+`balance_ratio` is the most loaded rank over the mean.
 
 `balanced_document_order` is the remedy: a permutation of each row that moves whole documents (their
 tokens keep their order, position ids and document ids travel with them) so the pair counts even out.
