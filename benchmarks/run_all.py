@@ -40,6 +40,7 @@ BENCHMARKS: list[tuple[str, list[str]]] = [
     ("attention_backends", ["--steps", "10", "--seq", "256"]),
     ("grad_accumulation", []),
     ("context_parallel", ["--seq", "1024", "4096"]),
+    ("cp_balance", ["--batches", "8"]),
     ("lora_memory", []),
     ("trackers", ["--steps", "61", "--rounds", "2"]),
     ("moe", ["--repeats", "3"]),

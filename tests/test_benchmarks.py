@@ -38,6 +38,13 @@ def test_context_parallel_small_mode_counts_every_part_at_cp_1_2_4(tmp_path):
     assert len(rows) == 8 and all(r["ratio"] > 0 for r in rows), rows
 
 
+def test_cp_balance_quick_mode_measures_every_scenario_before_and_after(tmp_path):
+    stdout, rows = _run(tmp_path, "cp_balance.py", "--quick", "--cp", "2", "4", timeout=300)
+    assert "long 1/2" in stdout, stdout
+    assert len(rows) == 3 * 2 * 2 * 2, rows  # scenarios x cp x rows per microbatch x before/after
+    assert all(r["ratio"] >= 1.0 for r in rows), rows
+
+
 def test_lora_memory_tiny_mode_counts_grads_and_state_for_adapters_only(tmp_path):
     stdout, rows = _run(tmp_path, "lora_memory.py", "--tiny", timeout=300)  # it asserts: adapters only
     for label in ("gradient bytes", "optimizer state bytes", "trainable parameters"):

@@ -138,3 +138,19 @@ def test_the_rows_hold_the_boundary_cases() -> None:
     sample = rows[0]
     starts = (sample["position_ids"] == 0).nonzero().squeeze(1).tolist()
     assert starts == [0, 3, 8, 19, 24, 29]  # positions restart in every document and the padding
+
+
+def test_reordered_documents_on_context_parallel_equal_one_process(tmp_path: Path, reference) -> None:
+    """`trainer.attention.balance_documents` moves whole documents within each row before the cp
+    chunking: the same numbers as one process (and as the rows as packed), and a step's
+    `cp_attention_balance` (the most loaded cp rank's attention pairs over the mean) no worse than
+    with the rows as packed, and better on some step."""
+    plain = train(2, overrides(tmp_path, "plain", STEPS, *SGD, *NO_CLIP, *PACKED, *CP2))
+    balanced = ["trainer.attention.balance_documents=true"]
+    got = train(2, overrides(tmp_path, "balanced", STEPS, *SGD, *NO_CLIP, *PACKED, *CP2, *balanced))
+    compare_runs(got, reference, rel=REL)
+    before = [r["cp_attention_balance"] for r in plain.records]
+    after = [r["cp_attention_balance"] for r in got.records]
+    assert all(1.0 <= a <= b for a, b in zip(after, before, strict=True)), (before, after)
+    assert any(a < b for a, b in zip(after, before, strict=True)), (before, after)
+    assert "cp_attention_balance" not in reference.records[0]  # one process: no cp ranks

@@ -431,6 +431,7 @@ def test_plan_shows_the_cp_groups_and_each_ranks_share_of_a_sequence(runner, cp_
     assert "one microbatch of 2 × 8 tokens" in acts  # this rank's 8 of the 16 tokens
     (assumes,) = _lines(out, "activation estimate assumes:")
     assert "each rank holds 1/2 of the sequence, except the K/V that attention all-gathers" in assumes
+    assert _lines(out, "attention balance") == []  # the rows are not packed
     assert "tensor parallel 2 as the model provider splits the model" in assumes
 
 
@@ -862,6 +863,12 @@ def test_the_fine_tune_example_with_its_packed_rows_plans_on_cp_2(runner, tmp_pa
     result = runner.invoke(cli, ["plan", str(config), *sets])
     assert result.exit_code == 0, result.output  # packed rows split over cp ranks (no longer refused)
     assert "context_parallel=2" in result.output and "error" not in result.output
+    (balance,) = _lines(result.output, "attention balance (packed rows)")
+    assert "depends on the documents' lengths" in balance and "balance_documents: true evens it" in balance
+    on = runner.invoke(cli, ["plan", str(config), *sets, "--set", "trainer.attention.balance_documents=true"])
+    assert on.exit_code == 0, on.output
+    (balance,) = _lines(on.output, "attention balance (packed rows)")
+    assert "documents reordered within each row" in balance
 
 
 QUICKSTART = Path(__file__).resolve().parents[3] / "examples" / "quickstart" / "config.yaml"

@@ -1,5 +1,6 @@
 """`plan_job`: the one plan the trainer builds from (what `d9d plan` prints is tested in d9d-cli)."""
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -223,5 +224,9 @@ def test_packed_documents_with_context_parallelism_are_planned_like_unpacked_row
     packed = BuildDatasetResult(dataset=[], seq_len=8, document_masking=True)
     with DistributedContext.for_planning(job.config.mesh) as ctx:
         plan = plan_job(job, ctx, dataset=packed)
-        assert plan == plan_job(job, ctx, dataset=BuildDatasetResult(dataset=[], seq_len=8))
+        unpacked = plan_job(job, ctx, dataset=BuildDatasetResult(dataset=[], seq_len=8))
+        assert plan.sequence.packed and not unpacked.sequence.packed  # the plan text's balance line
+        assert (
+            dataclasses.replace(plan, sequence=dataclasses.replace(plan.sequence, packed=False)) == unpacked
+        )
         assert plan.sequence.seq_len == 8 and plan.sequence.share.local_tokens == 4

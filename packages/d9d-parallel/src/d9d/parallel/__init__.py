@@ -63,6 +63,12 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
         parallelize_context_parallel,
         sequence_length_problem,
     )
+    from d9d.parallel.cp_balance import (
+        attention_pairs_per_rank,
+        balance_ratio,
+        balanced_document_order,
+        token_attention_pairs,
+    )
     from d9d.parallel.data_parallel import (
         GradientReduction,
         ShardUnit,

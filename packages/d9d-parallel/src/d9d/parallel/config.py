@@ -203,6 +203,11 @@ class AttentionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
             "job built" line), one of torch's SDPA kernels (`flash`, `cudnn`, `efficient`, `math`: that
             kernel alone), or `flex` (FlexAttention). A kernel the device, the dtype, the mesh or the
             mask cannot run is refused before anything is built (`d9d.parallel.resolve_attention`).
+        balance_documents: under context parallelism, reorder the whole documents of each packed row
+            (a batch with `document_ids` and `position_ids`) before the row is cut into the 2·cp
+            chunks, so every cp rank computes about the same attention pairs
+            (`d9d.parallel.balanced_document_order`); the loss is the same sum. Off: rows as packed.
     """
 
     backend: Literal["auto", "flash", "cudnn", "efficient", "math", "flex"] = "auto"
+    balance_documents: bool = False

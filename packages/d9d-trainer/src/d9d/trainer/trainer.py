@@ -247,6 +247,7 @@ class Trainer:
             busy_time=None if ctx.is_local else self._busy.busy,
             randomness=self._randomness,
             attention=plan.attention,
+            balance_documents=tcfg.attention.balance_documents,
         )
         self._train_step: TrainStep
         if pipeline is not None:

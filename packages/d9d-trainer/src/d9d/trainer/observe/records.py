@@ -15,7 +15,8 @@ step is added, a host-side counter, no sync) and the step-time breakdown of `d9d
 
 On several ranks a record also names the step's busiest rank (`straggler_rank`, `straggler_time_s`,
 `straggler_ratio` over the median rank: `d9d.trainer.observe.stragglers`), gathered in the step's own sync
-and read with the rest; a rank that stays the busiest by `trainer.logging.stragglers.ratio` for its
+and read with the rest; with packed rows under context parallelism, `cp_attention_balance` (the most
+loaded cp rank's attention pairs over the mean, counted on the host before the step: no read); a rank that stays the busiest by `trainer.logging.stragglers.ratio` for its
 `steps` gets one warning.
 
 The experiment trackers (`d9d.trainer.observe.tracking`: TensorBoard, W&B, MLflow) get the same records,
@@ -60,6 +61,12 @@ class _Pending:
     phases: StepPhases | None = None
     memory: dict[str, float] | None = None
     source_tokens: dict[str, int] | None = None
+
+
+def _cp_balance_field(output: StepOutput) -> dict[str, float]:
+    """`cp_attention_balance` of a step over packed rows under context parallelism (a host value)."""
+    balance = output.cp_attention_balance
+    return {} if balance is None else {"cp_attention_balance": balance}
 
 
 class StepRecords:
@@ -186,6 +193,7 @@ class StepRecords:
                     **phases,
                     **(dict(zip(_MOE_LOAD_FIELDS, load, strict=True)) if moe else {}),
                     **(straggler_fields(ranks) if busy else {}),
+                    **_cp_balance_field(p.output),
                     **{f"tokens_seen/{name}": n for name, n in (p.source_tokens or {}).items()},
                     "skipped": not p.output.applied,
                     "launch": self._launch,

@@ -248,7 +248,8 @@ def _sequence_plan(
                 raise TrainingError(f"{exc} (the sequence length: {each} from {where})") from None
     groups = tuple(tuple(g) for g in axis_groups(mesh, "batch", "cp"))
     share = SequenceShare(length, cp, context.coordinate("cp")) if length is not None else None
-    return SequencePlan(seq_len=length, source=source, cp_groups=groups, share=share)
+    packed = dataset.document_masking if dataset is not None else bool(_packing_keys(job))
+    return SequencePlan(seq_len=length, source=source, cp_groups=groups, share=share, packed=bool(packed))
 
 
 #: The dataset config keys that pack documents (a document mask in every batch).

@@ -35,12 +35,14 @@ class SequencePlan:
         cp_groups: the global ranks of each cp group (mesh.context_parallel of them), in cp-rank order.
         share: this rank's share of a sequence (every cp rank holds as many tokens); None when
             `seq_len` is unknown.
+        packed: the rows pack documents (the dataset's document masking, or the config's packing keys).
     """
 
     seq_len: int | None
     source: str
     cp_groups: tuple[tuple[int, ...], ...]
     share: SequenceShare | None
+    packed: bool = False
 
 
 @dataclass(frozen=True)

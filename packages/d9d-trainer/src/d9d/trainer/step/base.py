@@ -32,6 +32,7 @@ from d9d.parallel.expert import (
 from d9d.trainer.errors import TrainingError
 from d9d.trainer.observe.timing import StepTimer
 from d9d.trainer.providers.task import Task
+from d9d.trainer.step.documents import attention_balance, reorder_documents
 from d9d.trainer.step.randomness import TrainingRandomness
 
 __all__ = ["StepOutput", "StepSettings", "TrainStep", "token_group"]
@@ -56,6 +57,9 @@ class StepOutput:
         expert_load: for a model with MoE layers, [min / mean, max / mean, std / mean] of the
             step's tokens per expert, worst layer each (`d9d.parallel.expert.expert_load_summary`); None
             without MoE.
+        cp_attention_balance: packed rows under context parallelism: the step's attention pairs on
+            the most loaded cp rank over the mean (`d9d.trainer.step.documents`, counted on the host);
+            None otherwise.
         rank_busy: every rank's busy time of the step up to its sync (`StepSettings.busy_time`;
             index: global rank), float64 on the device, gathered in the step's sync; None on one
             process or without a busy clock.
@@ -70,6 +74,7 @@ class StepOutput:
     save: bool = False
     rank_busy: torch.Tensor | None = None
     finish: bool = False
+    cp_attention_balance: float | None = None
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,8 @@ class StepSettings:
     forward (a pipeline: each stage's); None leaves the generator alone."""
     attention: AttentionKernel | None = None
     """The plan's attention kernel: forward and backward run with SDPA restricted to it (`attention_kernels`)."""
+    balance_documents: bool = False
+    """Reorder whole documents of packed rows before the cp sharding (`trainer.attention.balance_documents`)."""
 
     def attention_kernels(self) -> contextlib.AbstractContextManager[None]:
         """SDPA restricted to the plan's kernel(s) inside the block (`AttentionKernel.sdpa`): wrap forward
@@ -110,7 +117,13 @@ class StepSettings:
     def local_batch(self, batch: Any) -> Any:
         """This rank's part of a microbatch: its share of every sequence under context parallelism
         (the batch itself without); the training step and the eval cut their microbatches here."""
-        return self.context_parallel.shard_batch(batch)
+        return self.context_parallel.shard_batch(self.ordered(batch))
+
+    def ordered(self, batch: Any) -> Any:
+        """The microbatch with its packed documents reordered when `balance_documents` is on under
+        context parallelism (`d9d.trainer.step.documents`); else the microbatch itself."""
+        cp = self.context_parallel
+        return reorder_documents(batch, cp.size) if self.balance_documents and cp.enabled else batch
 
 
 def token_group(ctx: Any) -> dist.ProcessGroup:
@@ -156,10 +169,15 @@ class StepBase:
         # weights FSDP2 gathers in float8: their scales once per step (after each update), not per gather
         self._float8_gathered = float8_gathered_weights(model) > 0
         self._float8_scaled = False  # the scales are those of the weights as they are now
+        self._cp_balance: float | None = None  # this step's attention balance over the cp ranks (local_part)
 
     def local_part(self, microbatches: Sequence[Any]) -> list[Any]:
-        """This rank's part of each microbatch (`StepSettings.local_batch`)."""
-        return [self.settings.local_batch(mb) for mb in microbatches]
+        """This rank's part of each microbatch (`StepSettings.local_batch`); the step's attention balance
+        over the cp ranks is counted here, on the host, from the rows as they will run."""
+        cp = self.settings.context_parallel
+        ordered = [self.settings.ordered(mb) for mb in microbatches]
+        self._cp_balance = attention_balance(ordered, cp.size) if cp.enabled else None
+        return [cp.shard_batch(mb) for mb in ordered]
 
     def global_weight(self, microbatches: Sequence[Any]) -> torch.Tensor:
         """The summed `task.batch_weight` of the global batch, on the device, without reading it."""
@@ -227,6 +245,8 @@ class StepBase:
             if output.applied:
                 update_expert_biases(self.moes, loads)  # auxiliary-loss-free balancing, on the device
             output = dataclasses.replace(output, expert_load=expert_load_summary(loads))
+        if self._cp_balance is not None:
+            output = dataclasses.replace(output, cp_attention_balance=self._cp_balance)
         self.mark("optimizer")
         return output
 
