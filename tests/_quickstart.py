@@ -6,6 +6,7 @@ the test process (`train`: one plain process, or ranks joined by `d9d.mesh.testi
 rank. `compare_runs` is the one parity check of the e2e tests.
 """
 
+import functools
 import importlib.util
 import io
 import json
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -403,23 +404,29 @@ def _run_dir(args: list[str]) -> Path:
     return Path(found["trainer.checkpointing.save_dir"]) / found["trainer.run.name"]
 
 
-def saved_activation_peaks(root: str, variants: list[list[str]]) -> list[int]:
-    """This rank's peak of bytes held saved for backward (`d9d.parallel.SavedActivations`: weights and
-    their compute copies left out) during the second optimizer step of each variant's job, a
-    `Trainer` each, one after the other in this process (the first step is a warm-up: the pipeline
-    schedule infers its shapes there)."""
-    from d9d.parallel import SavedActivations
+def second_steps(root: str, variants: list[list[str]], name: str) -> Iterator[tuple[Any, Callable[[], Any]]]:
+    """Per variant, its `Trainer` (one after the other in this process) after a first optimizer step (a
+    warm-up: the pipeline schedule infers its shapes there) and its second step, to run."""
     from d9d.trainer import Trainer
 
-    peaks = []
     for i, args in enumerate(variants):
-        sets = [*args, f"trainer.checkpointing.save_dir={root}/{i}", "trainer.run.name=acts"]
+        sets = [*args, f"trainer.checkpointing.save_dir={root}/{i}", f"trainer.run.name={name}"]
         with Trainer.from_config(CONFIG, sets) as trainer:
             batches = iter(trainer.data)
             trainer.train_step.run(next(batches), 1)
-            with SavedActivations(exclude=trainer.model.parameters()) as saved:
-                trainer.train_step.run(next(batches), 2)
-            peaks.append(saved.peak)
+            yield trainer, functools.partial(trainer.train_step.run, next(batches), 2)
+
+
+def saved_activation_peaks(root: str, variants: list[list[str]]) -> list[int]:
+    """This rank's peak of bytes held saved for backward (`d9d.parallel.SavedActivations`: weights and
+    their compute copies left out) during the second optimizer step of each variant's job."""
+    from d9d.parallel import SavedActivations
+
+    peaks = []
+    for trainer, step in second_steps(root, variants, "acts"):
+        with SavedActivations(exclude=trainer.model.parameters()) as saved:
+            step()
+        peaks.append(saved.peak)
     return peaks
 
 

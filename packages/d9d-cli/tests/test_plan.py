@@ -899,3 +899,24 @@ def test_a_provider_that_ignores_cpu_offload_is_refused_like_the_trainer(runner,
     (line,) = result.stderr.strip().splitlines()
     assert "trainer.memory.cpu_offload is set but the model provider's parallelize_model_stage" in line
     assert "pass cpu_offload=context.cpu_offload to d9d.parallel.parallelize_hsdp" in line
+
+
+def test_plan_names_the_all_gathered_keys_and_values_apart_under_cp(runner, cp_config):
+    """One layer's K and V at the full 16 tokens (not the rank's 8): 2 × batch × 16 × hidden elements
+    (heads × head_dim = hidden) in the compute dtype; without checkpointing every layer keeps its own."""
+    result = runner.invoke(
+        cli, ["plan", str(cp_config), "--world-size", "2", *_mesh_sets(context_parallel=2)]
+    )
+    assert result.exit_code == 0, result.output
+    (acts,) = _lines(result.output, "activations")
+    batch = int(acts.split("one microbatch of ")[1].split(" × ")[0])
+    hidden, layers = 16, 2  # AttentionLMConfig's defaults
+    itemsize = 2 if "in bfloat16" in acts else 4
+    layer = 2 * batch * 16 * hidden * itemsize
+    (kv,) = _lines(result.output, "of which K/V")
+    assert kv.startswith(f"of which K/V {format_size(layers * layer):>7}"), kv
+    assert f"{format_size(layer)} a layer" in kv
+    plain = runner.invoke(
+        cli, ["plan", str(cp_config), "--world-size", "2", *_mesh_sets(data_parallel_shard=2)]
+    )
+    assert _lines(plain.output, "of which K/V") == []  # nothing all-gathered without cp

@@ -34,7 +34,11 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
         checkpointed_blocks,
         op_checkpoint_policy,
     )
-    from d9d.parallel.activation_memory import SavedActivations, saved_activation_bytes
+    from d9d.parallel.activation_memory import (
+        SavedActivations,
+        saved_activation_bytes,
+        saved_activation_bytes_among,
+    )
     from d9d.parallel.attention import (
         AttentionKernel,
         apply_attention_kernel,
@@ -61,6 +65,7 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
         context_parallel_of,
         meta_attention_as,
         parallelize_context_parallel,
+        recording_gathered_keys_values,
         sequence_length_problem,
     )
     from d9d.parallel.cp_balance import (

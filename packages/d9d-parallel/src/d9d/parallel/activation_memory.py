@@ -8,7 +8,7 @@ saved at once: the figure `d9d plan` estimates.
 """
 
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -17,7 +17,7 @@ from torch import nn
 
 from d9d.parallel import weight_casts
 
-__all__ = ["SavedActivations", "saved_activation_bytes"]
+__all__ = ["SavedActivations", "saved_activation_bytes", "saved_activation_bytes_among"]
 
 
 def saved_activation_bytes(fn: Callable[[], Any], *, exclude: Iterable[torch.Tensor] = ()) -> int:
@@ -26,8 +26,17 @@ def saved_activation_bytes(fn: Callable[[], Any], *, exclude: Iterable[torch.Ten
     Each storage counts once (views of one activation count once); tensors in `exclude` (pass the
     model's parameters: they are not activations) and their views do not count.
     """
+    return saved_activation_bytes_among(fn, among=(), exclude=exclude)[0]
+
+
+def saved_activation_bytes_among(
+    fn: Callable[[], Any], *, among: Sequence[torch.Tensor], exclude: Iterable[torch.Tensor] = ()
+) -> tuple[int, int]:
+    """`saved_activation_bytes`, and the part of it held by the storages of `among` (a list `fn` may
+    fill as it runs, e.g. `recording_gathered_keys_values`'s K/V; read when each tensor is saved)."""
     excluded = {_storage_key(t) for t in exclude}
     seen: dict[int, int] = {}
+    apart: set[int] = set()
     keep: list[torch.Tensor] = []  # hold them so ids are not reused while counting
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -35,11 +44,13 @@ def saved_activation_bytes(fn: Callable[[], Any], *, exclude: Iterable[torch.Ten
         if key not in excluded and key not in seen:
             seen[key] = _nbytes(tensor)
             keep.append(tensor.detach())  # its grad_fn would make a cycle gc cannot free
+            if any(_storage_key(t) == key for t in among):
+                apart.add(key)
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         fn()
-    return sum(seen.values())
+    return sum(seen.values()), sum(seen[key] for key in apart)
 
 
 def _storage_key(tensor: torch.Tensor) -> int:

@@ -38,10 +38,12 @@ __all__ = [
     "context_parallel_of",
     "meta_attention_as",
     "parallelize_context_parallel",
+    "recording_gathered_keys_values",
     "sequence_length_problem",
 ]
 
 _META_AS: ContextVar[str] = ContextVar("d9d_cp_meta_attention_as", default="meta")
+_GATHERED: ContextVar["list[torch.Tensor] | None"] = ContextVar("d9d_cp_gathered", default=None)
 
 
 @contextlib.contextmanager
@@ -55,6 +57,18 @@ def meta_attention_as(device_type: str) -> Iterator[None]:
         yield
     finally:
         _META_AS.reset(token)
+
+
+@contextlib.contextmanager
+def recording_gathered_keys_values() -> Iterator[list[torch.Tensor]]:
+    """Within it, the full-length K and V every context-parallel attention all-gathers are appended to
+    the list it yields (a plan counts what of them backward keeps: `saved_activation_bytes_among`)."""
+    gathered: list[torch.Tensor] = []
+    token = _GATHERED.set(gathered)
+    try:
+        yield gathered
+    finally:
+        _GATHERED.reset(token)
 
 
 class SequenceLengthError(ParallelizeError):
@@ -321,8 +335,12 @@ def _gather_keys_values(
     rank's share: one all-gather for both when their head dims agree; gradients return to the owners."""
     if k.size(-1) == v.size(-1):
         k_full, v_full = cp.unshard_sequence(torch.stack([k, v]), dim=3).unbind(0)
-        return k_full, v_full
-    return cp.unshard_sequence(k, dim=2), cp.unshard_sequence(v, dim=2)
+    else:
+        k_full, v_full = cp.unshard_sequence(k, dim=2), cp.unshard_sequence(v, dim=2)
+    recording = _GATHERED.get()
+    if recording is not None:
+        recording += [k_full, v_full]
+    return k_full, v_full
 
 
 def parallelize_context_parallel(module: nn.Module, mesh: DeviceMesh | None) -> ContextParallel:

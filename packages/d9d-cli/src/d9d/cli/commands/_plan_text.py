@@ -110,6 +110,8 @@ def _memory_lines(job_plan: "JobPlan", config: "JobConfig") -> list[str]:
             f"  weight copies {format_size(copies):>8}  ({compute}, cast once per step and kept for its microbatches)"
         )
     lines.append(_activations_line(job_plan, config, acts, memory.activations_note))
+    if acts is not None and acts.kv_layer:
+        lines.append(_kv_line(acts))
     whose = f"pp rank {peak.pp_rank}, the most of any rank" if peak is not None else ""
     if host:
         on_device = "on the device: parameters, gradients and optimizer state are offloaded to the host"
@@ -174,6 +176,17 @@ def _activations_line(
         f"  activations {format_size(acts.peak):>10}  (one microbatch of {acts.tokens} tokens"
         f"{flight} in {dtype}, checkpointing {ac.mode}{recompute}; none: {format_size(acts.plain)}, full: "
         f"{format_size(acts.full)})"
+    )
+
+
+def _kv_line(acts: "ActivationEstimate") -> str:
+    """Of the activations' peak, the full-length K and V context parallelism's attention all-gathers:
+    those the layers not checkpointed keep, and the recomputing block's."""
+    held = acts.kv + (acts.kv_layer if acts.recompute else 0)
+    return (
+        f"    of which K/V {format_size(held):>7}  (the full-length K and V attention all-gathers, "
+        f"{format_size(acts.kv_layer)} a layer: kept by each layer not checkpointed and by the block "
+        "that recomputes)"
     )
 
 

@@ -63,11 +63,14 @@ class TextDatasetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
         seq_len: tokens per row.
         tokenizer: a tokenizer folder or tokenizer.json; null: bytes (vocabulary 257: 256 bytes and the
             end of a document).
+        document_masking: rows carry `position_ids` and `document_ids`, so the packed documents (a
+            file each) do not attend to each other.
     """
 
     path: ConfigPath
     seq_len: int = 128
     tokenizer: ConfigPath | None = None
+    document_masking: bool = False
 
 
 class TextDatasetProvider:
@@ -80,4 +83,5 @@ class TextDatasetProvider:
 
     def build_dataset(self, context: BuildDatasetContext) -> BuildDatasetResult:
         c = self.config
-        return BuildDatasetResult(dataset=TextDataset(c.path, c.seq_len, tokenizer=c.tokenizer))
+        dataset = TextDataset(c.path, c.seq_len, tokenizer=c.tokenizer, document_masking=c.document_masking)
+        return BuildDatasetResult(dataset=dataset, document_masking=c.document_masking)

@@ -25,11 +25,13 @@ from d9d.parallel import (
     checkpointed_blocks,
     meta_attention_as,
     parallelize_context_parallel,
-    saved_activation_bytes,
+    recording_gathered_keys_values,
+    saved_activation_bytes_among,
 )
 from d9d.parallel.pipeline import StageSpec
 from d9d.trainer.build.model import applied_loss
 from d9d.trainer.job.resolve import ResolvedJob
+from d9d.trainer.planning.configured import packing_keys
 from d9d.trainer.planning.plan import ActivationEstimate, PipelinePlan
 from d9d.trainer.providers.model import InitializeModelStageContext, ParallelizeModelStageContext
 from d9d.trainer.providers.task import LossContext, PipelineStageKwargs, PipelineTask
@@ -57,7 +59,9 @@ def estimate_activations(
     parallelism the model gets the context's cp group (`parallelize_context_parallel`; on a
     planning context a fake process group) and the forward runs rank 0's share of each sequence
     (seq_len / cp tokens), so everything is counted at that length except the K/V that attention
-    all-gathers, which it keeps at the full length for backward. `F.scaled_dot_product_attention` is
+    all-gathers, which it keeps at the full length for backward. That K/V is also counted apart (`ActivationEstimate.kv`,
+    `kv_layer`). A packed dataset (`pack` or `document_masking` set) runs with `position_ids` and
+    `document_ids`, so its document mask is counted as the device saves it. `F.scaled_dot_product_attention` is
     counted as the fused kernels on CUDA and CPU save it (q, k, v, output, float32 log-sum-exp), not
     as its math path, which the meta device would take (a float32 seq × seq matrix). The weights'
     compute copies are not activations (`MemoryPlan.weight_copies`). `mode: op` is counted as it runs.
@@ -89,13 +93,11 @@ def estimate_activations(
     one = context if context.is_local else DistributedContext.single_process()
     base = _shaped(job, one, precision, None, None, ActivationCheckpointingConfig())
     shape = (microbatch_size, seq_len)  # ids and labels are two tensors, as a dataset gives them
-    batch: Any = {
-        name: torch.zeros(shape, dtype=torch.long, device="meta") for name in ("input_ids", "labels")
-    }
+    batch = _meta_batch(job, shape)
     if mesh.context_parallel > 1:
         batch = parallelize_context_parallel(base, context.mesh("dense")).shard_batch(batch)
 
-    def measure(mode: str) -> int:
+    def measure(mode: str) -> tuple[int, int]:
         model = copy.deepcopy(base)  # the cp group is shared, not copied
         if mode != "none":
             apply_activation_checkpointing(
@@ -106,16 +108,17 @@ def estimate_activations(
         def loss() -> object:
             return job.task.compute_loss(LossContext(model=model, batch=batch, device=torch.device("meta")))
 
-        with _AttentionAsFusedKernel(device):
-            return saved_activation_bytes(loss, exclude=model.parameters())
+        with _AttentionAsFusedKernel(device), recording_gathered_keys_values() as kv:
+            return saved_activation_bytes_among(loss, among=kv, exclude=model.parameters())
 
-    plain = measure("none")
-    full = measure("full")
-    checkpointed = {"none": plain, "full": full}.get(config.mode) or measure(config.mode)
-    recompute = _recompute(plain, checkpointed, len(_blocks(base)), config)
+    (plain, kv_plain), (full, _) = measure("none"), measure("full")
+    checkpointed, kv = {"none": (plain, kv_plain), "full": (full, _)}.get(config.mode) or measure(config.mode)
+    blocks = len(_blocks(base))
+    recompute = _recompute(plain, checkpointed, blocks, config)
     return ActivationEstimate(
-        plain=plain, checkpointed=checkpointed, full=full, tokens=tokens, recompute=recompute
-    )
+        plain=plain, checkpointed=checkpointed, full=full, tokens=tokens, recompute=recompute,
+        kv=kv, kv_layer=kv_plain // max(blocks, 1),
+    )  # fmt: skip
 
 
 def _split_activations(
@@ -136,11 +139,9 @@ def _split_activations(
     view = context.tensor_parallel_view()
     in_flight, note = _in_flight(pipeline, stages)
     shape = (microbatch_size, seq_len)
-    full_batch: Any = {
-        name: torch.zeros(shape, dtype=torch.long, device="meta") for name in ("input_ids", "labels")
-    }
+    full_batch = _meta_batch(job, shape)
 
-    def measure(mode: str) -> list[int]:
+    def measure(mode: str) -> list[tuple[int, int]]:
         """One microbatch's saved bytes of each stage."""
         models = [_shaped(job, view, precision, stage, pipeline, msgspec.structs.replace(ac, mode=mode))
                   for stage in stages]  # fmt: skip
@@ -157,8 +158,8 @@ def _split_activations(
                     LossContext(model=model, batch=batch, device=torch.device("meta"))
                 )
 
-            with _AttentionAsFusedKernel(device):
-                return [saved_activation_bytes(loss, exclude=model.parameters())]
+            with _AttentionAsFusedKernel(device), recording_gathered_keys_values() as kv:
+                return [saved_activation_bytes_among(loss, among=kv, exclude=model.parameters())]
         task = cast(PipelineTask, job.task)
         x, target = task.pipeline_inputs(batch)
         kwargs = dict(task.pipeline_kwargs(batch, models)) if isinstance(task, PipelineStageKwargs) else {}
@@ -172,23 +173,35 @@ def _split_activations(
                 out = model(run_x, **kwargs)  # e.g. labels: a fused head's loss (as the schedule runs it)
                 return task.pipeline_loss(out, target) if stage.is_last else out
 
-            with _AttentionAsFusedKernel(device):
-                per_stage.append(saved_activation_bytes(forward, exclude=model.parameters()))
+            with _AttentionAsFusedKernel(device), recording_gathered_keys_values() as kv:
+                per_stage.append(saved_activation_bytes_among(forward, among=kv, exclude=model.parameters()))
         return per_stage
 
     blocks: list[int] = []
-    plain = measure("none")
-    full = measure("full")
+    plain, full = measure("none"), measure("full")
     checkpointed = {"none": plain, "full": full}.get(ac.mode) or measure(ac.mode)
-    recompute = max(_recompute(p, c, n, ac) for p, c, n in zip(plain, checkpointed, blocks, strict=True))
+    recompute = max(
+        _recompute(p, c, n, ac) for (p, _), (c, _), n in zip(plain, checkpointed, blocks, strict=True)
+    )
 
-    def in_flight_total(per_stage: list[int]) -> int:
-        return sum(count * b for count, b in zip(in_flight, per_stage, strict=True))
+    def in_flight_total(per_stage: list[tuple[int, int]], part: int = 0) -> int:
+        return sum(count * b[part] for count, b in zip(in_flight, per_stage, strict=True))
 
+    kv_layer = max(p[1] // max(n, 1) for p, n in zip(plain, blocks, strict=True))
     return ActivationEstimate(
         plain=in_flight_total(plain), checkpointed=in_flight_total(checkpointed), full=in_flight_total(full),
         tokens=tokens, in_flight=in_flight, in_flight_note=note, recompute=recompute,
+        kv=in_flight_total(checkpointed, 1), kv_layer=kv_layer,
     )  # fmt: skip
+
+
+def _meta_batch(job: ResolvedJob, shape: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """A batch of `shape` on the meta device as the dataset gives it: ids and labels, and for packed
+    rows (`pack` or `document_masking` set) the `position_ids` and `document_ids` of the document mask."""
+    names = ["input_ids", "labels"]
+    if packing_keys(job):
+        names += ["position_ids", "document_ids"]
+    return {name: torch.zeros(shape, dtype=torch.long, device="meta") for name in names}
 
 
 def _recompute(plain: int, checkpointed: int, blocks: int, config: ActivationCheckpointingConfig) -> int:
@@ -277,11 +290,14 @@ class _AttentionAsFusedKernel(TorchFunctionMode):
     shapes: it saves for backward what the fused kernels of CUDA and CPU save (q, k, v, output,
     float32 log-sum-exp), and `op` checkpointing keeps its output and log-sum-exp, as theirs. On the
     meta device SDPA would take its math path (a float32 seq × seq matrix, saved and kept). Context
-    parallelism's attention takes the path it takes on `device` (`meta_attention_as`)."""
+    parallelism's attention takes the path it takes on `device` (`meta_attention_as`). A masked call
+    (packed rows) saves its mask too on a CPU, as a float mask of q's dtype; on CUDA the documents'
+    FlexAttention saves what the fused kernels save and its block mask is O(blocks), not counted."""
 
     def __init__(self, device: torch.device | str) -> None:
         super().__init__()
-        self._device_path = meta_attention_as(torch.device(device).type)
+        self._device_type = torch.device(device).type
+        self._device_path = meta_attention_as(self._device_type)
 
     def __enter__(self) -> "_AttentionAsFusedKernel":
         self._device_path.__enter__()
@@ -296,7 +312,14 @@ class _AttentionAsFusedKernel(TorchFunctionMode):
         if func is F.scaled_dot_product_attention:
             named = {**dict(zip(("query", "key", "value"), args, strict=False)), **kwargs}
             fused = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-            return fused(named["query"], named["key"], named["value"], is_causal=True)[0]
+            q, k, v, mask = named["query"], named["key"], named["value"], named.get("attn_mask")
+            if mask is None or self._device_type != "cpu":  # CUDA: FlexAttention, whose mask is O(blocks)
+                return fused(q, k, v, is_causal=True)[0]
+            # CPU: SDPA turns a boolean mask into one of q's dtype and saves it for backward
+            float_mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(
+                ~mask, -torch.inf
+            )
+            return fused(q, k, v, attn_mask=float_mask)[0]
         return func(*args, **kwargs)
 
 

@@ -11,7 +11,6 @@ Nothing is probed, so a user's provider with the same declarations gets exactly 
 from dataclasses import replace
 from typing import Any
 
-import msgspec
 import torch
 
 from d9d.mesh import DistributedContext, MeshConfig, axis_groups
@@ -28,6 +27,7 @@ from d9d.parallel.pipeline import PipelineConfig, PipelineLayout, pipeline_bubbl
 from d9d.trainer.errors import TrainingError
 from d9d.trainer.job.load import LoadedJob
 from d9d.trainer.job.resolve import ResolvedJob, resolve_job
+from d9d.trainer.planning.configured import configured_value, packing_keys
 from d9d.trainer.planning.memory import plan_memory
 from d9d.trainer.planning.plan import JobPlan, PipelinePlan, SequencePlan
 from d9d.trainer.providers.data import Batching, BuildDatasetResult, DeclaresBatching
@@ -252,15 +252,6 @@ def _sequence_plan(
     return SequencePlan(seq_len=length, source=source, cp_groups=groups, share=share, packed=bool(packed))
 
 
-#: The dataset config keys that pack documents (a document mask in every batch).
-_PACKING_KEYS = ("pack", "document_masking")
-
-
-def _packing_keys(job: ResolvedJob) -> list[str]:
-    """The dataset keys of `_PACKING_KEYS` that the config (or its provider's default) sets true."""
-    return [key for key in _PACKING_KEYS if configured_value(job, "dataset", key)[0] is True]
-
-
 def attention_kernel(
     job: ResolvedJob, device: torch.device, precision: MixedPrecision, dataset: BuildDatasetResult | None
 ) -> AttentionKernel:
@@ -271,7 +262,7 @@ def attention_kernel(
         ParallelizeError: the kernel cannot run there (one line: why, and what to use).
     """
     capability, cudnn_version = cuda_attention_facts(device)
-    masking = dataset.document_masking if dataset is not None else bool(_packing_keys(job))
+    masking = dataset.document_masking if dataset is not None else bool(packing_keys(job))
     return resolve_attention(
         job.config.trainer.attention,
         device,
@@ -310,33 +301,8 @@ def configured_seq_len(job: ResolvedJob, role: str = "dataset") -> tuple[int | N
     return None, f"neither {role}.seq_len nor the {role} provider's config_type gives it"
 
 
-def configured_value(job: ResolvedJob, role: str, key: str) -> tuple[Any, str]:
-    """The value of `key` in the `role` ("dataset", "eval_dataset") section as the config tells it
-    without loading data, and from where: set in the config, else the default of that field of the
-    provider's `config_type`; (None, "") when neither has it."""
-    config = job.config
-    section, spec = {
-        "dataset": (config.dataset, config.providers.dataset),
-        "eval_dataset": (config.eval_dataset, config.providers.eval_dataset),
-    }[role]
-    if isinstance(section, dict) and key in section:
-        return section[key], f"{role}.{key}"
-    converted = job.sections.get(role)
-    if isinstance(converted, msgspec.Struct) or _is_dataclass_instance(converted):
-        fields = msgspec.to_builtins(converted)
-        if key in fields:
-            return fields[key], f"the {key} default of providers.{role} ({spec})"
-    return None, ""
-
-
 def _is_length(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_dataclass_instance(value: Any) -> bool:
-    import dataclasses
-
-    return dataclasses.is_dataclass(value) and not isinstance(value, type)
 
 
 # ---------------------------------------------------------------------------------------- optimizer

@@ -107,6 +107,10 @@ class ActivationEstimate:
         recompute: with checkpointing, what the backward of one checkpointed block holds recomputed
             for a moment on top of `checkpointed` (the bytes checkpointing spared that block, one
             microbatch); 0 for `none`. Counted in `peak`: an upper bound of the step's most.
+        kv: of `checkpointed`, the full-length K and V that context parallelism's attention
+            all-gathers and keeps for backward (0 without context parallelism).
+        kv_layer: one layer's all-gathered K and V (one microbatch): what a checkpointed block holds
+            of them while it recomputes.
     """
 
     plain: int
@@ -116,6 +120,8 @@ class ActivationEstimate:
     in_flight: tuple[int, ...] = (1,)
     in_flight_note: str = ""
     recompute: int = 0
+    kv: int = 0
+    kv_layer: int = 0
 
     @property
     def peak(self) -> int:
