@@ -248,7 +248,7 @@ def _sequence_plan(
                 raise TrainingError(f"{exc} (the sequence length: {each} from {where})") from None
     groups = tuple(tuple(g) for g in axis_groups(mesh, "batch", "cp"))
     share = SequenceShare(length, cp, context.coordinate("cp")) if length is not None else None
-    packed = dataset.document_masking if dataset is not None else bool(_packing_keys(job))
+    packed = dataset.document_masking if dataset is not None else bool(packing_keys(job))
     return SequencePlan(seq_len=length, source=source, cp_groups=groups, share=share, packed=bool(packed))
 
 
