@@ -390,3 +390,25 @@ def test_flex_attention_backend_gives_the_sdpa_logits(packed):
         got, sdpa = _sdpa_calls(model, ids, **kwargs)
         assert sdpa == calls, (backend, sdpa)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_the_document_mask_is_built_once_per_batch_for_every_layer(monkeypatch, backend):
+    """Packed rows: one mask per batch (and window), shared by every layer, never one per layer: the
+    FlexAttention block mask on CUDA is as costly as a layer's attention to build."""
+    from d9d.parallel import DocumentMask
+
+    builds, real = [], DocumentMask._build
+
+    def counted(mask: DocumentMask, window: int | None) -> object:
+        builds.append(window)
+        return real(mask, window)
+
+    monkeypatch.setattr(DocumentMask, "_build", counted)
+    model = build(tiny(num_layers=3))
+    model.model.attention_backend = backend
+    ids = tokens(2, 16)
+    with torch.no_grad():
+        for layout in ([[0] * 5 + [1] * 11, [2] * 9 + [3] * 7], [[0] * 8 + [1] * 8, [2] * 16]):
+            model(ids, document_ids=torch.tensor(layout))
+    assert builds == [None, None], builds  # two batches, three layers each
