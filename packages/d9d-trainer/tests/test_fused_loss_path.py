@@ -115,7 +115,11 @@ def test_a_torch_whose_zero_bubble_pass_cannot_split_the_fused_head_gets_full_lo
     config["mesh"] = {"pipeline_parallel": 2}
     config["pipelining"] = {"schedule": schedule}
     job = resolve_job(load_job_config(config))
-    assert applied_loss(job) == (job.config.trainer.loss, None)  # this torch splits it (2.15)
+    here = build_model.zero_bubble_custom_function_problem()  # this torch's answer: 2.15 None, 2.11 why
+    if here is None or schedule == "1f1b":
+        assert applied_loss(job) == (job.config.trainer.loss, None)
+    else:
+        assert not applied_loss(job)[0].fused and applied_loss(job)[1].startswith(here)  # type: ignore[union-attr]
     reason = "torch 2.11.0 cannot split its backward in a zero-bubble schedule"
     monkeypatch.setattr(build_model, "zero_bubble_custom_function_problem", lambda: reason)
     loss, why = applied_loss(job)
