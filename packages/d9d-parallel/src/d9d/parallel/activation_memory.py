@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from d9d.parallel import weight_casts
+from d9d.parallel.weight_casts import open_scope_copies
 
 __all__ = ["SavedActivations", "saved_activation_bytes", "saved_activation_bytes_among"]
 
@@ -134,5 +134,4 @@ def _is_weight(tensor: torch.Tensor) -> bool:
 
 def _cast_copies() -> set[int]:
     """The storages of the compute copies the open `weights_cast_once` scope holds."""
-    scope = weight_casts._active
-    return {_storage_key(copy) for copy in scope.copies()} if scope is not None else set()
+    return {_storage_key(copy) for copy in open_scope_copies()}

@@ -105,6 +105,11 @@ def cast_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return scope.get(weight, dtype)
 
 
+def open_scope_copies() -> list[torch.Tensor]:
+    """The copies the open `weights_cast_once` scope holds (none outside a scope)."""
+    return _active.copies() if _active is not None else []
+
+
 def step_copy(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     """For an op that computes its own gradient of `weight` (in float32): the open scope's copy of
     `weight` in `dtype`, made without autograd on first use; None outside a scope, while compiling,
