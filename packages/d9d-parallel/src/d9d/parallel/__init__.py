@@ -119,6 +119,7 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
         LoraError,
         apply_lora,
         lora_detached,
+        lora_disabled,
         lora_parameter_names,
         lora_parameters,
         lora_state_dict,

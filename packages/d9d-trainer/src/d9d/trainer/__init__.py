@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
     )
     from d9d.trainer.builtins.hf_folder import HFModelConfig, HFModelProvider
     from d9d.trainer.builtins.optim import BuiltinLRSchedulerProvider, BuiltinOptimizerProvider
+    from d9d.trainer.builtins.preference import PreferenceConfig, PreferenceTask
     from d9d.trainer.builtins.prepared_data import MixtureSource, PreparedDataConfig, PreparedDataProvider
     from d9d.trainer.builtins.reference_model import ReferenceModelProvider
     from d9d.trainer.builtins.task import CausalLMTask

@@ -10,7 +10,7 @@ from torch import nn
 from d9d.parallel import autocast_forward
 from d9d.parallel.pipeline import Pipeline, PipelineLayout
 from d9d.trainer.errors import TrainingError
-from d9d.trainer.providers.task import LossResult, PipelineStageKwargs, PipelineTask
+from d9d.trainer.providers.task import LossResult, PipelineStageKwargs, PipelineTask, metric_sums
 from d9d.trainer.step.base import StepBase, StepOutput, StepSettings
 
 __all__ = ["PipelineStep"]
@@ -58,6 +58,7 @@ class PipelineStep(StepBase):
             device=settings.device,
         )
         self._step = 0
+        self._metrics = torch.zeros(0, dtype=torch.float64, device=settings.device)
         # Without per-stage forward contexts (older torch): one stream per step, in schedule order.
         self._per_step_stream = settings.randomness is not None and not self.pipeline.around_stage_forwards(
             self._stage_forward
@@ -71,6 +72,8 @@ class PipelineStep(StepBase):
 
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
         result = self.pipeline_task.pipeline_loss(output, target)
+        if self.metric_names:  # the last stage's sums of the task's metrics over the step's microbatches
+            self._metrics += metric_sums(self.metric_names, result, self.settings.device)
         return result.loss_sum / self._scale
 
     def _stage_kwargs(self, microbatches: Sequence[Any]) -> list[dict[str, Any]] | None:
@@ -95,7 +98,7 @@ class PipelineStep(StepBase):
         if outputs is None:
             return None
         return [
-            self.pipeline_task.pipeline_loss(out, y.to(device))
+            self.pipeline_task.pipeline_loss(out, _to_device(y, device))
             for out, (_, y) in zip(outputs, pairs, strict=True)
         ]
 
@@ -115,9 +118,10 @@ class PipelineStep(StepBase):
         self.optimizer.zero_grad(set_to_none=True)
         pairs = [self.pipeline_task.pipeline_inputs(mb) for mb in microbatches]
         inputs = [x.to(device) for x, _ in pairs]
-        targets = [y.to(device) for _, y in pairs]
+        targets = [_to_device(y, device) for _, y in pairs]
         kwargs = self._stage_kwargs(microbatches)
         self._step = step
+        self._metrics = torch.zeros(len(self.metric_names), dtype=torch.float64, device=device)
         if self._per_step_stream and self.settings.randomness is not None:
             self.settings.randomness.seed_pipeline(step)
         # the schedule interleaves forwards and backwards: the kernel choice and the weights' compute
@@ -127,4 +131,16 @@ class PipelineStep(StepBase):
         assert share is not None
         self.add_expert_load()  # the stage's MoE layers hold the step's last microbatch
         loss = self.dp_sum(share.detach().to(torch.float64))
-        return self.finish(loss, weight, step)
+        metrics = None
+        if self.metric_names:  # the last stage's sums, on every pipeline rank, then over dp
+            metrics = self.dp_sum(self.pipeline.from_last_stage(self._metrics))
+        return self.finish(loss, weight, step, metrics=metrics)
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    """`value` on `device`: a tensor, or a mapping of tensors (a task's target with several parts)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {key: _to_device(item, device) for key, item in value.items()}
+    return value
