@@ -66,7 +66,9 @@ def _steps(run_dir: Path) -> list[dict[str, float]]:
 @pytest.fixture(scope="module")
 def one_process(preference_example: Path) -> tuple[list[dict[str, float]], dict[str, torch.Tensor]]:
     example = preference_example
-    weights = run_forked(_train, str(example / "config.yaml"), _args(example, "one"), env={"OMP_NUM_THREADS": "1"})
+    weights = run_forked(
+        _train, str(example / "config.yaml"), _args(example, "one"), env={"OMP_NUM_THREADS": "1"}
+    )
     return _steps(example / "runs" / "one"), weights
 
 
@@ -89,7 +91,9 @@ def _trl_dpo(example: Path, steps: int) -> list[dict[str, float]]:
         use_cpu=True, beta=0.1, loss_type=["sigmoid"], max_length=128, report_to=[], save_strategy="no",
         seed=0, dataloader_num_workers=0, disable_tqdm=True,
     )  # fmt: skip
-    trainer = DPOTrainer(model=model, ref_model=reference, args=args, train_dataset=pairs, processing_class=tokenizer)
+    trainer = DPOTrainer(
+        model=model, ref_model=reference, args=args, train_dataset=pairs, processing_class=tokenizer
+    )
     trainer.train()
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
     return [{key: float(entry[key]) for key in METRICS} for entry in logged]
