@@ -120,3 +120,11 @@ def test_killed_run_resumes_bit_exact(tmp_path):
     assert [r["step"] for r in resumed.records] == list(range(1, steps + 1))
     for mine, one in zip(_metrics(resumed), _metrics(full), strict=True):
         assert mine == one  # bit for bit: losses, grad norms, rewards, evals
+
+
+def test_full_logits_give_the_fused_heads_numbers(tmp_path, one_process):
+    """With `trainer.loss.fused: false` the model returns logits and the task takes their log-softmax:
+    the fused head's per-token losses (the default) give the same run."""
+    logits = train(1, _args(tmp_path, "logits", "trainer.loss.fused=false"))
+    compare_runs(logits, one_process, rel=1e-5)
+    _same_metrics(logits, one_process, rel=1e-5)

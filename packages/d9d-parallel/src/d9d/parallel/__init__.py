@@ -105,6 +105,7 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
         fuse_linear_cross_entropy,
         fused_head_problem,
         linear_cross_entropy,
+        set_head_reduction,
     )
     from d9d.parallel.gradient_norm import (
         clip_grad_norm_,

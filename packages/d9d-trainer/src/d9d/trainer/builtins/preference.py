@@ -27,9 +27,9 @@ from torch import nn
 
 from d9d.data import IGNORE_INDEX
 from d9d.mesh import get_logger
-from d9d.parallel import lora_disabled
+from d9d.parallel import lora_disabled, set_head_reduction
 from d9d.trainer.errors import TrainingError
-from d9d.trainer.providers.task import LossContext, LossResult, PrepareRunContext
+from d9d.trainer.providers.task import LossContext, LossResult, PrepareRunContext, fused_loss_chunk_size
 
 __all__ = ["PreferenceConfig", "PreferenceTask", "preference_losses"]
 
@@ -144,34 +144,34 @@ class PreferenceTask:
 
     def compute_loss(self, context: LossContext) -> LossResult:
         """Forward the rows and score every pair (`pipeline_loss`)."""
-        batch, device = context.batch, context.device
+        batch, device, model = context.batch, context.device, context.model
         input_ids = batch["input_ids"].to(device, non_blocking=True)
         packed = {key: batch[key].to(device, non_blocking=True) for key in _PACKED_KEYS if key in batch}
-        return self.pipeline_loss(context.model(input_ids, **packed), self._target(batch))
+        if fused_loss_chunk_size(model) is not None:  # the head's per-token losses: no [tokens, vocab] logits
+            packed["labels"] = batch["labels"].to(device, non_blocking=True)
+        return self.pipeline_loss(model(input_ids, **packed), self._target(batch))
 
     def pipeline_inputs(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Under pipeline parallelism: the first stage gets `input_ids`; the loss, the pair target."""
         return batch["input_ids"], self._target(batch)
 
     def pipeline_kwargs(self, batch: Any, stages: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
-        """Every stage's attention inputs of a packed batch (positions and documents)."""
-        del stages
-        return {key: batch[key] for key in _PACKED_KEYS if key in batch}
+        """Every stage's attention inputs of a packed batch (positions and documents), and the labels
+        when this rank's last stage computes its per-token losses fused."""
+        kwargs = {key: batch[key] for key in _PACKED_KEYS if key in batch}
+        if any(fused_loss_chunk_size(stage) is not None for stage in stages):
+            kwargs["labels"] = batch["labels"]
+        return kwargs
 
-    def pipeline_loss(self, logits: torch.Tensor, target: Mapping[str, torch.Tensor]) -> LossResult:
+    def pipeline_loss(self, output: torch.Tensor, target: Mapping[str, torch.Tensor]) -> LossResult:
         """The summed loss of the microbatch's pairs and their summed metrics (or, during the reference
-        pass, their log-probabilities recorded and a zero loss)."""
-        if logits.ndim != 3:
-            raise TrainingError(
-                "PreferenceTask needs the model's logits [rows, seq, vocab]; the model returned a tensor of "
-                f"shape {tuple(logits.shape)} (a fused loss head returns its loss only with labels, which "
-                "this task does not pass)"
-            )
-        device = logits.device
+        pass, their log-probabilities recorded and a zero loss). `output`: the model's logits, or a
+        fused head's per-token losses (`set_head_reduction(model, "none")`, set by `prepare_run`)."""
+        device = output.device
         labels = target["labels"].to(device)
         sequences = target["sequence_ids"].to(device)
         pairs = target["pair_ids"].numel()
-        logps, lengths = sequence_logps(logits, labels, sequences, 2 * pairs)
+        logps, lengths = sequence_logps(token_logps(output, labels), labels, sequences, 2 * pairs)
         logps, lengths = logps.view(pairs, 2), lengths.view(pairs, 2)
         if self._recording is not None:
             table, filled = self._recording
@@ -213,7 +213,9 @@ class PreferenceTask:
 
     def prepare_run(self, context: PrepareRunContext) -> None:
         """Give every dataset its reference log-probabilities: from the checkpoint the run resumed from,
-        or computed now with the starting weights (adapters off under LoRA)."""
+        or computed now with the starting weights (adapters off under LoRA). A fused head returns its
+        per-token losses from now on (`set_head_reduction`)."""
+        set_head_reduction(context.model, "none")
         if not self.needs_reference:
             return
         for role, dataset in context.datasets.items():
@@ -271,13 +273,36 @@ class PreferenceTask:
         }
 
 
+def token_logps(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each label's log-probability (float32, flat; 0 where ignored) from the model's logits [rows,
+    seq, vocab] or a fused head's per-token losses [rows, seq].
+
+    Raises:
+        TrainingError: `output` is neither (e.g. a fused head's summed loss).
+    """
+    if output.ndim == labels.ndim + 1:
+        return -F.cross_entropy(
+            output.reshape(-1, output.shape[-1]).float(),
+            labels.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="none",
+        )
+    if output.shape == labels.shape:
+        return -output.float().reshape(-1)
+    raise TrainingError(
+        f"PreferenceTask needs the model's logits [rows, seq, vocab] or its head's per-token losses [rows, "
+        f"seq]; the model returned shape {tuple(output.shape)} for labels {tuple(labels.shape)} (a fused head "
+        "sums its loss unless set_head_reduction(model, 'none') is set)"
+    )
+
+
 def sequence_logps(
-    logits: torch.Tensor, labels: torch.Tensor, sequences: torch.Tensor, count: int
+    token_logps: torch.Tensor, labels: torch.Tensor, sequences: torch.Tensor, count: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed log-probabilities of the labels of each sequence (float32) and its labelled tokens.
 
     Args:
-        logits: [rows, seq, vocab].
+        token_logps: each label's log-probability, flat (`token_logps`).
         labels: [rows, seq] the next token at each position (IGNORE_INDEX: none).
         sequences: [rows, seq] the sequence each labelled position belongs to (-1: none).
         count: sequences in the microbatch.
@@ -285,18 +310,13 @@ def sequence_logps(
     Returns:
         ([count] log-probabilities, [count] labelled tokens).
     """
-    token_logps = -F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(),
-        labels.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="none",
-    )
+    device = token_logps.device
     index = sequences.reshape(-1)
     counted = (index >= 0) & (labels.reshape(-1) != IGNORE_INDEX)
     index = torch.where(counted, index, torch.zeros_like(index))
-    logps = torch.zeros(count, dtype=token_logps.dtype, device=logits.device)
+    logps = torch.zeros(count, dtype=token_logps.dtype, device=device)
     logps = logps.index_add(0, index, torch.where(counted, token_logps, torch.zeros_like(token_logps)))
-    lengths = torch.zeros(count, dtype=token_logps.dtype, device=logits.device)
+    lengths = torch.zeros(count, dtype=token_logps.dtype, device=device)
     lengths = lengths.index_add(0, index, counted.to(token_logps.dtype))
     return logps, lengths
 
