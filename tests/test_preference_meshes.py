@@ -38,8 +38,13 @@ def _args(tmp: Path, name: str, *extra: str, pack: bool = False) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory) -> RunResult:
-    return train(1, _args(tmp_path_factory.mktemp("one"), "one"))
+def one_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("one")
+
+
+@pytest.fixture(scope="module")
+def one_process(one_dir) -> RunResult:
+    return train(1, _args(one_dir, "one"))
 
 
 def _metrics(result: RunResult) -> list[dict[str, float]]:
@@ -128,3 +133,39 @@ def test_full_logits_give_the_fused_heads_numbers(tmp_path, one_process):
     logits = train(1, _args(tmp_path, "logits", "trainer.loss.fused=false"))
     compare_runs(logits, one_process, rel=1e-5)
     _same_metrics(logits, one_process, rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["preference={loss: sigmoid, beta: 0}"], r"preference\.beta must be a positive number, got 0"),
+        (["preference={loss: kto}"], r"preference\.loss: Invalid enum value 'kto'"),
+        (["preference={loss: sigmoid, temperature: 2}"], r"unknown key preference\.temperature"),
+        (["providers.task=d9d.trainer:CausalLMTask"], r"a preference: section is given but providers\.task"),
+        (["mesh.context_parallel=2"], r"does not run under context parallelism.*mesh\.context_parallel: 1"),
+    ],
+    ids=["beta", "loss", "unknown-key", "section-without-task", "context-parallel"],
+)
+def test_bad_preference_config_is_one_line_before_anything_is_built(tmp_path, extra, message):
+    from d9d.trainer import ConfigError, load_job_config, resolve_job
+
+    with pytest.raises(ConfigError, match=message) as caught:
+        resolve_job(load_job_config(CONFIG, _args(tmp_path, "bad", *extra), world_size=2))
+    assert "\n" not in str(caught.value)
+    assert not (tmp_path / "bad").exists()
+
+
+LORA = r"peft.lora={rank: 4, alpha: 8, target_modules: ['.*\.(q_proj|v_proj|up_proj)']}"
+
+
+def test_lora_reference_is_the_base_model_on_fsdp_as_on_one_process(tmp_path, one_process, one_dir):
+    """With LoRA the reference pass runs the base model (adapters off, no copy): the reference
+    log-probabilities are the full model's starting ones; FSDP 2 trains the adapters as one process."""
+    one = train(1, _args(tmp_path, "lora-one", LORA))
+    fsdp = train(2, _args(tmp_path, "lora-fsdp2", LORA, "mesh.data_parallel_shard=2"))
+    compare_runs(fsdp, one, rel=1e-5)
+    _same_metrics(fsdp, one, rel=1e-5)
+    assert one.records[0]["loss"] == pytest.approx(0.6931471805599453, abs=1e-7)
+    full, lora = _reference_tables(one_dir / "one"), _reference_tables(tmp_path / "lora-one")
+    for role in ("train", "eval"):
+        assert lora[role] == pytest.approx(full[role], rel=1e-6)
