@@ -179,9 +179,8 @@ def test_packed_and_unpacked_batches_label_the_same_sequences(tmp_path):
         assert not labelled[:, -1].any()
         pairs = batch["pair_ids"]
         torch.testing.assert_close(_sums(batch, weights).view(-1, 2), own[pairs], rtol=0, atol=1e-12)
-        for k, pair in enumerate(
-            pairs.tolist()
-        ):  # labelled tokens of 2k / 2k + 1 = the pair's own completions
+        # the labelled tokens of 2k / 2k + 1 are the pair's own completions
+        for k, pair in enumerate(pairs.tolist()):
             for side in (0, 1):
                 alone = plain[pair]["labels"][side]
                 assert torch.equal(batch["labels"][batch["sequence_ids"] == 2 * k + side], alone[alone >= 0])
