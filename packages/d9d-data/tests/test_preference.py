@@ -231,11 +231,15 @@ def test_truncation_and_drop_are_counted(tmp_path):
     assert cut[1]["input_ids"][1].tolist() == list(b"abcfghij")  # the start, no EOS
     dropped = PreferenceDataset(source, 8, overflow="drop")
     assert (dropped.stats.pairs, dropped.stats.truncated, dropped.stats.dropped_too_long) == (1, 0, 2)
-    packed = PreferenceDataset(source, 14, pack=True)
+    packed = PreferenceDataset(source, 15, pack=True)
     assert packed.stats.truncated == 2 and len(packed) == 3
-    assert packed.completion_tokens.tolist() == [[3, 4], [3, 5], [4, 4]]  # 6+8, then 7+7 of 14
-    assert packed.stats.label_tokens == 23 and packed.stats.tokens == 6 + 7 + 6 + 8 + 7 + 7
+    assert packed.completion_tokens.tolist() == [[3, 4], [3, 6], [5, 4]]  # 6+9, then 8+7 of 15
+    assert packed.stats.label_tokens == 25 and packed.stats.tokens == 6 + 7 + 6 + 9 + 8 + 7
     assert "3 of 3 preference pairs kept (2 truncated" in str(packed.stats)
+    exact = PreferenceDataset(
+        _jsonl(tmp_path / "x.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}] * 2), 12, pack=True
+    )
+    assert len(exact) == 1 and exact.packing_efficiency == 1  # two pairs of 3 + 3 fill a row of 12
 
 
 BAD = {
