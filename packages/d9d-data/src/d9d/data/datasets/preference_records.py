@@ -10,7 +10,7 @@ prompt + completion ids, and the prompt length is shared by chosen and rejected.
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -23,6 +23,20 @@ __all__ = ["EncodedPair", "PairFormat", "encode_pair", "pair_format"]
 PairFormat = Literal["plain", "chat"]
 
 _FIELDS = ("prompt", "chosen", "rejected")
+
+
+@runtime_checkable
+class _KnowsSpecialTokens(Protocol):
+    """A tokenizer with named special-token texts and its own special tokens (a Hugging Face folder)."""
+
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """{"eos_token": "<|im_end|>", ...}."""
+        ...
+
+    def encode_with_special_tokens(self, text: str) -> np.ndarray:
+        """Ids of `text` with the special tokens the tokenizer adds itself (BOS, ...)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -87,8 +101,9 @@ def _plain_ids(
             raise DatasetError(
                 f"{where}: '{name}' is empty; every pair needs a non-empty chosen and rejected text"
             )
-    eos_text = getattr(tokenizer, "special_tokens", {}).get("eos_token")
-    encode = getattr(tokenizer, "encode_with_special_tokens", tokenizer.encode)
+    special = isinstance(tokenizer, _KnowsSpecialTokens)
+    eos_text = tokenizer.special_tokens.get("eos_token") if special else None
+    encode = tokenizer.encode_with_special_tokens if special else tokenizer.encode
     prompt = np.asarray(encode(record["prompt"]), dtype=np.int64)
     full = []
     for name in ("chosen", "rejected"):
