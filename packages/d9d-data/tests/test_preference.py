@@ -34,7 +34,7 @@ PLAIN = [
     {"prompt": "And the earth", "chosen": " was without form", "rejected": "ly things"},
     # ends mid-word: the prompt's last token merges with the answer's first, so the completion starts
     # at the common prefix, before the end of the tokenized prompt
-    {"prompt": "And God sa", "chosen": "id, Let there be light", "rejected": "w the light"},
+    {"prompt": "And the ear", "chosen": "th was without form", "rejected": "th moved"},
 ]
 
 
