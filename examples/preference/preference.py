@@ -7,8 +7,10 @@ the job's entry.
 
 The job is config.yaml alone (the built-in `d9d.trainer:HFModelProvider`, `PreferenceDatasetProvider`
 and `PreferenceTask`); this file only makes the demo folder, and runs a config like `python train.py`.
-The pairs are verifiable: the prompt asks for the verse that follows a verse of the corpus; the chosen
-answer is that verse, the rejected one another verse of the corpus.
+The pairs teach a style a tiny model can learn from a few hundred of them: the prompt asks for the verse
+that follows a verse of the corpus; the chosen answer is that verse as written, the rejected one the
+same verse shouted (in capitals). Held-out pairs are scored right once the policy prefers the style,
+not the words: `eval_rewards/accuracies` rises towards 1.
 """
 
 import json
@@ -24,13 +26,12 @@ from d9d.trainer import main
 
 
 def demo_pairs() -> list[dict[str, Any]]:
-    """Preference pairs in TRL's conversational format: the true next verse chosen, another rejected."""
+    """Preference pairs in TRL's conversational format: the next verse as written chosen, shouted rejected."""
     conversations = [c["messages"][-2:] for c in demo_conversations()]
-    answers = [assistant["content"] for _, assistant in conversations]
-    shuffled = random.Random(0)
+    random.Random(0).shuffle(conversations)
     pairs = []
-    for i, (user, assistant) in enumerate(conversations):
-        other = answers[(i + shuffled.randrange(1, len(answers))) % len(answers)]
+    for user, assistant in conversations:
+        other = assistant["content"].upper()
         pairs.append(
             {
                 "prompt": [user],
