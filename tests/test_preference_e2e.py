@@ -78,7 +78,7 @@ def one_process(
     return backend, _steps(example / "runs" / name), weights
 
 
-def _trl_dpo(example: Path, steps: int) -> list[dict[str, float]]:
+def _trl_dpo(example: Path, steps: int, loss: str = "sigmoid") -> list[dict[str, float]]:
     """TRL's DPOTrainer on the same folder and pairs, with the same optimizer, on CPU in float32."""
     import datasets
     import transformers
@@ -94,7 +94,7 @@ def _trl_dpo(example: Path, steps: int) -> list[dict[str, float]]:
         output_dir=str(example / "runs" / "trl"), per_device_train_batch_size=PAIRS, max_steps=steps,
         learning_rate=1e-3, lr_scheduler_type="constant", warmup_steps=0, adam_beta1=0.9, adam_beta2=0.999,
         adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, bf16=False, fp16=False,
-        use_cpu=True, beta=0.1, loss_type=["sigmoid"], max_length=128, report_to=[], save_strategy="no",
+        use_cpu=True, beta=0.1, loss_type=[loss], max_length=128, report_to=[], save_strategy="no",
         seed=0, dataloader_num_workers=0, disable_tqdm=True,
     )  # fmt: skip
     trainer = DPOTrainer(
@@ -117,6 +117,20 @@ def test_dpo_matches_trl(preference_example: Path, one_process) -> None:
         for key in METRICS:
             assert mine[key] == pytest.approx(trl[key], rel=1e-4, abs=1e-4), (step, key, mine[key], trl[key])
     assert ours[-1]["rewards/margins"] > 0  # it learned: the chosen completions gained on the rejected
+
+
+def test_ipo_matches_trl(preference_example: Path) -> None:
+    """IPO (`preference.loss: ipo`, per-token log-ratios as TRL's) against TRL's `loss_type=["ipo"]`."""
+    pytest.importorskip("trl")
+    example = preference_example
+    run_forked(_train, str(example / "config.yaml"), _args(example, "ipo", "preference.loss=ipo"),
+               env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+    ours = _steps(example / "runs" / "ipo")
+    theirs = run_forked(_trl_dpo, example, STEPS, "ipo", env={"OMP_NUM_THREADS": "1"}, timeout=600)
+    assert ours[0]["loss"] == pytest.approx(1 / (2 * 0.1) ** 2, rel=1e-6)  # step 1: (0 − 1/(2β))²
+    for step, (mine, trl) in enumerate(zip(ours, theirs, strict=True), start=1):
+        for key in METRICS:
+            assert mine[key] == pytest.approx(trl[key], rel=1e-4, abs=1e-4), (step, key, mine[key], trl[key])
 
 
 MESHES = {"reference": ["mesh.data_parallel_shard=2"], "hf": ["mesh.tensor_parallel=2"]}
