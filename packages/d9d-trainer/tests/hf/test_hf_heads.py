@@ -73,6 +73,25 @@ def test_classifier_folder_gives_transformers_scores(backend, model_type, tmp_pa
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_documents_are_scored_each_as_alone(backend, tmp_path):
+    folder = classifier_folder("llama", tmp_path / "cls")
+    theirs = transformers.AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    ids = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(5))
+    ids[0, 10:] = PAD
+    documents = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1, 2, 2, -1, -1]])  # the padding document: no score
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 0, 1]])
+    with torch.no_grad():
+        alone = torch.cat([theirs(input_ids=ids[:, a:b]).logits for a, b in ((0, 5), (5, 8), (8, 10))])
+    head = {"kind": "classification", "num_labels": 3}
+    with Trainer.from_config(job(folder, tmp_path, backend, head)) as trainer:
+        trainer.resume()
+        trainer.model.eval()
+        with torch.no_grad():
+            packed = trainer.model(ids, position_ids=positions, document_ids=documents)
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_causal_folder_gives_a_seeded_head_and_the_export_loads_in_transformers(backend, tmp_path):
     folder = causal_folder("qwen3", tmp_path / "lm")
     head = {"kind": "classification", "num_labels": 2}
@@ -97,7 +116,7 @@ def test_causal_folder_gives_a_seeded_head_and_the_export_loads_in_transformers(
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_embeddings_are_the_normalized_last_token_states(backend, tmp_path):
+def test_embeddings_are_the_normalized_last_token_states_and_export_as_the_base_model(backend, tmp_path):
     folder = causal_folder("llama", tmp_path / "lm")
     base = transformers.AutoModel.from_pretrained(folder).eval()
     ids = padded_batch()
@@ -110,7 +129,15 @@ def test_embeddings_are_the_normalized_last_token_states(backend, tmp_path):
     ) as trainer:
         trainer.resume()
         got = scores(trainer, ids)
+        trainer.export(tmp_path / "out")
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["architectures"] == ["LlamaModel"]
+    back, info = transformers.AutoModel.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        exported = back.eval()(input_ids=ids).last_hidden_state[torch.arange(4), last]
+    torch.testing.assert_close(got, F.normalize(exported, dim=-1), atol=1e-5, rtol=1e-5)
 
 
 def test_a_head_the_backend_cannot_build_is_one_line(tmp_path):

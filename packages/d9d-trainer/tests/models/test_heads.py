@@ -124,13 +124,14 @@ def test_causal_folder_gives_seeded_fresh_head_and_export_round_trips(tmp_path):
         torch.testing.assert_close(model.eval()(ids), back.eval()(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("pooling", ["last", "mean"])
-def test_embeddings_pool_the_real_tokens(pooling, tmp_path):
+@pytest.mark.parametrize(("pooling", "normalize"), [("last", True), ("mean", True), ("mean", False)])
+def test_embeddings_pool_the_real_tokens(pooling, normalize, tmp_path):
     base = transformers.AutoModel.from_config(transformers.LlamaConfig(**_SHAPE)).eval()
     causal = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**_SHAPE))
     causal.model = base
     causal.save_pretrained(tmp_path)
-    ours = build_reference_model(head_config(tmp_path, EmbeddingHead(pooling=pooling, pad_token_id=PAD)))
+    head = EmbeddingHead(pooling=pooling, normalize=normalize, pad_token_id=PAD)
+    ours = build_reference_model(head_config(tmp_path, head))
     load_hf_pretrained(ours, tmp_path)
     ids = padded_batch()
     real = ids != PAD
@@ -143,7 +144,9 @@ def test_embeddings_pool_the_real_tokens(pooling, tmp_path):
         last = (torch.arange(ids.shape[1]) * real).argmax(-1)
         expected = states[torch.arange(4), last]
     assert got.shape == (4, 32)
-    torch.testing.assert_close(got, F.normalize(expected, dim=-1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        got, F.normalize(expected, dim=-1) if normalize else expected, atol=1e-5, rtol=1e-5
+    )
 
 
 def test_bad_heads_are_one_line_errors():
