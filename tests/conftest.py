@@ -27,3 +27,21 @@ def finetune_example(tmp_path_factory: pytest.TempPathFactory) -> Path:
     subprocess.run([sys.executable, str(folder / "finetune.py"), "make-demo", "demo"], cwd=folder, check=True,
                    capture_output=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}, timeout=300)  # fmt: skip
     return folder
+
+
+@pytest.fixture(scope="session")
+def preference_example(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of examples/preference (beside the fine-tune example it takes its demo model from) with its
+    demo made (`make-demo`: a tiny Qwen3 folder with its tokenizer and chat template, and preference
+    pairs); the config's relative paths point into it. Made once per session."""
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    root = tmp_path_factory.mktemp("preference")
+    for name in ("preference", "finetune"):
+        shutil.copytree(ROOT / "examples" / name, root / name,
+                        ignore=shutil.ignore_patterns("demo", "runs", "export", "__pycache__"))  # fmt: skip
+    (root / "data").symlink_to(ROOT / "examples" / "data")
+    folder = root / "preference"
+    subprocess.run([sys.executable, str(folder / "preference.py"), "make-demo", "demo"], cwd=folder, check=True,
+                   capture_output=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}, timeout=300)  # fmt: skip
+    return folder

@@ -19,6 +19,7 @@ from d9d.parallel import (
     fuse_linear_cross_entropy,
     fused_head_problem,
     linear_cross_entropy,
+    set_head_reduction,
 )
 from d9d.parallel.config import LoraConfig
 
@@ -160,6 +161,45 @@ def test_under_autocast_the_matmuls_run_in_bfloat16_and_the_weight_gradient_stay
     assert abs(float(loss.detach()) - want) <= 1e-2 * abs(want)  # bf16 logits either way
     for got, full in zip(fused_grads, (hidden.grad, inputs["weight"].grad), strict=True):
         assert float((got.float() - full.float()).abs().max()) <= 2e-2 * float(full.float().abs().max())
+
+
+def _per_token_unfused(hidden, weight, labels, bias=None, softcap=None) -> torch.Tensor:
+    logits = F.linear(hidden, weight, bias)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    losses = F.cross_entropy(
+        logits.flatten(0, -2).float(), labels.flatten(), ignore_index=-100, reduction="none"
+    )
+    return losses.view(labels.shape)
+
+
+def _per_token_grads(
+    loss_fn, inputs: dict[str, Any], **options: Any
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Each token's loss, and the gradients of a weighted sum of them (a different weight per token, as a
+    sequence-level loss gives)."""
+    leaves = [t for t in (inputs["hidden"], inputs["weight"], inputs["bias"]) if t is not None]
+    losses = loss_fn(inputs["hidden"], inputs["weight"], inputs["labels"], bias=inputs["bias"], **options)
+    weights = torch.linspace(-1.0, 2.0, losses.numel()).view(losses.shape)
+    return losses.detach(), list(torch.autograd.grad((losses * weights).sum(), leaves))
+
+
+@pytest.mark.parametrize(("bias", "softcap"), [(False, None), (True, 5.0)])
+def test_per_token_losses_and_their_gradients_equal_the_full_logits(bias, softcap):
+    inputs = _inputs(bias)
+    got = _per_token_grads(linear_cross_entropy, inputs, chunk_size=CHUNK, softcap=softcap, reduction="none")
+    expected = _per_token_grads(_per_token_unfused, inputs, softcap=softcap)
+    assert got[0].shape == inputs["labels"].shape
+    assert bool((got[0][inputs["labels"] == -100] == 0).all())  # ignored tokens: 0
+    torch.testing.assert_close(got[0], expected[0], rtol=REL, atol=1e-6)
+    for g, e in zip(got[1], expected[1], strict=True):
+        assert float((g - e).abs().max()) <= REL * float(e.abs().max()), float((g - e).abs().max())
+    summed = linear_cross_entropy(inputs["hidden"], inputs["weight"], inputs["labels"], bias=inputs["bias"],
+                                  chunk_size=CHUNK, softcap=softcap)  # fmt: skip
+    assert float(summed) == pytest.approx(float(got[0].sum()), rel=1e-6)
+    head = fuse_linear_cross_entropy(nn.Linear(HIDDEN, VOCAB, bias=False), chunk_size=CHUNK)
+    assert set_head_reduction(nn.Sequential(head), "none") == 1
+    assert head(inputs["hidden"], labels=inputs["labels"]).shape == inputs["labels"].shape
 
 
 def _vocab_parallel(bias: bool, softcap: float | None) -> dict[str, Any] | None:

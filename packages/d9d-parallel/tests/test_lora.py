@@ -22,6 +22,7 @@ from d9d.parallel import (
     apply_lora,
     cross_entropy,
     lora_detached,
+    lora_disabled,
     lora_parameter_names,
     lora_parameters,
     lora_state_dict,
@@ -187,6 +188,23 @@ def test_dropout_applies_to_the_adapter_input_only():
         evaluated = model(x)
         model.train()
         assert not torch.allclose(model(x), evaluated)
+
+
+def test_lora_disabled_gives_the_base_model_and_puts_the_adapters_back():
+    torch.manual_seed(0)
+    model = _Tiny()
+    tokens = make_batches(1, 2, SEQ)[0]
+    base = model(tokens).detach()
+    apply_lora(model, ATTN_MLP)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, LoraB):
+                module.weight.normal_(std=0.1)
+    adapted = model(tokens).detach()
+    assert not torch.allclose(adapted, base, atol=1e-4)  # the adapters change the output
+    with lora_disabled(model):
+        torch.testing.assert_close(model(tokens), base, rtol=0, atol=0)  # exactly the base model
+    torch.testing.assert_close(model(tokens).detach(), adapted, rtol=0, atol=0)  # back on after the block
 
 
 def test_merge_equals_the_unmerged_forward_and_leaves_the_base_state_dict():

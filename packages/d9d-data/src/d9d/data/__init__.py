@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
     from d9d.data.config import AutoDataConfig
     from d9d.data.datasets.mixture import MixtureDataset
     from d9d.data.datasets.packed import IGNORE_INDEX, CausalLMSample, PackedTokens
+    from d9d.data.datasets.preference import PreferenceDataset, PreferenceStats, collate_preference
     from d9d.data.datasets.prepared import PreparedDataset
     from d9d.data.datasets.sft import SFTDataset, SFTStats
     from d9d.data.datasets.text import TextDataset

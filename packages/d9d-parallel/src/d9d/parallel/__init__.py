@@ -105,6 +105,7 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
         fuse_linear_cross_entropy,
         fused_head_problem,
         linear_cross_entropy,
+        set_head_reduction,
     )
     from d9d.parallel.gradient_norm import (
         clip_grad_norm_,
@@ -119,6 +120,7 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
         LoraError,
         apply_lora,
         lora_detached,
+        lora_disabled,
         lora_parameter_names,
         lora_parameters,
         lora_state_dict,

@@ -25,6 +25,7 @@ and `fuse_linear_cross_entropy` turns a model's plain `nn.Linear` head into one 
 
 import contextlib
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,7 @@ __all__ = [
     "fuse_linear_cross_entropy",
     "fused_head_problem",
     "linear_cross_entropy",
+    "set_head_reduction",
 ]
 
 _FP32 = torch.float32
@@ -54,8 +56,11 @@ def linear_cross_entropy(
     chunk_size: int = 1024,
     ignore_index: int = -100,
     softcap: float | None = None,
+    reduction: Literal["sum", "none"] = "sum",
 ) -> torch.Tensor:
-    """The summed token cross-entropy (float32, 0-dim) of `hidden @ weight.T + bias` against `labels`.
+    """The summed token cross-entropy (float32, 0-dim) of `hidden @ weight.T + bias` against `labels`;
+    with `reduction="none"`, each token's (float32, `labels`' shape; 0 where ignored), e.g. the negated
+    log-probabilities of completions that a preference loss sums per sequence.
 
     Args:
         hidden: [..., hidden] input of the head; computed in autocast's dtype when autocast is on for
@@ -70,6 +75,8 @@ def linear_cross_entropy(
         ValueError: `chunk_size` below 1, `labels` not matching `hidden`'s leading dims, or a DTensor
             layout other than those above.
     """
+    if reduction not in ("sum", "none"):
+        raise ValueError(f"linear_cross_entropy: reduction must be 'sum' or 'none', got {reduction!r}")
     if chunk_size < 1:
         raise ValueError(
             f"linear_cross_entropy: chunk_size must be >= 1 (tokens per chunk), got {chunk_size}"
@@ -87,14 +94,15 @@ def linear_cross_entropy(
     if isinstance(copy, DTensor):
         copy = copy.to_local()
     hidden, weight, bias, shard = _local_operands(hidden, weight, bias)
-    return _LinearCrossEntropy.apply(
+    loss = _LinearCrossEntropy.apply(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,
         bias,
         labels.reshape(-1),
-        _Options(chunk_size, ignore_index, softcap, dtype, *shard),
+        _Options(chunk_size, ignore_index, softcap, dtype, *shard, per_token=reduction == "none"),
         copy,
     )
+    return loss if reduction == "sum" else loss.view(labels.shape)
 
 
 @dataclass(frozen=True)
@@ -107,6 +115,7 @@ class _Options:
     dtype: torch.dtype
     group: dist.ProcessGroup | None
     vocab_start: int
+    per_token: bool = False  # each token's loss, not their sum
 
 
 def _local_operands(
@@ -209,6 +218,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             b = bias.to(options.dtype) if bias is not None else None
             log_sum_exp = torch.empty(h.shape[0], dtype=_FP32, device=h.device)
             total = torch.zeros((), dtype=_FP32, device=h.device)
+            per_token = torch.zeros(h.shape[0], dtype=_FP32, device=h.device) if options.per_token else None
             for start in range(0, h.shape[0], options.chunk_size):
                 end = start + options.chunk_size
                 logits, _ = _chunk_logits(h[start:end], w, b, options.softcap)
@@ -217,11 +227,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 del logits
                 log_sum_exp[start:end] = lse
                 counted = labels[start:end] != options.ignore_index
-                total += torch.where(counted, lse - target, torch.zeros_like(lse)).sum()
+                losses = torch.where(counted, lse - target, torch.zeros_like(lse))
+                if per_token is not None:
+                    per_token[start:end] = losses
+                else:
+                    total += losses.sum()
         ctx.save_for_backward(h, w, b, labels, log_sum_exp)
         ctx.options = options  # type: ignore[attr-defined]
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)  # type: ignore[attr-defined]
-        return total
+        return per_token if per_token is not None else total
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad_loss: torch.Tensor) -> tuple[
@@ -237,8 +251,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         with _no_autocast(h.device):
             for start in range(0, h.shape[0], options.chunk_size):
                 end = start + options.chunk_size
+                chunk_scale = scale[start:end] if options.per_token else scale  # each token's gradient
                 grad = _chunk_grad(
-                    h[start:end], w, b, labels[start:end], log_sum_exp[start:end], scale, options
+                    h[start:end], w, b, labels[start:end], log_sum_exp[start:end], chunk_scale, options
                 )
                 if grad_h is not None:
                     torch.mm(grad, w, out=grad_h[start:end])
@@ -266,8 +281,8 @@ def _chunk_grad(
     scale: torch.Tensor,
     options: _Options,
 ) -> torch.Tensor:
-    """d loss / d raw logits of one chunk, in the compute dtype: (softmax − one-hot) × the loss's gradient,
-    zero for ignored tokens, through the soft-cap when there is one."""
+    """d loss / d raw logits of one chunk, in the compute dtype: (softmax − one-hot) × the loss's gradient
+    (0-dim, or one per token of the chunk), zero for ignored tokens, through the soft-cap when there is one."""
     logits, capped = _chunk_logits(h, w, b, options.softcap)
     _, column, owned = _target_logits(logits, labels, options)
     probs = logits.sub_(log_sum_exp.unsqueeze(1)).exp_()
@@ -301,9 +316,13 @@ class LinearCrossEntropyHead(nn.Linear):
         chunk_size: tokens per chunk of the fused loss.
         softcap: the logits' soft cap (Gemma's `final_logit_softcapping`), or None.
         ignore_index: the label that adds nothing (d9d.data's IGNORE_INDEX, -100).
+        reduction: "sum" (the summed loss), or "none": each token's loss, labels' shape (a task that
+            scores whole sequences, e.g. preference optimization, sets it on the model's heads:
+            `set_head_reduction`).
     """
 
     chunk_size: int = 1024
+    reduction: Literal["sum", "none"] = "sum"
     softcap: float | None = None
     ignore_index: int = -100
     casts_weight_once: bool = True  # inside `weights_cast_once` the loss computes from the step's copy
@@ -320,7 +339,17 @@ class LinearCrossEntropyHead(nn.Linear):
             chunk_size=self.chunk_size,
             ignore_index=self.ignore_index,
             softcap=self.softcap,
+            reduction=self.reduction,
         )
+
+
+def set_head_reduction(model: nn.Module, reduction: Literal["sum", "none"]) -> int:
+    """Make every fused head of `model` (`LinearCrossEntropyHead`) return its loss summed or per token
+    when given labels; how many heads it set."""
+    heads = [m for m in model.modules() if isinstance(m, LinearCrossEntropyHead)]
+    for head in heads:
+        head.reduction = reduction
+    return len(heads)
 
 
 def fused_head_problem(head: nn.Module | None) -> str | None:

@@ -196,6 +196,25 @@ def lora_detached(model: nn.Module) -> Iterator[None]:
             _freeze_all_but_adapters(model)
 
 
+#: Set on an adapted Linear inside `lora_disabled`: its adapter adds nothing.
+_OFF_ATTR = "_d9d_lora_off"
+
+
+@contextlib.contextmanager
+def lora_disabled(model: nn.Module) -> Iterator[None]:
+    """The base model alone inside the block: no adapter of `model` adds to its Linear's output (e.g. the
+    reference policy of preference optimization with LoRA: the starting weights, at no memory cost).
+    Nothing moves or is re-created; every adapter is back on exit."""
+    adapted = [m for m in model.modules() if isinstance(getattr(m, "lora_A", None), LoraA)]
+    for module in adapted:
+        setattr(module, _OFF_ATTR, True)
+    try:
+        yield
+    finally:
+        for module in adapted:
+            setattr(module, _OFF_ATTR, False)
+
+
 def _freeze_all_but_adapters(model: nn.Module) -> None:
     adapters = {id(p) for p in lora_parameters(model)}
     for param in model.parameters():
@@ -236,7 +255,7 @@ def _lora_forward(
 ) -> Any:
     out = inner(self, x, *args, **kwargs)
     lora_a = getattr(self, "lora_A", None)
-    if lora_a is None:  # merged by merge_lora
+    if lora_a is None or getattr(self, _OFF_ATTR, False):  # merged by merge_lora, or `lora_disabled`
         return out
     return out + self.lora_B(lora_a(self.lora_dropout(x))) * getattr(self, _SCALE_ATTR)
 

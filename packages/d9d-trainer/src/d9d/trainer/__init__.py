@@ -11,8 +11,8 @@ loss-weighted gradient accumulation, checkpoints, resumes and exports.
 
 A fine-tune or a pre-training run needs no Python file: the built-in providers train the model d9d
 ships (`ReferenceModelProvider`, `d9d.trainer.models`) or a Hugging Face folder (`HFModelProvider`)
-on conversations (`ChatDatasetProvider`), text (`TextDatasetProvider`) or prepared folders
-(`PreparedDataProvider`).
+on conversations (`ChatDatasetProvider`), preference pairs (`PreferenceDatasetProvider`), text
+(`TextDatasetProvider`) or prepared folders (`PreparedDataProvider`).
 
 The names below are the whole public face, listed once. They load on first use (PEP 562), so
 importing one that needs no torch (`read_metrics`) does not import torch: `d9d metrics` stays fast.
@@ -33,11 +33,14 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
     from d9d.trainer.builtins.datasets import (
         ChatDatasetConfig,
         ChatDatasetProvider,
+        PreferenceDatasetConfig,
+        PreferenceDatasetProvider,
         TextDatasetConfig,
         TextDatasetProvider,
     )
     from d9d.trainer.builtins.hf_folder import HFModelConfig, HFModelProvider
     from d9d.trainer.builtins.optim import BuiltinLRSchedulerProvider, BuiltinOptimizerProvider
+    from d9d.trainer.builtins.preference import PreferenceConfig, PreferenceTask
     from d9d.trainer.builtins.prepared_data import MixtureSource, PreparedDataConfig, PreparedDataProvider
     from d9d.trainer.builtins.reference_model import ReferenceModelProvider
     from d9d.trainer.builtins.task import CausalLMTask

@@ -5,7 +5,7 @@ Torch-free, so that `run_job` can answer for a finished run from its checkpoint'
 without importing the trainer, and callbacks can name them without importing the loop.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["EvalResult", "TrainResult"]
 
@@ -38,8 +38,9 @@ class EvalResult:
         step: the optimizer step after which it ran.
         loss: mean token loss over the evaluated set (sum of token losses / tokens).
         perplexity: exp(loss) (inf where that overflows).
-        tokens: labelled tokens evaluated.
+        tokens: labelled tokens evaluated (the task's weight: e.g. pairs for a preference task).
         wall_s: how long it took.
+        metrics: the task's metrics over the whole set (`ReportsMetrics`), recorded as `eval_<name>`.
     """
 
     step: int
@@ -47,7 +48,13 @@ class EvalResult:
     perplexity: float
     tokens: float
     wall_s: float
+    metrics: dict[str, float] = field(default_factory=dict)
 
     def record(self) -> dict[str, float]:
         """The keys it adds to its step's `metrics.jsonl` record."""
-        return {"eval_loss": self.loss, "eval_perplexity": self.perplexity, "eval_tokens": self.tokens}
+        return {
+            "eval_loss": self.loss,
+            "eval_perplexity": self.perplexity,
+            "eval_tokens": self.tokens,
+            **{f"eval_{name}": value for name, value in self.metrics.items()},
+        }

@@ -43,11 +43,11 @@ from d9d.trainer.planning.job_plan import check_model_mesh, plan_job
 from d9d.trainer.planning.plan import JobPlan
 from d9d.trainer.providers.data import BuildDataProviderContext, BuildDatasetContext, SupportsClose
 from d9d.trainer.providers.declared import undeclared_methods
-from d9d.trainer.providers.task import PipelineTask
+from d9d.trainer.providers.task import PipelineTask, PrepareRunContext, PreparesRun
 from d9d.trainer.results import EvalResult, TrainResult
 from d9d.trainer.run.checkpoints import RunCheckpoints
 from d9d.trainer.run.early_stopping import EarlyStopping
-from d9d.trainer.run.evaluation import EvalSet, Evaluator, load_eval_set
+from d9d.trainer.run.evaluation import EvalSet, Evaluator, data_microbatch_size, load_eval_set
 from d9d.trainer.run.loop import RunLoop, RunParts
 from d9d.trainer.run.signals import StopRequests
 from d9d.trainer.run.tokenizer import RunTokenizer
@@ -187,6 +187,7 @@ class Trainer:
         self._checkpoints = RunCheckpoints(
             job, manager, model, self._optimizer, self._scheduler, self._data, starting,
             early_stopping=EarlyStopping(stopping) if stopping is not None else None, tokenizer=tokenizer,
+            task=job.task,
         )  # fmt: skip
         self._exporter = Exporter(job, ctx, model, starting, pipelined=plan.pipeline is not None,
                                   tokenizer_files=tokenizer.files)  # fmt: skip
@@ -266,7 +267,9 @@ class Trainer:
         else:
             self._train_step = MicrobatchStep(model, job.task, self._optimizer, self._scheduler, settings)
         pipelined = self._train_step if isinstance(self._train_step, PipelineStep) else None
-        self._evaluator = Evaluator(eval_set, model, job.task, settings, pipeline=pipelined)
+        self._evaluator = Evaluator(eval_set, model, job.task, settings, pipeline=pipelined, context=ctx,
+                                    microbatch_size=data_microbatch_size(job))  # fmt: skip
+        self._eval_set = eval_set
 
     def _run_parts(self, guards: RunGuards, profiler: StepProfiler) -> RunParts:
         return RunParts(
@@ -285,6 +288,32 @@ class Trainer:
             failures=guards.failures,
             faults=guards.faults,
             randomness=self._randomness,
+            prepare_run=self._prepare_run if isinstance(self._job.task, PreparesRun) else None,
+        )
+
+    def _prepare_run(self, restored: bool) -> None:
+        """The task's `prepare_run` (`PreparesRun`), after a resume put the weights in place."""
+        task = self._job.task
+        assert isinstance(task, PreparesRun)
+        sets: dict[str, tuple[Any, Any]] = {}
+        if self._dataset is not None:
+            sets["train"] = (self._dataset.dataset, self._dataset.collate_fn)
+        if self._eval_set is not None:
+            sets["eval"] = (self._eval_set.dataset, self._eval_set.collate_fn)
+
+        def forward_only(role: str) -> None:  # the evaluator's machinery over the whole set
+            dataset, collate_fn = sets[role]
+            self._evaluator.over(dataset, collate_fn)
+
+        task.prepare_run(
+            PrepareRunContext(
+                run_dir=self.run_dir,
+                model=self._model,
+                context=self._context,
+                datasets={role: dataset for role, (dataset, _) in sets.items()},
+                restored=restored,
+                forward_only=forward_only,
+            )
         )
 
     # ------------------------------------------------------------------ accessors

@@ -177,6 +177,11 @@ class _HFTokenizer:
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
 
+    def encode_with_special_tokens(self, text: str) -> np.ndarray:
+        """Token ids of `text` with the special tokens tokenizer.json's post-processor adds (BOS, ...),
+        as transformers' `tokenizer(text)`; TRL tokenizes plain-text preference pairs this way."""
+        return np.asarray(self._tokenizer.encode(text, add_special_tokens=True).ids, dtype=np.int64)
+
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         """`encode` of each text, in one call of the Rust tokenizer (its own threads, when allowed)."""
         encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)

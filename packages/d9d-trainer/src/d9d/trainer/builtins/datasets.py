@@ -1,5 +1,6 @@
-"""The built-in dataset providers: conversations for supervised fine-tuning (`d9d.trainer:ChatDatasetProvider`)
-and plain text for pre-training (`d9d.trainer:TextDatasetProvider`); prepared folders are
+"""The built-in dataset providers: conversations for supervised fine-tuning (`d9d.trainer:ChatDatasetProvider`),
+preference pairs for DPO (`d9d.trainer:PreferenceDatasetProvider`) and plain text for pre-training
+(`d9d.trainer:TextDatasetProvider`); prepared folders are
 `d9d.trainer:PreparedDataProvider`'s. Paths are relative to the config file, like every path of a job.
 
     providers: {dataset: d9d.trainer:ChatDatasetProvider}
@@ -10,11 +11,18 @@ from typing import Literal
 
 import msgspec
 
-from d9d.data import SFTDataset, TextDataset
+from d9d.data import PreferenceDataset, SFTDataset, TextDataset, collate_preference
 from d9d.trainer.config.base import ConfigPath
 from d9d.trainer.providers.data import BuildDatasetContext, BuildDatasetResult
 
-__all__ = ["ChatDatasetConfig", "ChatDatasetProvider", "TextDatasetConfig", "TextDatasetProvider"]
+__all__ = [
+    "ChatDatasetConfig",
+    "ChatDatasetProvider",
+    "PreferenceDatasetConfig",
+    "PreferenceDatasetProvider",
+    "TextDatasetConfig",
+    "TextDatasetProvider",
+]
 
 
 class ChatDatasetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -53,6 +61,43 @@ class ChatDatasetProvider:
         dataset = SFTDataset(c.path, c.seq_len, tokenizer=c.tokenizer, train_on=c.train_on,
                              overflow=c.overflow, pack=c.pack, roles=c.roles)  # fmt: skip
         return BuildDatasetResult(dataset=dataset)
+
+
+class PreferenceDatasetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The `dataset:` (and `eval_dataset:`) section: preference pairs (TRL's prompt / chosen / rejected).
+
+    Attributes:
+        path: a .jsonl file or a folder of them (`{"prompt", "chosen", "rejected"}`, plain text or
+            message lists).
+        tokenizer: a Hugging Face tokenizer folder (with the chat template for message lists); usually
+            the model's folder.
+        seq_len: tokens per row.
+        pack: several whole pairs per row (position and document ids keep every sequence apart).
+        overflow: "truncate" (keep the start) or "drop" pairs longer than seq_len.
+    """
+
+    path: ConfigPath
+    tokenizer: ConfigPath
+    seq_len: int = 256
+    pack: bool = False
+    overflow: Literal["truncate", "drop"] = "truncate"
+
+
+class PreferenceDatasetProvider:
+    """`d9d.data.PreferenceDataset` over the configured JSONL, collated by `d9d.data.collate_preference`
+    (its batch format is in `PreferenceDataset`'s docstring)."""
+
+    config_type = PreferenceDatasetConfig
+
+    def __init__(self, config: PreferenceDatasetConfig) -> None:
+        self.config = config
+
+    def build_dataset(self, context: BuildDatasetContext) -> BuildDatasetResult:
+        c = self.config
+        dataset = PreferenceDataset(
+            c.path, c.seq_len, tokenizer=c.tokenizer, overflow=c.overflow, pack=c.pack
+        )
+        return BuildDatasetResult(dataset=dataset, collate_fn=collate_preference, document_masking=c.pack)
 
 
 class TextDatasetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -221,3 +221,8 @@ class JobConfig(Section):
     eval_dataset: dict[str, Any] = msgspec.field(default_factory=dict)
     export: ExportConfig = ExportConfig()
     peft: PeftConfig = PeftConfig()
+    preference: dict[str, Any] = msgspec.field(default_factory=dict)
+    """The preference task's section (`d9d.trainer:PreferenceTask`: `loss`, `beta`, ...)."""
+    task: dict[str, Any] = msgspec.field(default_factory=dict)
+    """A task's own section (a task class names the section it reads in `config_section`: `task` or
+    `preference`)."""

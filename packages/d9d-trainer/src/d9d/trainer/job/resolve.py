@@ -92,7 +92,7 @@ def resolve_job(loaded: LoadedJob) -> ResolvedJob:
             "model",
             ("initialize_model_stage", "parallelize_model_stage", "prepare_export_model_stage"),
         ),
-        "task": (providers.task, {}, None, ("batch_weight", "compute_loss")),
+        "task": _task_section(providers.task, loaded),
         "data": (providers.data, config.data, "data", ("build_data_provider",)),
         "optimizer": (providers.optimizer, config.optimizer, "optimizer", ("build_optimizer",)),
         "lr_scheduler": (
@@ -124,6 +124,7 @@ def resolve_job(loaded: LoadedJob) -> ResolvedJob:
         built["eval_dataset"] = _GuardedDatasetProvider(
             built["eval_dataset"], spec=providers.eval_dataset or "", role="eval_dataset"
         )
+    _check_task_mesh(config, built["task"], providers.task, where)
     _check_batch(config, built["data"])
     _check_state_dtype(config, built["optimizer"], where=where)
     callbacks = tuple(
@@ -142,6 +143,44 @@ def resolve_job(loaded: LoadedJob) -> ResolvedJob:
         sections=arguments,
         callbacks=callbacks,
     )
+
+
+#: The sections a task may read (its class's `config_section`; none by default).
+TASK_SECTIONS = ("task", "preference")
+
+
+def _task_section(spec: str, loaded: LoadedJob) -> tuple[str, Any, str | None, tuple[str, ...]]:
+    """`providers.task` with the section its class reads (`config_section`: `task` or `preference`).
+
+    Raises:
+        ConfigError: a task section is given that the task does not read, or the class names another.
+    """
+    config, where = loaded.config, loaded.where
+    cls = resolve_object(spec, loaded.base_dir, key=f"{where}: providers.task")
+    wanted = getattr(cls, "config_section", None)
+    if wanted is not None and wanted not in TASK_SECTIONS:
+        raise ConfigError(
+            f"{where}: providers.task ({spec}) reads section {wanted!r}; a task's config_section must be "
+            f"one of {', '.join(TASK_SECTIONS)}"
+        )
+    for key in TASK_SECTIONS:
+        if key != wanted and getattr(config, key):
+            raise ConfigError(
+                f"{where}: a {key}: section is given but providers.task ({spec}) does not read it; remove "
+                f"the section or name a task that does (d9d.trainer:PreferenceTask reads preference:)"
+            )
+    methods = ("batch_weight", "compute_loss")
+    return spec, (getattr(config, wanted) if wanted else {}), wanted, methods
+
+
+def _check_task_mesh(config: JobConfig, task: Any, spec: str, where: str) -> None:
+    """A task that declares `supports_context_parallel = False` on a mesh with context parallelism."""
+    cp = config.mesh.context_parallel
+    if getattr(task, "supports_context_parallel", True) is False and isinstance(cp, int) and cp > 1:
+        raise ConfigError(
+            f"{where}: providers.task ({spec}) does not run under context parallelism (its per-sequence "
+            f"scores need whole sequences on one rank); set mesh.context_parallel: 1 (got {cp})"
+        )
 
 
 def _callback(entry: str | CallbackConfig, key: str, loaded: LoadedJob, where: str) -> Callback:

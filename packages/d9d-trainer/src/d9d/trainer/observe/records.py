@@ -27,7 +27,7 @@ import contextlib
 import json
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,6 +87,8 @@ class StepRecords:
         on_records: called with the records once they are written (on every rank: the callbacks'
             `on_step`).
         stragglers: warns about a rank that stays the busiest (rank 0's; None: no warning).
+        summarize: the task's metrics (`StepOutput.metrics`, global sums) and the step's weight →
+            the values its record holds (`d9d.trainer.providers.task.summarize_metrics`); None: none.
     """
 
     def __init__(
@@ -105,6 +107,7 @@ class StepRecords:
         trackers: Trackers | None = None,
         on_records: Callable[[list[dict[str, Any]]], None] | None = None,
         stragglers: StragglerWatch | None = None,
+        summarize: Callable[[Sequence[float], float], dict[str, float]] | None = None,
     ) -> None:
         self._path = path
         self._writer = writer
@@ -119,6 +122,8 @@ class StepRecords:
         self._trackers = trackers
         self._on_records = on_records
         self._stragglers = stragglers
+        self._summarize = summarize
+        self._last_metrics: dict[str, float] = {}  # the task's metrics of the last flushed step
         self._pending: list[_Pending] = []
         self._last_log = time.perf_counter()
         self._last_loss: float | None = None
@@ -173,10 +178,19 @@ class StepRecords:
             columns = [
                 torch.cat([c, p.output.rank_busy.double()]) for c, p in zip(columns, pending, strict=True)
             ]  # type: ignore[union-attr]
+        task_metrics = self._summarize is not None and all(p.output.metrics is not None for p in pending)
+        if task_metrics:  # the task's summed metrics of each step: more columns of the same read, last
+            columns = [
+                torch.cat([c, p.output.metrics.double()]) for c, p in zip(columns, pending, strict=True)
+            ]  # type: ignore[union-attr]
+        width = len(pending[0].output.metrics) if task_metrics else 0  # type: ignore[arg-type]
         values = torch.stack(columns).tolist()
         times = read_phases([p.phases for p in pending])  # after the sync above: no wait
         records = []
         for p, (loss, norm, weight, *rest), phases in zip(pending, values, times, strict=True):
+            rest, sums = (rest[: len(rest) - width], rest[len(rest) - width :]) if width else (rest, [])
+            task_values = self._summarize(sums, weight) if task_metrics and self._summarize else {}
+            self._last_metrics = task_values
             load, ranks = (rest[:3], rest[3:]) if moe else ([], rest)
             tokens_per_s = weight / max(p.step_time_s, 1e-9)
             records.append(
@@ -184,6 +198,7 @@ class StepRecords:
                     "step": p.step,
                     "loss": loss,
                     "grad_norm": norm,
+                    **task_values,
                     "lr": p.lr,
                     "tokens": weight,
                     "step_time_s": p.step_time_s,
@@ -250,6 +265,7 @@ class StepRecords:
             loss=round(last["loss"], 5),
             grad_norm=round(last["grad_norm"], 4),
             lr=float(f"{last['lr']:.6g}"),  # the file keeps the exact value
+            **{name: round(value, 5) for name, value in self._last_metrics.items()},
             tokens_per_s=round(tokens_per_s, 1),
             **mfu(tokens_per_s, self.flops_per_token, self._peak, self._world_size),
             **_memory(self._device),
@@ -262,6 +278,7 @@ def _log_eval(result: EvalResult) -> None:
         step=result.step,
         loss=round(result.loss, 5),
         perplexity=round(result.perplexity, 3),
+        **{name: round(value, 5) for name, value in result.metrics.items()},
         tokens=int(result.tokens),
         wall_s=round(result.wall_s, 2),
     )

@@ -1,9 +1,10 @@
-"""The task: a microbatch's summed loss and its weight; the pipeline variant of it; a model that computes
-its token loss itself (`ComputesTokenLoss`); and the one place between steps where a training method
-prepares the step (`PreparesSteps`)."""
+"""The task: a microbatch's summed loss and its weight; the pipeline variant of it; the metrics it reports
+besides its loss (`ReportsMetrics`); a model that computes its token loss itself (`ComputesTokenLoss`);
+and the one place between steps where a training method prepares the step (`PreparesSteps`)."""
 
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -31,6 +32,10 @@ class LossResult:
 
     loss_sum: torch.Tensor
     weight: float | torch.Tensor
+    metrics: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    """Summed (not averaged) values of the task's `ReportsMetrics.metric_names` over the microbatch
+    (0-dim tensors, detached or not); the trainer sums them over the step's microbatches and the
+    data-parallel ranks like the loss, without a host read."""
 
 
 @runtime_checkable
@@ -129,4 +134,93 @@ class PreparesSteps(Protocol):
 
     def prepare_step(self, context: PrepareStepContext) -> Any:
         """The microbatches of step `context.step` (a list, as the data provider yields them)."""
+        ...
+
+
+@runtime_checkable
+class ReportsMetrics(Protocol):
+    """A task that reports metrics besides its loss (optional): e.g. DPO's rewards and accuracy.
+
+    Each microbatch's `LossResult.metrics` holds a summed value per name; the trainer sums them over
+    the step's microbatches and all data-parallel ranks (the pipeline's last stage's, under pipeline
+    parallelism) in the reduction that carries the loss, and records `summarize_metrics` of the totals
+    in every step's record (and, prefixed `eval_`, in every eval's), exactly as one process would
+    compute them over the same global batch.
+    """
+
+    @property
+    def metric_names(self) -> Sequence[str]:
+        """The names of the summed values, the same on every rank and every step."""
+        ...
+
+
+def metric_names(task: object) -> tuple[str, ...]:
+    """`task`'s metric names (`ReportsMetrics`), else none."""
+    return tuple(task.metric_names) if isinstance(task, ReportsMetrics) else ()
+
+
+def metric_sums(names: Sequence[str], result: LossResult, device: torch.device) -> torch.Tensor:
+    """The summed values of `names` in `result.metrics`, as one float64 vector on `device` (detached).
+
+    Raises:
+        ValueError: `result.metrics` lacks one of `names`.
+    """
+    missing = [name for name in names if name not in result.metrics]
+    if missing:
+        raise ValueError(
+            f"the task declares metrics {missing} (metric_names) but its LossResult.metrics lacks them; "
+            "return every declared metric from compute_loss and pipeline_loss"
+        )
+    if not names:
+        return torch.zeros(0, dtype=torch.float64, device=device)
+    return torch.stack([result.metrics[n].detach().to(device, torch.float64).reshape(()) for n in names])
+
+
+def summarize_metrics(task: object, sums: Sequence[float], weight: float) -> dict[str, float]:
+    """The reported values of `task`'s metrics from their global sums and the global weight: the task's
+    own `summarize_metrics(sums: dict, weight) -> dict` when it has one (e.g. an F1 from counts), else
+    each sum over the weight (the mean per unit of weight, as the loss)."""
+    names = metric_names(task)
+    totals = dict(zip(names, sums, strict=True))
+    own = getattr(task, "summarize_metrics", None)
+    if callable(own):
+        return {str(k): float(v) for k, v in own(totals, weight).items()}
+    return {name: (value / weight if weight else float("nan")) for name, value in totals.items()}
+
+
+@dataclass(frozen=True)
+class PrepareRunContext:
+    """What `prepare_run` may use, once per launch before its first step or eval.
+
+    Attributes:
+        run_dir: the run's directory: a task may keep files there (the main process writes them,
+            atomically); they survive a crash and a resume.
+        model: this rank's (parallelized) model.
+        context: where this rank sits (mesh, coordinates, device).
+        datasets: the job's map-style datasets by role: "train" (`providers.dataset`) and "eval"
+            (`providers.eval_dataset`), those it has.
+        restored: the model holds a checkpoint's weights (a resumed run), not its starting weights.
+        forward_only: `forward_only(role)` runs the task over every sample of the dataset of that
+            role once (collated by its provider's collate function), across the data-parallel ranks (microbatches of `data.microbatch_size`, in
+            index order), forward only, no grad, model in eval mode, on any mesh (the pipeline's stages
+            included): each microbatch goes to `compute_loss` (or `pipeline_loss` on the last stage),
+            like an eval's; what the task keeps from them is its own.
+    """
+
+    run_dir: Path
+    model: nn.Module
+    context: DistributedContext
+    datasets: Mapping[str, Any]
+    restored: bool
+    forward_only: Callable[[str], None]
+
+
+@runtime_checkable
+class PreparesRun(Protocol):
+    """A task that prepares the run once before its first step (optional): e.g. a preference task
+    computes its reference log-probabilities with the starting weights and keeps them in the run
+    directory, so a resumed run reads them back instead."""
+
+    def prepare_run(self, context: PrepareRunContext) -> None:
+        """Prepare (every rank calls it, with the same context on each)."""
         ...

@@ -75,8 +75,12 @@ class RunCheckpoints:
         starting: StartingWeights,
         early_stopping: EarlyStopping | None = None,
         tokenizer: RunTokenizer | None = None,
+        task: Any = None,
     ) -> None:
         self.manager = manager
+        # a task with state of its own (`state_dict`/`load_state_dict`, plain data: e.g. a preference
+        # task's reference log-probabilities) is saved in every checkpoint and restored with it
+        self._task = task if callable(getattr(task, "state_dict", None)) else None
         self._tokenizer = tokenizer
         self.early_stopping = early_stopping
         #: What stopped the run, from the checkpoint it resumed from (None: no callback did).
@@ -156,6 +160,8 @@ class RunCheckpoints:
         if self.early_stopping is not None:
             self.early_stopping.load_state_dict(extra.get("early_stopping") or {})
         self.callback_stop = CallbackStop.from_state(extra.get("callback_stop"))
+        if self._task is not None:
+            self._task.load_state_dict(extra.get("task") or {})
         resumed = int(extra["step"])
         _log.info("resumed", step=resumed, checkpoint=str(latest.path))
         saved_world = extra.get("world")
@@ -213,6 +219,7 @@ class RunCheckpoints:
                 else {}
             ),
             **({"callback_stop": callback_stop.state()} if callback_stop is not None else {}),
+            **({"task": self._task.state_dict()} if self._task is not None else {}),
         }
         if self._tokenizer is not None:  # the run directory keeps the tokenizer its weights train with
             self._tokenizer.record()

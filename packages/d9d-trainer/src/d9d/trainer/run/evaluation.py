@@ -37,12 +37,19 @@ from d9d.trainer.errors import ConfigError, TrainingError
 from d9d.trainer.job.resolve import ResolvedJob
 from d9d.trainer.planning.job_plan import EVAL_LENGTH
 from d9d.trainer.providers.data import BuildDatasetContext
-from d9d.trainer.providers.task import LossContext, LossResult, Task
+from d9d.trainer.providers.task import (
+    LossContext,
+    LossResult,
+    Task,
+    metric_names,
+    metric_sums,
+    summarize_metrics,
+)
 from d9d.trainer.results import EvalResult
 from d9d.trainer.step.base import StepSettings
 from d9d.trainer.step.pipeline import PipelineStep
 
-__all__ = ["EvalSet", "Evaluator", "eval_microbatches", "load_eval_set"]
+__all__ = ["EvalSet", "Evaluator", "data_microbatch_size", "eval_microbatches", "load_eval_set"]
 
 
 def eval_microbatches(
@@ -132,6 +139,11 @@ def _data_microbatch_size(data: dict[str, Any]) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else 1
 
 
+def data_microbatch_size(job: ResolvedJob) -> int:
+    """`data.microbatch_size` of the job (1 when its data provider's section has none)."""
+    return _data_microbatch_size(job.config.data)
+
+
 class Evaluator:
     """Runs the eval when it is due (see the module docstring); does nothing without an eval set."""
 
@@ -142,9 +154,16 @@ class Evaluator:
         task: Task,
         settings: StepSettings,
         pipeline: PipelineStep | None = None,
+        *,
+        context: DistributedContext | None = None,
+        microbatch_size: int = 1,
     ) -> None:
         """`pipeline`: under pipeline parallelism, the training step, whose stages the eval runs
-        forward only (`PipelineStep.forward_only`); `model` then holds this rank's stages."""
+        forward only (`PipelineStep.forward_only`); `model` then holds this rank's stages.
+        `context` and `microbatch_size`: where this rank sits and the microbatch of a pass over another
+        dataset (`over`)."""
+        self._context = context
+        self._microbatch_size = microbatch_size
         self._set = eval_set
         self._pipeline = pipeline
         self._model = model
@@ -163,6 +182,20 @@ class Evaluator:
         if not self.due(step, total_steps, stopping=stopping):
             return None
         return self.run(step)
+
+    def over(self, dataset: Any, collate_fn: Any) -> EvalResult:
+        """The same forward-only pass over all of another map-style `dataset` (e.g. a task's pass over
+        its training set before the first step: `PrepareRunContext.forward_only`), in microbatches of
+        `data.microbatch_size` over the data-parallel ranks; the eval set is left as it is."""
+        ctx, size = self._context, self._microbatch_size
+        dp_size, dp_rank = (ctx.axis_size("dp"), ctx.coordinate("dp")) if ctx is not None else (1, 0)
+        mine, forwards = eval_microbatches(len(dataset), size, None, dp_size, dp_rank)
+        whole = EvalSet(EvalConfig(), dataset, collate_fn or default_collate, mine, forwards)
+        kept, self._set = self._set, whole
+        try:
+            return self.run(0)
+        finally:
+            self._set = kept
 
     def run(self, step: int) -> EvalResult:
         """Evaluate now (model in eval mode, no grad), whatever the period says."""
@@ -193,7 +226,7 @@ class Evaluator:
             dist.all_reduce(totals, group=group)
         if self._pipeline is not None:  # the sums are the last stage's: every pipeline rank reports them
             totals = self._pipeline.from_last_stage(totals)
-        total_loss, total_tokens = totals.tolist()  # the eval's one host sync
+        total_loss, total_tokens, *sums = totals.tolist()  # the eval's one host sync
         mean = total_loss / total_tokens if total_tokens > 0 else math.nan
         return EvalResult(
             step=step,
@@ -201,13 +234,15 @@ class Evaluator:
             perplexity=_exp(mean),
             tokens=total_tokens,
             wall_s=time.perf_counter() - began,
+            metrics=summarize_metrics(self._task, sums, total_tokens) if sums else {},
         )
 
     def _sums(self, plan: list[tuple[range, bool]]) -> torch.Tensor:
-        """[summed token loss, tokens] of the counted microbatches of `plan` (float64, on the device)."""
+        """[summed token loss, tokens, the task's summed metrics...] of the counted microbatches of
+        `plan` (float64, on the device)."""
         settings, eval_set = self._settings, self._set
         assert eval_set is not None
-        sums = torch.zeros(2, dtype=torch.float64, device=settings.device)
+        sums = self._zeros()
         for samples, counted in plan:
             batch = settings.local_batch(eval_set.batch(samples))
             with precision_autocast(settings.precision, settings.device):
@@ -215,15 +250,26 @@ class Evaluator:
                     LossContext(model=self._model, batch=batch, device=settings.device)
                 )
             if counted:
-                sums += _pair(result, settings.device)
+                sums += self._row(result)
         return sums
+
+    def _zeros(self) -> torch.Tensor:
+        return torch.zeros(
+            2 + len(metric_names(self._task)), dtype=torch.float64, device=self._settings.device
+        )
+
+    def _row(self, result: LossResult) -> torch.Tensor:
+        """[loss_sum, weight, the task's metric sums...] of one microbatch, float64 on the device."""
+        device = self._settings.device
+        metrics = metric_sums(metric_names(self._task), result, device)
+        return torch.cat([_pair(result, device), metrics])
 
     def _pipeline_sums(self, plan: list[tuple[range, bool]], pipeline: PipelineStep) -> torch.Tensor:
         """`_sums` through the pipeline, forward only, in rounds of a training step's microbatch count
         (as many activations in flight as a step); zeros on ranks without the last stage."""
         settings, eval_set = self._settings, self._set
         assert eval_set is not None
-        sums = torch.zeros(2, dtype=torch.float64, device=settings.device)
+        sums = self._zeros()
         per_round = pipeline.pipeline.n_microbatches
         for start in range(0, len(plan), per_round):
             part = plan[start : start + per_round]
@@ -232,7 +278,7 @@ class Evaluator:
                 results = pipeline.forward_only(batches)
             for result, (_, counted) in zip(results or [], part, strict=False):
                 if counted:
-                    sums += _pair(result, settings.device)
+                    sums += self._row(result)
         return sums
 
 

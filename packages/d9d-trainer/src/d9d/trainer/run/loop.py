@@ -19,6 +19,7 @@ import datetime
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ from d9d.trainer.observe.throughput import ProgressLine, batch_flops_per_token, 
 from d9d.trainer.observe.timing import StepTimer, read_phases
 from d9d.trainer.observe.tracking import Trackers, open_trackers
 from d9d.trainer.planning.plan import JobPlan
-from d9d.trainer.providers.task import PreparesSteps, PrepareStepContext
+from d9d.trainer.providers.task import PreparesSteps, PrepareStepContext, metric_names, summarize_metrics
 from d9d.trainer.results import EvalResult, TrainResult
 from d9d.trainer.run.callback_stop import CallbackStop
 from d9d.trainer.run.checkpoints import RunCheckpoints
@@ -75,6 +76,8 @@ class RunParts:
         failures: the failure board: one report per failure.
         faults: fault injection for d9d's own fault tests.
         randomness: this rank's random streams (the step's data draws from the one of its step).
+        prepare_run: called after every resume with whether a checkpoint was loaded: the task's
+            `prepare_run` (`PreparesRun`), once the weights it needs are in place; None: nothing.
     """
 
     model: torch.nn.Module
@@ -92,6 +95,7 @@ class RunParts:
     failures: FailureBoard
     faults: FaultInjection
     randomness: TrainingRandomness | None = None
+    prepare_run: Callable[[bool], None] | None = None
 
 
 class StepSource:
@@ -178,6 +182,8 @@ class RunLoop:
     def resume(self, step: int | None = None) -> bool:
         """Load the latest (or the given step's) committed checkpoint; True when one was loaded."""
         resumed = self._parts.checkpoints.resume(step)
+        if self._parts.prepare_run is not None:  # the weights are the starting ones, or the checkpoint's
+            self._parts.prepare_run(resumed is not None)
         if resumed is None:
             return False
         self.step = resumed
@@ -252,6 +258,7 @@ class RunLoop:
             trackers=trackers,
             on_records=callbacks.steps if callbacks else None,
             stragglers=_straggler_watch(ctx, cfg.logging.stragglers),
+            summarize=partial(summarize_metrics, self._job.task) if metric_names(self._job.task) else None,
         )
         return records, trackers
 

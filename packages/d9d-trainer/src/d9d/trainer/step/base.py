@@ -31,7 +31,7 @@ from d9d.parallel.expert import (
 )
 from d9d.trainer.errors import TrainingError
 from d9d.trainer.observe.timing import StepTimer
-from d9d.trainer.providers.task import Task
+from d9d.trainer.providers.task import Task, metric_names
 from d9d.trainer.step.documents import attention_balance, reorder_documents
 from d9d.trainer.step.randomness import TrainingRandomness
 
@@ -63,6 +63,8 @@ class StepOutput:
         rank_busy: every rank's busy time of the step up to its sync (`StepSettings.busy_time`;
             index: global rank), float64 on the device, gathered in the step's sync; None on one
             process or without a busy clock.
+        metrics: the global sums of the task's metrics (`ReportsMetrics.metric_names`, in that order),
+            float64 on the device, the same on every rank; None when the task reports none.
     """
 
     loss: torch.Tensor
@@ -75,6 +77,7 @@ class StepOutput:
     rank_busy: torch.Tensor | None = None
     finish: bool = False
     cp_attention_balance: float | None = None
+    metrics: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,7 @@ class StepBase:
     ) -> None:
         self.model = model
         self.task = task
+        self.metric_names = metric_names(task)  # the task's summed metrics, reduced with the loss
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.settings = settings
@@ -225,7 +229,9 @@ class StepBase:
         if loads is not None:
             self._loads = loads if self._loads is None else self._loads + loads
 
-    def finish(self, loss: torch.Tensor, weight: torch.Tensor, step: int) -> StepOutput:
+    def finish(
+        self, loss: torch.Tensor, weight: torch.Tensor, step: int, metrics: torch.Tensor | None = None
+    ) -> StepOutput:
         """Clip (or measure) the global grad norm, then update, unless the loss or norm is not finite.
 
         The finiteness check is the step's one host sync; a global batch without weight shows here
@@ -247,6 +253,8 @@ class StepBase:
             output = dataclasses.replace(output, expert_load=expert_load_summary(loads))
         if self._cp_balance is not None:
             output = dataclasses.replace(output, cp_attention_balance=self._cp_balance)
+        if metrics is not None and self.metric_names:
+            output = dataclasses.replace(output, metrics=metrics)
         self.mark("optimizer")
         return output
 

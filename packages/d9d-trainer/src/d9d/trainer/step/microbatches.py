@@ -7,7 +7,7 @@ import torch
 
 from d9d.parallel import precision_autocast, set_gradient_accumulation
 from d9d.parallel.expert import moe_regularization_loss
-from d9d.trainer.providers.task import LossContext
+from d9d.trainer.providers.task import LossContext, metric_sums
 from d9d.trainer.step.base import StepBase, StepOutput
 
 __all__ = ["MicrobatchStep"]
@@ -34,16 +34,18 @@ class MicrobatchStep(StepBase):
         self.float8_scales()
         model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=settings.device)
+        # the summed loss, then the task's summed metrics: one vector, one all-reduce over dp
+        sums = torch.zeros(1 + len(self.metric_names), dtype=torch.float64, device=settings.device)
         with self.weights_cast_once():  # the compute copies of the weights: one for all microbatches
             for i, batch in enumerate(microbatches):
-                loss_sum += self._microbatch(batch, i, len(microbatches), step, scale)
+                sums += self._microbatch(batch, i, len(microbatches), step, scale)
         set_gradient_accumulation(model, final=True)
-        loss = self.dp_sum(loss_sum) / weight
-        return self.finish(loss, weight, step)
+        sums = self.dp_sum(sums)
+        return self.finish(sums[0] / weight, weight, step, metrics=sums[1:])
 
     def _microbatch(self, batch: Any, i: int, count: int, step: int, scale: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of microbatch `i` of `count`; its summed loss (float64, detached)."""
+        """Forward and backward of microbatch `i` of `count`; its summed loss and metrics (float64,
+        detached)."""
         model, settings = self.model, self.settings
         if settings.randomness is not None:
             settings.randomness.seed_microbatch(step, i, count)
@@ -57,4 +59,5 @@ class MicrobatchStep(StepBase):
                 objective = objective + regularization / count
             objective.backward()
             self.add_expert_load()
-        return result.loss_sum.detach().to(torch.float64)
+        loss = result.loss_sum.detach().to(torch.float64).reshape(1)
+        return torch.cat([loss, metric_sums(self.metric_names, result, settings.device)])

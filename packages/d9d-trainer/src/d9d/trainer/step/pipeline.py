@@ -10,7 +10,7 @@ from torch import nn
 from d9d.parallel import autocast_forward
 from d9d.parallel.pipeline import Pipeline, PipelineLayout
 from d9d.trainer.errors import TrainingError
-from d9d.trainer.providers.task import LossResult, PipelineStageKwargs, PipelineTask
+from d9d.trainer.providers.task import LossResult, PipelineStageKwargs, PipelineTask, metric_sums
 from d9d.trainer.step.base import StepBase, StepOutput, StepSettings
 
 __all__ = ["PipelineStep"]
@@ -58,6 +58,8 @@ class PipelineStep(StepBase):
             device=settings.device,
         )
         self._step = 0
+        self._metric_rows: dict[int, torch.Tensor] = {}  # the last stage's metric sums by microbatch
+        self._targets: list[Any] | None = None  # the step's targets when they are not one tensor each
         # Without per-stage forward contexts (older torch): one stream per step, in schedule order.
         self._per_step_stream = settings.randomness is not None and not self.pipeline.around_stage_forwards(
             self._stage_forward
@@ -70,7 +72,14 @@ class PipelineStep(StepBase):
         return nullcontext()
 
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
+        index = None
+        if self._targets is not None:  # the schedule carried the target's index (see `run`)
+            index = target.shape[1] - 1
+            target = self._targets[index]
         result = self.pipeline_task.pipeline_loss(output, target)
+        if index is not None and self.metric_names:  # the last stage's metrics of each microbatch, kept
+            # by index: torch's metadata-inference forward of a launch's first step computes a loss too
+            self._metric_rows[index] = metric_sums(self.metric_names, result, self.settings.device)
         return result.loss_sum / self._scale
 
     def _stage_kwargs(self, microbatches: Sequence[Any]) -> list[dict[str, Any]] | None:
@@ -95,7 +104,7 @@ class PipelineStep(StepBase):
         if outputs is None:
             return None
         return [
-            self.pipeline_task.pipeline_loss(out, y.to(device))
+            self.pipeline_task.pipeline_loss(out, _to_device(y, device))
             for out, (_, y) in zip(outputs, pairs, strict=True)
         ]
 
@@ -115,7 +124,13 @@ class PipelineStep(StepBase):
         self.optimizer.zero_grad(set_to_none=True)
         pairs = [self.pipeline_task.pipeline_inputs(mb) for mb in microbatches]
         inputs = [x.to(device) for x, _ in pairs]
-        targets = [y.to(device) for _, y in pairs]
+        targets = [_to_device(y, device) for _, y in pairs]
+        self._metric_rows = {}
+        if self.metric_names or any(not isinstance(y, torch.Tensor) for y in targets):
+            # torch's schedules take one tensor per target: give them an empty tensor whose shape holds
+            # the microbatch's index (no device read), and the loss the task's target of that index
+            self._targets = targets
+            targets = [torch.empty(0, i + 1, device=device) for i in range(len(targets))]
         kwargs = self._stage_kwargs(microbatches)
         self._step = step
         if self._per_step_stream and self.settings.randomness is not None:
@@ -124,7 +139,23 @@ class PipelineStep(StepBase):
         # copies (one for all microbatches) hold around the whole of it
         with self.settings.attention_kernels(), self.weights_cast_once():
             share = self.pipeline.step(inputs, targets, kwargs=kwargs, broadcast_loss=True)
+        self._targets = None
         assert share is not None
         self.add_expert_load()  # the stage's MoE layers hold the step's last microbatch
         loss = self.dp_sum(share.detach().to(torch.float64))
-        return self.finish(loss, weight, step)
+        metrics = None
+        if self.metric_names:  # the last stage's sums, on every pipeline rank, then over dp
+            sums = torch.zeros(len(self.metric_names), dtype=torch.float64, device=device)
+            for row in self._metric_rows.values():
+                sums += row
+            metrics = self.dp_sum(self.pipeline.from_last_stage(sums))
+        return self.finish(loss, weight, step, metrics=metrics)
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    """`value` on `device`: a tensor, or a mapping of tensors (a task's target with several parts)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {key: _to_device(item, device) for key, item in value.items()}
+    return value
