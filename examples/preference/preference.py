@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "finetune"))
-from finetune import demo_conversations, make_demo  # noqa: E402  (the fine-tune example's demo model)
+from finetune import demo_conversations, make_demo  # the fine-tune example's demo model
 
-from d9d.trainer import main  # noqa: E402
+from d9d.trainer import main
 
 
 def demo_pairs() -> list[dict[str, Any]]:

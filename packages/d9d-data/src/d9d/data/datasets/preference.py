@@ -48,7 +48,8 @@ def collate_preference(items: Sequence[dict[str, torch.Tensor]]) -> dict[str, to
     """Items of a `PreferenceDataset` as one microbatch: rows concatenated, sequence ids renumbered.
 
     Each item's sequence ids (>= 0) move up by twice the pairs of the items before it, so pair k of the
-    batch keeps 2k (chosen) and 2k + 1 (rejected); `pair_ids` are concatenated in the same order.
+    batch keeps 2k (chosen) and 2k + 1 (rejected); `pair_ids` (and `reference_logps`, when the items
+    carry them) are concatenated in the same order.
     """
     if not items:
         raise DatasetError("collate_preference got no items; a microbatch needs at least one")
@@ -83,6 +84,8 @@ class PreferenceDataset:
     - with `pack=True` also `position_ids` and `document_ids` [R, S] as `SFTDataset`'s packed rows:
       prompt + chosen and prompt + rejected are two documents (document id = the sequence's index in
       its row), positions restart at 0 in each, padding has document id -1.
+    - once `reference_logps` is set (by the preference task's reference pass), `reference_logps`
+      [P, 2] float64: the pairs' chosen and rejected log-probabilities under the reference policy.
 
     Without packing one item is one pair in 2 rows (chosen, then rejected). With `pack=True` one item is
     one row holding whole pairs, filled greedily in file order; a pair never spans two rows.
@@ -120,6 +123,7 @@ class PreferenceDataset:
             raise DatasetError(f"overflow must be 'truncate' or 'drop', got {overflow!r}")
         self._seq_len = seq_len
         self._pack = bool(pack)
+        self._reference: torch.Tensor | None = None
         self._files = find_jsonl_files(sources)
         self._tokenizer = resolve_tokenizer(tokenizer)
         pad = getattr(self._tokenizer, "pad_id", None)
@@ -263,7 +267,25 @@ class PreferenceDataset:
             position_ids[0, at:] = np.arange(size - at)
             item["position_ids"] = torch.from_numpy(position_ids)
             item["document_ids"] = torch.from_numpy(document_ids)
+        if self._reference is not None:
+            item["reference_logps"] = self._reference[item["pair_ids"]]
         return item
+
+    @property
+    def reference_logps(self) -> torch.Tensor | None:
+        """float64 [num_pairs, 2]: each pair's chosen and rejected log-probabilities under the reference
+        policy, once a task has computed them (`d9d.trainer:PreferenceTask`); every item then carries its
+        pairs' rows as `reference_logps` [pairs, 2]. None before."""
+        return self._reference
+
+    @reference_logps.setter
+    def reference_logps(self, table: torch.Tensor | None) -> None:
+        if table is not None and tuple(table.shape) != (self.num_pairs, 2):
+            raise DatasetError(
+                f"reference_logps must be [num_pairs, 2] = [{self.num_pairs}, 2], got {list(table.shape)}: "
+                "they were computed for other data"
+            )
+        self._reference = None if table is None else table.detach().to("cpu", torch.float64)
 
     def __repr__(self) -> str:
         packed = f", packed {self.packing_efficiency:.1%}" if self._pack else ""
