@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
         TextDatasetConfig,
         TextDatasetProvider,
     )
+    from d9d.trainer.builtins.embedding import EmbeddingConfig, EmbeddingTask
     from d9d.trainer.builtins.hf_folder import HFModelConfig, HFModelProvider
     from d9d.trainer.builtins.optim import BuiltinLRSchedulerProvider, BuiltinOptimizerProvider
     from d9d.trainer.builtins.preference import PreferenceConfig, PreferenceTask
