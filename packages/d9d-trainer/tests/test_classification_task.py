@@ -1,6 +1,7 @@
 """`SequenceClassificationTask` through the trainer on the reference model with a classification head:
 the eval's accuracy and macro F1 are the whole eval set's (recomputed here from the trained model's
-predictions), FSDP 2 gives one process's losses and metrics, and a label outside `num_labels` is one line."""
+predictions), FSDP 2, TP 2 and PP 2 give one process's losses and metrics, and a label outside
+`num_labels` is one line."""
 
 import json
 import sys
@@ -97,11 +98,13 @@ def job(save_dir: Path, mesh: dict | None = None, **dataset: object) -> dict:
     }
 
 
-def _train(config: dict) -> tuple[list[dict], torch.Tensor]:
-    """The run's metrics records, and the trained model's predictions on the eval set."""
+def _train(config: dict, predict: bool = True) -> tuple[list[dict], torch.Tensor | None]:
+    """The run's metrics records, and (`predict`) the trained model's predictions on the eval set."""
     with Trainer.from_config(config) as trainer:
         trainer.train()
         records = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+        if not predict:
+            return records, None
         evaluation = LabelledRows(LabelledRowsConfig(samples=12, seed=1))
         trainer.model.eval()
         with torch.no_grad():
@@ -133,12 +136,17 @@ def test_macro_f1_by_hand():
 
 
 def _records(config: dict) -> list[dict]:
-    return _train(config)[0]
+    return _train(config, predict=False)[0]
 
 
-def test_fsdp2_gives_one_process_losses_and_metrics(one_process, tmp_path):
+@pytest.mark.parametrize(
+    "mesh",
+    [{"data_parallel_shard": 2}, {"tensor_parallel": 2}, {"pipeline_parallel": 2}],
+    ids=["fsdp2", "tp2", "pp2"],
+)
+def test_a_mesh_gives_one_process_losses_and_metrics(one_process, tmp_path, mesh):
     expected = one_process[0]
-    for records in run_distributed(_records, 2, job(tmp_path, {"data_parallel_shard": 2}), timeout=120):
+    for records in run_distributed(_records, 2, job(tmp_path, mesh), timeout=120):
         for got, want in zip(records, expected, strict=True):
             for key in ("loss", "accuracy", "f1", "eval_accuracy", "eval_f1", "eval_loss"):
                 if key in want:
