@@ -36,13 +36,19 @@ class HeadExportError(D9dError, ValueError):
 
 def sequence_ids(tokens: torch.Tensor, document_ids: torch.Tensor | None) -> torch.Tensor:
     """Which sequence each token [batch, seq] belongs to, numbered 0.. in row-major order: a row, or with
-    packed rows (`document_ids`) each run of one document id in a row. One host read (their count)."""
+    packed rows (`document_ids`) each run of one document id in a row."""
     batch, seq = tokens.shape
     if document_ids is None:
         return torch.arange(batch, device=tokens.device)[:, None].expand(batch, seq)
     starts = torch.ones_like(document_ids, dtype=torch.bool)
     starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
     return starts.flatten().cumsum(0).view(batch, seq) - 1
+
+
+def _count(tokens: torch.Tensor, ids: torch.Tensor, document_ids: torch.Tensor | None) -> int:
+    """How many sequences `sequence_ids` numbered: the rows (no device read, so the forward also runs
+    on the meta device), or with packed rows one host read of the documents' count."""
+    return tokens.shape[0] if document_ids is None else int(ids[-1]) + 1
 
 
 def _real_tokens(
@@ -69,7 +75,7 @@ def last_token_index(
             padding document (-1) gives none.
     """
     ids = sequence_ids(tokens, document_ids).flatten()
-    count = int(ids[-1]) + 1
+    count = _count(tokens, ids, document_ids)
     flat = torch.arange(tokens.numel(), device=tokens.device)
     real = _real_tokens(tokens, pad_token_id, document_ids).flatten()
     first = torch.full((count,), tokens.numel(), device=tokens.device).scatter_reduce(0, ids, flat, "amin")
@@ -98,7 +104,7 @@ def pool(
         return flat[last_token_index(tokens, pad_token_id, document_ids)]
     ids = sequence_ids(tokens, document_ids).flatten()
     real = _real_tokens(tokens, pad_token_id, document_ids).flatten()
-    count = int(ids[-1]) + 1
+    count = _count(tokens, ids, document_ids)
     weights = real.to(flat.dtype)[:, None]
     sums = flat.new_zeros(count, flat.shape[-1]).index_add(0, ids, flat * weights)
     tokens_per = flat.new_zeros(count).index_add(0, ids, weights[:, 0])
