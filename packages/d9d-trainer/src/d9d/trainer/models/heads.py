@@ -222,7 +222,7 @@ def check_head_export(model: nn.Module, config: ReferenceModelConfig, *, whole: 
     """
     if not isinstance(config.head, ClassificationHead) or not whole:
         return
-    if getattr(model, "score", None) is None:
+    if not isinstance(model, ReferenceWithHead) or model.score is None:
         raise HeadExportError(
             f"model.head asks for a sequence classifier ({config.head.num_labels} labels) but the exported "
             f"{type(model).__name__} has no score head (score.weight); build it with the same model.head "
