@@ -29,6 +29,7 @@ from d9d.mesh.lazy import lazy_face
 
 if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
     from d9d.trainer.build.materialize import materialize_and_initialize
+    from d9d.trainer.builtins.classification import SequenceClassificationConfig, SequenceClassificationTask
     from d9d.trainer.builtins.data import AutoDataProviderFactory
     from d9d.trainer.builtins.datasets import (
         ChatDatasetConfig,
@@ -38,6 +39,7 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
         TextDatasetConfig,
         TextDatasetProvider,
     )
+    from d9d.trainer.builtins.embedding import EmbeddingConfig, EmbeddingTask
     from d9d.trainer.builtins.hf_folder import HFModelConfig, HFModelProvider
     from d9d.trainer.builtins.optim import BuiltinLRSchedulerProvider, BuiltinOptimizerProvider
     from d9d.trainer.builtins.preference import PreferenceConfig, PreferenceTask

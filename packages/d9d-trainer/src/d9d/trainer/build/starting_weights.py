@@ -64,7 +64,7 @@ class StartingWeights:
         if self._job.config.peft.lora is not None:
             self.base_reference()  # the base as it is read now is what the checkpoints will name
         target: nn.Module | dict[str, torch.Tensor] = self._model
-        fresh = _not_imported(self._job, self._model)
+        fresh = _not_imported(self._job, self._model) | result.fresh
         if fresh:
             state = self._model.state_dict(keep_vars=True)
             target = {name: t for name, t in state.items() if name not in fresh}
@@ -150,12 +150,13 @@ def imported_keys(job: ResolvedJob, context: DistributedContext, model: nn.Modul
     )
     if result.folder is None:
         return frozenset()
-    return frozenset(model.state_dict(keep_vars=True)) - _not_imported(job, model)
+    return frozenset(model.state_dict(keep_vars=True)) - _not_imported(job, model) - result.fresh
 
 
 def _not_imported(job: ResolvedJob, model: nn.Module) -> set[str]:
     """Training state no pretrained folder holds, which keeps its init: LoRA adapters (the folder is
-    the base) and MoE routers' score biases (auxiliary-loss-free balancing starts at zero)."""
+    the base) and MoE routers' score biases (auxiliary-loss-free balancing starts at zero); the
+    provider's own (`PrepareImportModelStageResult.fresh`) come on top."""
     fresh = set(moe_score_bias_names(model))
     if job.config.peft.lora is not None:
         fresh |= set(lora_parameter_names(model))

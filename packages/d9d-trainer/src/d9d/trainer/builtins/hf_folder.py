@@ -16,15 +16,26 @@ from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
+from torch import nn
 
 from d9d.ckpt import SafetensorsIOError, check_safetensors, safetensors_shapes
 from d9d.mesh import MeshConfig
 from d9d.trainer.builtins.reference_model import parallelize_reference_model, reference_export
 from d9d.trainer.config.base import ConfigPath
-from d9d.trainer.models.config import ReferenceModelConfig, SlidingWindowError, check_sequence_length
+from d9d.trainer.models.config import (
+    HeadConfig,
+    ReferenceModelConfig,
+    SlidingWindowError,
+    check_sequence_length,
+)
+from d9d.trainer.models.heads import build_reference_model, check_head_export
 from d9d.trainer.models.hf_config import HFConversionError, read_hf_config
-from d9d.trainer.models.hf_weights import hf_checkpoint_keys, hf_expert_layout, hf_import_mapper
-from d9d.trainer.models.model import ReferenceForCausalLM
+from d9d.trainer.models.hf_weights import (
+    head_fresh_keys,
+    hf_checkpoint_keys,
+    hf_expert_layout,
+    hf_import_mapper,
+)
 from d9d.trainer.models.parallelize import check_mesh, trim_to_stage
 from d9d.trainer.providers.model import (
     CheckSequenceLengthContext,
@@ -51,11 +62,16 @@ class HFModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             model when it can hold the folder's config.json exactly and the sequences fit its sliding
             window, else transformers'; the "job built" line says which and why).
         fp32_logits: return float32 logits whatever the parameter dtype.
+        head: a classification head or an embedding output instead of the LM head (`kind:
+            classification` with `num_labels`, or `embedding` with `pooling` and `normalize`); its
+            padding token defaults to config.json's `pad_token_id`. A causal LM's folder gives a fresh
+            score head, one saved by `AutoModelForSequenceClassification` its own.
     """
 
     hf_folder: ConfigPath
     backend: Literal["auto", "reference", "hf"] = "auto"
     fp32_logits: bool = False
+    head: HeadConfig | None = None
 
 
 class HFModelProvider:
@@ -78,13 +94,14 @@ class HFModelProvider:
         self._mesh: MeshConfig | None = None  # the mesh check_mesh saw
         if config.backend != "hf":
             try:
-                self.model_config = read_hf_config(self.folder, fp32_logits=config.fp32_logits)
+                head = _with_folder_pad(config.head, self.folder)
+                self.model_config = read_hf_config(self.folder, fp32_logits=config.fp32_logits, head=head)
             except HFConversionError as error:
                 if config.backend == "reference" or not (self.folder / "config.json").is_file():
                     raise
                 self.reason = str(error)
         if self.model_config is None:
-            self.hf = _hf_provider(self.folder, config.fp32_logits, self.reason)
+            self.hf = _hf_provider(self.folder, config, self.reason)
 
     @property
     def backend(self) -> str:
@@ -121,7 +138,7 @@ class HFModelProvider:
             if self.config.backend == "reference":
                 raise
             self.model_config, self.reason = None, str(error)
-            self.hf = _hf_provider(self.folder, self.config.fp32_logits, self.reason)
+            self.hf = _hf_provider(self.folder, self.config, self.reason)
             if self._mesh is not None:
                 self.hf.check_mesh(self._mesh)
 
@@ -131,19 +148,22 @@ class HFModelProvider:
     def initialize_model_stage(self, context: InitializeModelStageContext) -> InitializeModelStageResult:
         if self.hf is not None:
             return self.hf.initialize_model_stage(context)
-        model = ReferenceForCausalLM(self._reference())
+        model = build_reference_model(self._reference())
         if context.stage is not None:  # pipeline parallel: keep this stage's part (on meta: free)
             trim_to_stage(model, context.stage)
         else:  # the whole model: the folder's weights checked against it before anything is written
             self._check_folder_weights(model)
         return InitializeModelStageResult(model=model)
 
-    def _check_folder_weights(self, model: ReferenceForCausalLM) -> None:
+    def _check_folder_weights(self, model: nn.Module) -> None:
         """Refuse weights that config.json does not describe (from the safetensors headers: none read)."""
         safetensors_shapes(self.folder)  # a missing or stray shard: d9d.ckpt's own line names it
-        mapper = hf_import_mapper(self._reference(), source_keys=hf_checkpoint_keys(self.folder))
+        keys = hf_checkpoint_keys(self.folder)
+        mapper = hf_import_mapper(self._reference(), source_keys=keys)
+        fresh = head_fresh_keys(self._reference(), keys)  # a classifier's score on a causal LM's folder
+        target = {k: v for k, v in model.state_dict().items() if k not in fresh} if fresh else model
         try:
-            check_safetensors(model, self.folder, mapper=mapper)
+            check_safetensors(target, self.folder, mapper=mapper)
         except SafetensorsIOError as exc:
             raise HFConversionError(
                 f"model.hf_folder: {self.folder / 'config.json'} does not describe the weights beside it "
@@ -162,8 +182,10 @@ class HFModelProvider:
         """The trainer loads this once, into the initialized (and parallelized) model, on a fresh run."""
         if self.hf is not None:
             return self.hf.prepare_import_model_stage(context)
-        mapper = hf_import_mapper(self._reference(), source_keys=hf_checkpoint_keys(self.folder))
-        return PrepareImportModelStageResult(folder=self.folder, mapper=mapper)
+        keys = hf_checkpoint_keys(self.folder)
+        mapper = hf_import_mapper(self._reference(), source_keys=keys)
+        fresh = head_fresh_keys(self._reference(), keys)
+        return PrepareImportModelStageResult(folder=self.folder, mapper=mapper, fresh=fresh)
 
     def prepare_export_model_stage(
         self, context: PrepareExportModelStageContext
@@ -171,6 +193,7 @@ class HFModelProvider:
         if self.hf is not None:
             return self.hf.prepare_export_model_stage(context)
         config = self._reference()
+        check_head_export(context.model, config, whole=context.context.config.pipeline_parallel == 1)
         # MoE experts are written in the layout the folder had (per expert, or transformers 5's fused)
         layout = hf_expert_layout(hf_checkpoint_keys(self.folder)) if config.moe is not None else "per_expert"
         return reference_export(config, layout)
@@ -185,11 +208,24 @@ def _model_type(folder: Path) -> str:
     return str(model_type) if model_type else "?"
 
 
-def _hf_provider(folder: Path, fp32_logits: bool, reason: str) -> Any:
+def _with_folder_pad(head: HeadConfig | None, folder: Path) -> HeadConfig | None:
+    """`head` with config.json's `pad_token_id` where the head names none."""
+    if head is None or head.pad_token_id is not None:
+        return head
+    try:
+        pad = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("pad_token_id")
+    except (OSError, ValueError, AttributeError):
+        return head  # a missing or broken config.json is refused by read_hf_config
+    return msgspec.structs.replace(head, pad_token_id=pad if isinstance(pad, int) else None)
+
+
+def _hf_provider(folder: Path, config: HFModelConfig, reason: str) -> Any:
     """`d9d.trainer.hf.HFCausalLMProvider` for `folder` (transformers is an optional extra)."""
     try:
         from d9d.trainer.hf import HFCausalLMConfig, HFCausalLMProvider
     except ImportError as missing:  # one line: why this folder needs it, and how to install it
         why = f"{reason}; transformers' model would train it, but {missing}" if reason else str(missing)
         raise HFConversionError(why) from None
-    return HFCausalLMProvider(HFCausalLMConfig(folder=str(folder), fp32_logits=fp32_logits))
+    return HFCausalLMProvider(
+        HFCausalLMConfig(folder=str(folder), fp32_logits=config.fp32_logits, head=config.head)
+    )

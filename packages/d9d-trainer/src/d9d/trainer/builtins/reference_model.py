@@ -21,9 +21,9 @@ from d9d.parallel import (
     parallelize_decoder,
 )
 from d9d.trainer.models.config import ReferenceModelConfig, check_sequence_length
+from d9d.trainer.models.heads import build_reference_model, check_head_export
 from d9d.trainer.models.hf_config import to_hf_config
 from d9d.trainer.models.hf_weights import ExpertLayout, hf_export_mapper
-from d9d.trainer.models.model import ReferenceForCausalLM
 from d9d.trainer.models.parallelize import (
     apply_expert_parallel,
     apply_tensor_parallel,
@@ -54,7 +54,7 @@ class ReferenceModelProvider:
         self.config = config
 
     def initialize_model_stage(self, context: InitializeModelStageContext) -> InitializeModelStageResult:
-        model = ReferenceForCausalLM(self.config)
+        model = build_reference_model(self.config)
         if context.stage is not None:  # pipeline parallel: keep this stage's part (on meta: free)
             trim_to_stage(model, context.stage)
         return InitializeModelStageResult(model=model)
@@ -77,6 +77,7 @@ class ReferenceModelProvider:
     def prepare_export_model_stage(
         self, context: PrepareExportModelStageContext
     ) -> PrepareExportModelStageResult:
+        check_head_export(context.model, self.config, whole=context.context.config.pipeline_parallel == 1)
         return reference_export(self.config)
 
 

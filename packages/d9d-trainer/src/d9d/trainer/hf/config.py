@@ -5,6 +5,7 @@ from typing import Literal
 import msgspec
 
 from d9d.trainer.config.base import ConfigPath
+from d9d.trainer.models.config import HeadConfig
 
 __all__ = ["HFCausalLMConfig"]
 
@@ -20,8 +21,12 @@ class HFCausalLMConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
         attention: transformers' attention implementation: `auto` (sdpa where the architecture has
             it, else eager), `sdpa` or `eager`. `trainer.attention.backend` other than auto decides it
             instead: `flex_attention` for flex, `sdpa` (restricted to the kernel) for the others.
+        head: a classification head or an embedding output (`kind: classification | embedding`, as the
+            reference model's `model.head`), built from transformers' `AutoModelForSequenceClassification`;
+            None: the causal LM. The padding token defaults to config.json's `pad_token_id`.
     """
 
     folder: ConfigPath
     fp32_logits: bool = False
     attention: Literal["auto", "sdpa", "eager"] = "auto"
+    head: HeadConfig | None = None

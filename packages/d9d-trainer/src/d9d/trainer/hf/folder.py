@@ -162,11 +162,18 @@ def _kernel_implementation(folder: HFFolder, asked: str, kernel: str, has_sdpa: 
 
 def exported_config(config: PretrainedConfig, architecture: str) -> str:
     """The config.json of an export: `config` as transformers saves it, naming the class and the
-    float32 the weights are written in (so `from_pretrained` loads them as trained)."""
+    float32 the weights are written in (so `from_pretrained` loads them as trained); a classifier's
+    with its `num_labels`, label names and `pad_token_id` always written."""
     config = copy.deepcopy(config)
     config.architectures = [architecture]
     config.dtype = torch.float32
-    return config.to_json_string()
+    if not architecture.endswith("ForSequenceClassification"):
+        return config.to_json_string()
+    written = json.loads(config.to_json_string())  # transformers leaves out what equals its defaults
+    labels = {str(i): name for i, name in sorted(config.id2label.items())}
+    written |= {"num_labels": len(labels), "id2label": labels, "label2id": config.label2id}
+    written["pad_token_id"] = config.pad_token_id
+    return json.dumps(written, indent=2, sort_keys=True) + "\n"
 
 
 def _read_json(path: Path) -> dict[str, Any]:

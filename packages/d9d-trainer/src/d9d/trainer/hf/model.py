@@ -16,16 +16,20 @@ chunks of a row are on several ranks: `hf.context_parallel.batch_mask`).
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from d9d.parallel import LinearCrossEntropyHead, LossConfig, fuse_linear_cross_entropy, fused_head_problem
 from d9d.trainer.hf.context_parallel import MASK_KEYWORD, batch_mask
 from d9d.trainer.hf.errors import HFModelError
+from d9d.trainer.hf.heads import HEAD_ONLY_KEYS, LM_HEAD_PATTERN, head_weight
+from d9d.trainer.models.config import ClassificationHead, EmbeddingHead, HeadConfig
+from d9d.trainer.models.heads import pool
 
 __all__ = [
     "FUSED_LOSS_ARCHITECTURES",
@@ -59,12 +63,15 @@ class HFStateLayout:
             never saved by transformers, though old folders may hold them.
         ignore_unexpected: transformers' patterns of folder keys to ignore when loading
             (`_keys_to_ignore_on_load_unexpected`).
+        optional: keys a folder may lack, which then keep their init (a classifier's `score.weight`
+            on a causal LM's folder).
     """
 
     keys: tuple[str, ...]
     tied: dict[str, str]
     unsaved_buffers: frozenset[str]
     ignore_unexpected: tuple[str, ...] = ()
+    optional: frozenset[str] = frozenset()
 
     @property
     def stored_keys(self) -> tuple[str, ...]:
@@ -105,15 +112,20 @@ class HFCausalLM(nn.Module):
     """A transformers causal LM whose forward returns the logits tensor, with Hugging Face's parameter names.
 
     Args:
-        model: a transformers `*ForCausalLM` (built on the meta device by the provider).
+        model: a transformers `*ForCausalLM` (built on the meta device by the provider), or with
+            `head` its `*ForSequenceClassification` (`d9d.trainer.hf.heads.build_head_model`).
         fp32_logits: return float32 logits whatever the compute dtype.
+        head: the forward returns [sequences, num_labels] scores or [sequences, hidden] embeddings
+            (`d9d.trainer.models.ClassificationHead`, `EmbeddingHead`) instead of logits.
 
     Raises:
         HFModelError: the model's root module holds tensors of its own (every causal LM of
             transformers keeps them in its children).
     """
 
-    def __init__(self, model: PreTrainedModel, *, fp32_logits: bool = False) -> None:
+    def __init__(
+        self, model: PreTrainedModel, *, fp32_logits: bool = False, head: HeadConfig | None = None
+    ) -> None:
         super().__init__()
         own = [name for name, t in (*model._parameters.items(), *model._buffers.items()) if t is not None]
         if own:
@@ -127,7 +139,14 @@ class HFCausalLM(nn.Module):
         self.fp32_logits = fp32_logits
         #: the cp group once `apply_context_parallel` gave it (the forward then passes global positions)
         self.context_parallel: Any = None
+        self.head = head
         self.layout = state_layout(model)
+        if head is not None:  # a causal LM's folder: its LM head unread, the score from its init
+            self.layout = replace(
+                self.layout,
+                ignore_unexpected=(*self.layout.ignore_unexpected, LM_HEAD_PATTERN),
+                optional=HEAD_ONLY_KEYS & set(self.layout.keys),
+            )
         self._flops_terms = _flops_terms(model)
 
     @property
@@ -182,11 +201,41 @@ class HFCausalLM(nn.Module):
             mask = batch_mask(self.config, cp, input_ids, document_ids)  # documents, windows: once a batch
             if mask is not None:
                 extra[MASK_KEYWORD] = mask
+        if self.head is not None:
+            return self._head_output(input_ids, position_ids, document_ids, extra)
         if labels is not None:
             return self._fused_loss(input_ids, position_ids, labels, extra)
         output = self._hf(input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra)
         logits: torch.Tensor = output.logits
         return logits.float() if self.fp32_logits else logits
+
+    def _head_output(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        document_ids: torch.Tensor | None,
+        extra: dict[str, Any],
+    ) -> torch.Tensor:
+        """The head's [sequences, num_labels] scores (transformers' own forward for unpacked rows) or
+        [sequences, hidden] embeddings, pooled per row or per packed document as the reference model does."""
+        head, score = self.head, head_weight(self._hf)
+        if isinstance(head, ClassificationHead) and document_ids is None:
+            out: torch.Tensor = self._hf(
+                input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra
+            ).logits
+        else:
+            base = self.get_submodule(self.base_model_path)
+            states = base(
+                input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra
+            ).last_hidden_state
+            pooling = head.pooling if isinstance(head, EmbeddingHead) else "last"
+            pad = self.config.get_text_config().pad_token_id
+            out = pool(states, input_ids, pooling=pooling, pad_token_id=pad, document_ids=document_ids)
+            if score is not None:
+                out = score(out)
+            elif isinstance(head, EmbeddingHead) and head.normalize:
+                out = F.normalize(out.float(), dim=-1).to(out.dtype)
+        return out.float() if self.fp32_logits else out
 
     def _fused_loss(
         self,

@@ -37,13 +37,14 @@ from d9d.trainer.hf.folder import (
     quiet_transformers,
     read_folder,
 )
+from d9d.trainer.hf.heads import build_head_model, exported_architecture, head_problem, head_weight
 from d9d.trainer.hf.model import HFCausalLM, base_model_path, fuse_head_loss, unwrap
 from d9d.trainer.hf.tensor_parallel import (
     TENSOR_PARALLEL_ARCHITECTURES,
     apply_tensor_parallel,
     tensor_parallel_problem,
 )
-from d9d.trainer.hf.weights import check_folder_weights, export_mapper, import_mapper
+from d9d.trainer.hf.weights import check_folder_weights, export_mapper, fresh_keys, import_mapper
 from d9d.trainer.providers.model import (
     InitializeModelStageContext,
     InitializeModelStageResult,
@@ -148,6 +149,14 @@ class HFCausalLMProvider:
                 is one (or the folder's problem, when tensor parallelism has to read it).
         """
         problem = mesh_refusal(mesh)
+        if problem is None and self.config.head is not None:
+            problem = head_problem(read_folder(Path(self.config.folder).resolve()), self.config.head)
+        if problem is None and self.config.head is not None and mesh.tensor_parallel > 1:
+            problem = (
+                f"mesh.tensor_parallel={mesh.tensor_parallel} with model.head: the Hugging Face backend "
+                f"({_SPEC}) has no tensor-parallel plan for the head; set mesh.tensor_parallel: 1, or for "
+                f"{_DENSE_AND_MOE} train the reference model (model.backend: reference, d9d.trainer:HFModelProvider)"
+            )
         if problem is None and mesh.tensor_parallel > 1:
             problem = tensor_parallel_refusal(
                 read_folder(Path(self.config.folder).resolve()), mesh.tensor_parallel
@@ -167,17 +176,23 @@ class HFCausalLMProvider:
         folder = read_folder((Path(context.base_dir) / self.config.folder).resolve())
         kernel = context.attention.configured if context.attention is not None else "auto"
         attention = attention_implementation(folder, self.config.attention, kernel)
+        head = self.config.head
         try:
-            with quiet_transformers():
-                hf_model = AutoModelForCausalLM.from_config(
-                    folder.config, dtype=torch.float32, attn_implementation=attention
-                )
+            if (
+                head is not None
+            ):  # transformers' classifier of the architecture (score dropped for embeddings)
+                hf_model = build_head_model(folder, head, attention)
+            else:
+                with quiet_transformers():
+                    hf_model = AutoModelForCausalLM.from_config(
+                        folder.config, dtype=torch.float32, attn_implementation=attention
+                    )
         except (ValueError, TypeError, KeyError, AssertionError) as exc:
             raise HFModelError(
                 f"{folder.path / CONFIG_FILE}: transformers cannot build {folder.model_class.__name__} "
                 f"from it ({type(exc).__name__}: {first_line(exc)}); fix config.json"
             ) from None
-        model = HFCausalLM(hf_model, fp32_logits=self.config.fp32_logits)
+        model = HFCausalLM(hf_model, fp32_logits=self.config.fp32_logits, head=head)
         self._saved = check_folder_weights(model, folder.path)
         self._folder = folder
         return InitializeModelStageResult(model=model)
@@ -206,14 +221,15 @@ class HFCausalLMProvider:
             apply_context_parallel(model, model.hf_model, context.mesh)
         if context.lora is not None:
             apply_lora(model, context.lora)
-        fuse_head_loss(model, context.loss)  # trainer.loss: where the architecture's head is plain
+        if model.head is None:
+            fuse_head_loss(model, context.loss)  # trainer.loss: where the architecture's head is plain
         parallelize_decoder(
             model,
             context.mesh,
             blocks=blocks,
             embedding=model.get_input_embeddings(),
             final_norm=model.final_norm(),
-            head=model.get_output_embeddings(),
+            head=model.get_output_embeddings() if model.head is None else head_weight(model.hf_model),
             activation_checkpointing=context.activation_checkpointing,
             compile=context.compile,
             precision=context.precision,
@@ -225,8 +241,11 @@ class HFCausalLMProvider:
     ) -> PrepareImportModelStageResult:
         """The folder, read into the model under Hugging Face's names (tied tensors read once)."""
         folder = self._built_folder()
-        mapper = import_mapper(unwrap(context.model).layout, safetensors_shapes(folder.path), self._saved)
-        return PrepareImportModelStageResult(folder=folder.path, mapper=mapper)
+        layout, shapes = unwrap(context.model).layout, safetensors_shapes(folder.path)
+        mapper = import_mapper(layout, shapes, self._saved)
+        return PrepareImportModelStageResult(
+            folder=folder.path, mapper=mapper, fresh=fresh_keys(layout, shapes)
+        )
 
     def prepare_export_model_stage(
         self, context: PrepareExportModelStageContext
@@ -236,7 +255,7 @@ class HFCausalLMProvider:
         and the folder's generation_config.json when it has one."""
         folder = self._built_folder()
         model = unwrap(context.model)
-        config_json = exported_config(model.config, type(model.hf_model).__name__)
+        config_json = exported_config(model.config, exported_architecture(model))
         return PrepareExportModelStageResult(
             mapper=export_mapper(model.layout, self._saved),
             extra_files={CONFIG_FILE: config_json, **folder.copied_files()},

@@ -29,7 +29,7 @@ from d9d.trainer.hf.errors import HFModelError
 from d9d.trainer.hf.folder import CONFIG_FILE
 from d9d.trainer.hf.model import HFCausalLM, HFStateLayout
 
-__all__ = ["check_folder_weights", "export_mapper", "import_mapper"]
+__all__ = ["check_folder_weights", "export_mapper", "fresh_keys", "import_mapper"]
 
 #: How many keys a message lists before "...".
 _SHOWN = 4
@@ -55,15 +55,23 @@ def import_mapper(
     transformers ignores on load dropped unread."""
     groups = _tie_groups(layout)
     parts: list[StateMapper] = [Duplicate(stored, keys) for stored, keys in groups.items()]
+    source_keys = set(source_keys)
     if saved is not None:
         parts.append(saved.mapper.inverse())
     else:
-        parts.extend(Identity(key) for key in layout.stored_keys if key not in groups)
+        absent = fresh_keys(layout, source_keys)  # they keep their init
+        parts.extend(Identity(key) for key in layout.stored_keys if key not in groups and key not in absent)
     read = _folder_keys(layout, saved)
     ignored = sorted(k for k in source_keys if k not in read and (k in layout.tied or layout.is_ignorable(k)))
     if ignored:
         parts.append(Drop(ignored))
     return Parallel(parts)
+
+
+def fresh_keys(layout: HFStateLayout, source_keys: Iterable[str]) -> frozenset[str]:
+    """The model's keys a folder of `source_keys` lacks and may lack (`layout.optional`): they keep their
+    init (a classifier's score on a causal LM's folder)."""
+    return frozenset(layout.optional - set(source_keys))
 
 
 def check_folder_weights(model: HFCausalLM, folder: Path) -> SavedFormat | None:
@@ -96,7 +104,7 @@ def check_folder_weights(model: HFCausalLM, folder: Path) -> SavedFormat | None:
             f"model.folder: {folder} holds {len(extra)} tensors that {described} does not have "
             f"({_listed(extra)}); the weights are of another model: use the config.json they were saved with"
         )
-    missing = sorted(k for k in expected if k not in shapes)
+    missing = sorted(k for k in expected if k not in shapes and k not in layout.optional)
     if missing:
         raise HFModelError(
             f"model.folder: {folder} lacks {len(missing)} tensors of {described} ({_listed(missing)}); "
@@ -104,7 +112,9 @@ def check_folder_weights(model: HFCausalLM, folder: Path) -> SavedFormat | None:
             "config.json they were saved with"
         )
     try:
-        check_safetensors(model, folder, mapper=import_mapper(layout, shapes, saved))
+        absent = fresh_keys(layout, shapes)
+        target = {k: v for k, v in model.state_dict().items() if k not in absent} if absent else model
+        check_safetensors(target, folder, mapper=import_mapper(layout, shapes, saved))
     except SafetensorsIOError as exc:  # the layout passed above: a tensor of another shape
         raise HFModelError(
             f"model.folder: {folder / CONFIG_FILE} does not describe the weights beside it ({exc}); use "

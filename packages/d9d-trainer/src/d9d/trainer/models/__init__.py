@@ -25,6 +25,9 @@ from d9d.mesh.lazy import lazy_face
 if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
     from d9d.trainer.models.attention_inputs import KVCache
     from d9d.trainer.models.config import (
+        ClassificationHead,
+        EmbeddingHead,
+        HeadConfig,
         LinearRopeScaling,
         Llama3RopeScaling,
         MoEBalancingConfig,
@@ -36,6 +39,14 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
         YarnRopeScaling,
         check_sequence_length,
     )
+    from d9d.trainer.models.heads import (
+        HeadExportError,
+        ReferenceWithHead,
+        build_reference_model,
+        check_head_export,
+        last_token_index,
+        pool,
+    )
     from d9d.trainer.models.hf_config import (
         HFConversionError,
         from_hf_config,
@@ -45,6 +56,7 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
     )
     from d9d.trainer.models.hf_weights import (
         ExpertLayout,
+        head_fresh_keys,
         hf_checkpoint_keys,
         hf_expert_layout,
         hf_export_mapper,

@@ -10,6 +10,9 @@ from typing import Any, Literal
 import msgspec
 
 __all__ = [
+    "ClassificationHead",
+    "EmbeddingHead",
+    "HeadConfig",
     "LinearRopeScaling",
     "Llama3RopeScaling",
     "MoEBalancingConfig",
@@ -208,6 +211,65 @@ class MoEConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
         return (index + 1) % self.every_n_layers == 0
 
 
+class _HeadBase(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True, tag_field="kind"):
+    """What the model returns instead of next-token logits (the `model.head` section), tagged by `kind`."""
+
+
+class ClassificationHead(_HeadBase, tag="classification"):
+    """A sequence-classification head (transformers' `*ForSequenceClassification`): `score`, a
+    Linear(hidden, num_labels, bias=False), on the hidden state of each row's last non-padding token.
+
+    Attributes:
+        num_labels: scores per sequence (1 for a reward model).
+        pad_token_id: the padding token: a row's score is its rightmost token that is not this one
+            (left or right padding alike, as transformers picks it); None: the last token of the row.
+        id2label: label names for the exported config.json (default `LABEL_<i>`, as transformers').
+    """
+
+    num_labels: int
+    pad_token_id: int | None = None
+    id2label: dict[int, str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_labels < 1:
+            raise ReferenceModelConfigError(
+                f"model.head.num_labels={self.num_labels} must be at least 1 (1 for a reward model)"
+            )
+        if self.id2label is not None and sorted(self.id2label) != list(range(self.num_labels)):
+            raise ReferenceModelConfigError(
+                f"model.head.id2label names labels {sorted(self.id2label)}; name each of 0..{self.num_labels - 1} once"
+            )
+
+
+#: The poolings an embedding head knows.
+POOLINGS = ("last", "mean")
+
+
+class EmbeddingHead(_HeadBase, tag="embedding"):
+    """An embedding output: the final hidden states pooled per sequence, [batch, hidden].
+
+    Attributes:
+        pooling: "last" (the last non-padding token, picked as the classification head picks it) or
+            "mean" (the mean over the non-padding tokens).
+        normalize: scale each embedding to unit L2 norm.
+        pad_token_id: the padding token (None: no token is padding).
+    """
+
+    pooling: str = "last"
+    normalize: bool = True
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling not in POOLINGS:
+            raise ReferenceModelConfigError(
+                f"model.head.pooling={self.pooling!r} is not a pooling; use one of {', '.join(POOLINGS)}"
+            )
+
+
+#: The heads the reference model and the Hugging Face backend put on the decoder (`model.head`).
+HeadConfig = ClassificationHead | EmbeddingHead
+
+
 class ReferenceModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Shape and numerics of the Llama/Qwen3-style reference decoder.
 
@@ -238,6 +300,8 @@ class ReferenceModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
         initializer_range: std of the normal init of linears and the embedding.
         fp32_logits: return the logits in float32 whatever the parameter dtype.
         moe: mixture-of-experts layers; None for a dense model.
+        head: a classification head or an embedding output instead of the LM head (`kind:
+            classification` or `embedding`); None: a causal LM.
     """
 
     vocab_size: int
@@ -259,6 +323,7 @@ class ReferenceModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
     initializer_range: float = 0.02
     fp32_logits: bool = False
     moe: MoEConfig | None = None
+    head: HeadConfig | None = None
 
     def __post_init__(self) -> None:
         _require_positive(
@@ -331,7 +396,7 @@ class ReferenceModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
         h, d = self.hidden_size, self.attention_head_dim
         q, kv = self.num_attention_heads, self.kv_heads
         attention = h * d * (2 * q + 2 * kv)
-        active = self.vocab_size * h  # LM head (tied or not, its matmul runs)
+        active = self.vocab_size * h if self.head is None else 0  # LM head (tied or not, its matmul runs)
         for index in range(self.num_layers):
             active += attention
             if self.is_moe_layer(index):

@@ -42,6 +42,7 @@ from d9d.trainer.models.config import (
     YarnRopeScaling,
     check_sequence_length,
 )
+from d9d.trainer.models.heads import head_hf_fields
 
 __all__ = ["HFConversionError", "from_hf_config", "hf_model_type", "read_hf_config", "to_hf_config"]
 
@@ -225,7 +226,7 @@ def to_hf_config(config: ReferenceModelConfig, *, dtype: torch.dtype | None = No
         }
     if dtype is not None:
         hf["dtype"] = str(dtype).removeprefix("torch.")
-    return hf
+    return hf | head_hf_fields(config.head, _ARCHITECTURES[model_type])
 
 
 _ROPE_KEYS: dict[str, tuple[type[RopeScaling], tuple[str, ...]]] = {

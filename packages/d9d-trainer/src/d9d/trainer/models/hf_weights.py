@@ -34,12 +34,13 @@ from d9d.ckpt import (
     load_safetensors,
     save_safetensors,
 )
-from d9d.trainer.models.config import MoEBalancingConfig, ReferenceModelConfig
+from d9d.trainer.models.config import ClassificationHead, MoEBalancingConfig, ReferenceModelConfig
+from d9d.trainer.models.heads import build_reference_model, check_head_export
 from d9d.trainer.models.hf_config import HFConversionError, hf_model_type, read_hf_config, to_hf_config
-from d9d.trainer.models.model import ReferenceForCausalLM
 
 __all__ = [
     "ExpertLayout",
+    "head_fresh_keys",
     "hf_checkpoint_keys",
     "hf_expert_layout",
     "hf_export_mapper",
@@ -58,14 +59,17 @@ _EMBED = "model.embed_tokens.weight"
 _LM_HEAD = "lm_head.weight"
 
 
+_SCORE = "score.weight"
+
+
 # Reference-config fields that do not change what the weights compute.
-_NUMERICALLY_INERT = ("initializer_range", "max_position_embeddings", "fp32_logits", "hf_model_type")
+_NUMERICALLY_INERT = ("initializer_range", "max_position_embeddings", "fp32_logits", "hf_model_type", "head")
 
 
 def _model_keys(config: ReferenceModelConfig) -> list[str]:
     """The state-dict keys of the full model, from a storage-free meta build."""
     with torch.device("meta"):
-        return list(ReferenceForCausalLM(config).state_dict())
+        return list(build_reference_model(config).state_dict())
 
 
 #: HF per-expert projection names of (our w_gate, w_up, w_down): Qwen3-MoE's, and Mixtral's w1/w3/w2.
@@ -120,7 +124,7 @@ def hf_export_mapper(
     keys = _model_keys(config)
     parts: list[StateMapper] = []
     handled: set[str] = set()
-    if config.tie_word_embeddings:
+    if config.tie_word_embeddings and config.head is None:  # a head model has no LM head to tie
         parts.append(Deduplicate([_EMBED, _LM_HEAD], _EMBED))  # HF saves a tied table once
         handled |= {_EMBED, _LM_HEAD}
     if config.moe is not None:
@@ -158,6 +162,8 @@ def hf_import_mapper(
             assumes `save_pretrained`'s own layout (the tied table stored once, experts one by one).
     """
     layout = hf_expert_layout(source_keys or ())
+    if config.head is not None:
+        return _head_import_mapper(config, source_keys)
     if _has_score_bias(config):  # the folder has no score bias to give: the model's keeps its zero init
         assert config.moe is not None
         unbiased = msgspec.structs.replace(config.moe, balancing=MoEBalancingConfig())
@@ -168,6 +174,30 @@ def hf_import_mapper(
         others = [m for m in mapper.mappers if _LM_HEAD not in m.outputs]
         mapper = Parallel([*others, Duplicate(_EMBED, [_EMBED, _LM_HEAD]), Drop([_LM_HEAD])])
     return mapper
+
+
+def _head_import_mapper(config: ReferenceModelConfig, source_keys: Iterable[str] | None) -> StateMapper:
+    """A head model's import: the decoder as a causal LM's, its LM head (if the folder holds one) dropped,
+    and `score.weight` read where the folder has it (one `AutoModelForSequenceClassification` saved);
+    else the head keeps its init (`head_fresh_keys`)."""
+    keys = set(source_keys) if source_keys is not None else set()
+    causal = msgspec.structs.replace(config, head=None, tie_word_embeddings=False)
+    mapper = hf_import_mapper(causal, source_keys=keys)
+    assert isinstance(mapper, Parallel)
+    parts = [m for m in mapper.mappers if _LM_HEAD not in m.outputs]
+    if _LM_HEAD in keys:
+        parts.append(Drop([_LM_HEAD]))
+    if _SCORE in keys and not head_fresh_keys(config, keys):
+        parts.append(Identity(_SCORE))
+    return Parallel(parts)
+
+
+def head_fresh_keys(config: ReferenceModelConfig, source_keys: Iterable[str]) -> frozenset[str]:
+    """The model keys a folder of `source_keys` does not fill and that keep their init: a classification
+    head's `score.weight` when the folder is a causal LM's (or holds no score)."""
+    if not isinstance(config.head, ClassificationHead):
+        return frozenset()
+    return frozenset() if _SCORE in set(source_keys) else frozenset({_SCORE})
 
 
 def hf_checkpoint_keys(folder: str | os.PathLike[str]) -> list[str]:
@@ -200,6 +230,7 @@ def save_hf_pretrained(
     """
     config = config if config is not None else model.config
     assert isinstance(config, ReferenceModelConfig)
+    check_head_export(model, config)
     dtype = next(iter(model.state_dict().values())).dtype
     hf = to_hf_config(config, dtype=dtype)
     mapper = hf_export_mapper(config, expert_layout=expert_layout)
@@ -226,5 +257,9 @@ def load_hf_pretrained(model: nn.Module, folder: str | os.PathLike[str]) -> None
     ours, theirs = _computation(config), _computation(read_hf_config(folder))
     if differ := [f"{k}: model {v!r}, folder {theirs[k]!r}" for k, v in ours.items() if theirs[k] != v]:
         raise HFConversionError(f"{folder}/config.json does not describe this model ({'; '.join(differ)})")
-    mapper = hf_import_mapper(config, source_keys=hf_checkpoint_keys(folder))
-    load_safetensors(model, folder, mapper=mapper)
+    keys = hf_checkpoint_keys(folder)
+    fresh = head_fresh_keys(
+        config, keys
+    )  # a causal LM's folder under a classification head: score keeps its init
+    target = {k: v for k, v in model.state_dict().items() if k not in fresh} if fresh else model
+    load_safetensors(target, folder, mapper=hf_import_mapper(config, source_keys=keys))

@@ -25,6 +25,7 @@ from d9d.parallel import (
 from d9d.parallel.expert import MoE, parallelize_expert_parallel
 from d9d.parallel.pipeline import StageSpec, keep_stage_layers
 from d9d.trainer.models.config import ReferenceModelConfig
+from d9d.trainer.models.heads import ReferenceWithHead
 from d9d.trainer.models.model import ReferenceForCausalLM
 
 __all__ = [
@@ -61,7 +62,7 @@ def check_mesh(config: ReferenceModelConfig, mesh: MeshConfig) -> None:
                 "no tensor-parallel plan; split a MoE model with mesh.expert_parallel and data parallelism, "
                 "or set mesh.tensor_parallel: 1"
             )
-        if config.tie_word_embeddings:
+        if config.tie_word_embeddings and config.head is None:
             raise ValueError(
                 "mesh.tensor_parallel > 1 with model.tie_word_embeddings: true is not supported (the "
                 "vocab-parallel embedding and the column-parallel head split the shared table differently); "
@@ -90,7 +91,7 @@ def tensor_parallel_plan(model: ReferenceForCausalLM) -> TensorParallelPlan:
 
     The LM head returns full (replicated) logits so any loss works on them.
     """
-    if model.config.tie_word_embeddings:
+    if model.config.tie_word_embeddings and model.lm_head is not None:
         raise ValueError(
             "tensor parallelism with tie_word_embeddings is not supported: the vocab-parallel embedding "
             "and the column-parallel LM head split the shared table differently; set model.tie_word_embeddings: false"
@@ -115,6 +116,8 @@ def tensor_parallel_plan(model: ReferenceForCausalLM) -> TensorParallelPlan:
         plan |= norm_plan("model.norm")
     if model.lm_head is not None:
         plan |= lm_head_plan("lm_head", loss_parallel=False)
+    if isinstance(model, ReferenceWithHead) and model.score is not None:  # replicated, after the gather
+        plan["score"] = ReplicateParallel()
     return plan
 
 
@@ -139,7 +142,8 @@ def decoder_parts(model: ReferenceForCausalLM) -> dict[str, nn.Module | None]:
     """The embedding, final norm and LM head the model (or pipeline stage) holds, None for those it
     lacks: the keyword arguments of `d9d.parallel.parallelize_decoder` and `decoder_units` besides
     the blocks (`model.model.layers`)."""
-    return {"embedding": model.model.embed_tokens, "final_norm": model.model.norm, "head": model.lm_head}
+    head = model.score if isinstance(model, ReferenceWithHead) else model.lm_head
+    return {"embedding": model.model.embed_tokens, "final_norm": model.model.norm, "head": head}
 
 
 def shard_units(model: ReferenceForCausalLM) -> list[ShardUnit]:
@@ -150,7 +154,7 @@ def shard_units(model: ReferenceForCausalLM) -> list[ShardUnit]:
 
 def trim_to_stage(model: ReferenceForCausalLM, stage: StageSpec) -> None:
     """Keep only a pipeline stage's part of the model: its layers (whole-model names), the embedding on
-    the first stage, the final norm and LM head on the last. Call it on the meta device.
+    the first stage, the final norm and LM head (or `score` head) on the last. Call it on the meta device.
 
     With tied embeddings the last stage keeps `model.embed_tokens` too, unused in its forward, as the
     owner of the table its head shares (as in one process): its checkpoint and optimizer keys are then
@@ -165,3 +169,5 @@ def trim_to_stage(model: ReferenceForCausalLM, stage: StageSpec) -> None:
     if not stage.is_last:
         model.model.norm = None
         model.lm_head = None
+        if isinstance(model, ReferenceWithHead):
+            model.score = None

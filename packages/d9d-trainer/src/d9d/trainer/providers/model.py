@@ -157,10 +157,13 @@ class PrepareImportModelStageResult:
     `folder=None` keeps the freshly initialized weights. `mapper` maps the folder's keys to the
     model's (e.g. `hf_export_mapper.inverse()`); None when the names already match. On a pipeline
     stage it may map the whole model: the stage loads the keys it holds (`d9d.ckpt.SelectOutputs`).
+    `fresh`: model keys the folder does not hold, which keep their initialization (e.g. a
+    classification head on a causal LM's folder).
     """
 
     folder: Any = None
     mapper: Any = None
+    fresh: frozenset[str] = frozenset()
 
 
 @runtime_checkable
