@@ -55,7 +55,7 @@ class Pairs(torch.utils.data.Dataset):
             "labels": torch.full((rows, seq), IGNORE_INDEX),
             "sequence_ids": torch.full((rows, seq), -1),
             "position_ids": torch.zeros((rows, seq), dtype=torch.long),
-            "document_ids": torch.zeros((rows, seq), dtype=torch.long),
+            "document_ids": torch.full((rows, seq), -1),  # padding: document -1, as d9d.data pads
         }
         row, start, document = 0, 0, 0
         for k, pair_id in enumerate(group):
@@ -67,7 +67,6 @@ class Pairs(torch.utils.data.Dataset):
                 out["sequence_ids"][row, start + prompt - 1 : start + n - 1] = 2 * k + side
                 out["position_ids"][row, span] = torch.arange(n)
                 out["document_ids"][row, span] = document
-                out["document_ids"][row, start + n :] = document + 1  # the padding after it, if any
                 out["position_ids"][row, start + n :] = torch.arange(seq - start - n)
                 document += 1
                 if pack:

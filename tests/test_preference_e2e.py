@@ -162,3 +162,43 @@ def test_the_example_on_two_ranks_equals_one_process(preference_example: Path, b
     for weights in results:
         for name, value in ref_weights.items():
             torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-5, msg=f"{backend}: {name}")
+
+
+def test_reward_model_exports_for_transformers_with_its_eval_numbers(preference_example: Path) -> None:
+    """The reward example (`reward.yaml`: a one-label score head, the Bradley-Terry loss): its export
+    loads in transformers' AutoModelForSequenceClassification, whose scores of the held-out pairs give
+    d9d's last eval exactly: the mean Bradley-Terry loss, the margins and the pairwise accuracy."""
+    import transformers
+
+    from d9d.data import PreferenceDataset, collate_preference
+
+    example = preference_example
+    args = ["trainer.schedule.total_steps=4", "trainer.logging.progress_bar=false", "eval.period_steps=0",
+            "trainer.run.name=reward-e2e", "export.dir=export-reward-e2e"]  # fmt: skip
+    run_forked(_train_and_export, str(example / "reward.yaml"), args, env={"OMP_NUM_THREADS": "1"})
+    last = records(example / "runs" / "reward-e2e")[-1]
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(
+        example / "export-reward-e2e", dtype=torch.float32
+    )
+    assert model.config.num_labels == 1 and model.config.pad_token_id is not None
+    val = PreferenceDataset(
+        example / "demo" / "pairs" / "val.jsonl", 128, tokenizer=example / "demo" / "model"
+    )
+    batch = collate_preference([val[i] for i in range(len(val))])
+    with torch.no_grad():
+        scores = model(input_ids=batch["input_ids"]).logits.view(-1, 2).double()
+    margins = scores[:, 0] - scores[:, 1]
+    assert last["eval_loss"] == pytest.approx(
+        float(-torch.nn.functional.logsigmoid(margins).mean()), rel=1e-5
+    )
+    assert last["eval_rewards/margins"] == pytest.approx(float(margins.mean()), rel=1e-5)
+    assert last["eval_rewards/chosen"] == pytest.approx(float(scores[:, 0].mean()), rel=1e-5, abs=1e-6)
+    assert last["eval_rewards/accuracies"] == float((margins > 0).double().mean())
+
+
+def _train_and_export(config: str, args: list[str]) -> None:
+    from d9d.trainer import Trainer
+
+    with Trainer.from_config(config, args) as trainer:
+        trainer.train()
+        trainer.export()

@@ -169,3 +169,37 @@ def test_lora_reference_is_the_base_model_on_fsdp_as_on_one_process(tmp_path, on
     full, lora = _reference_tables(one_dir / "one"), _reference_tables(tmp_path / "lora-one")
     for role in ("train", "eval"):
         assert lora[role] == pytest.approx(full[role], rel=1e-6)
+
+
+#: A reward model: the reference model with a one-label score head, scored on the last real token.
+REWARD = ["model.head={kind: classification, num_labels: 1, pad_token_id: 256}",
+          "preference={loss: bradley_terry}"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reward_one_process(tmp_path_factory) -> RunResult:
+    return train(1, _args(tmp_path_factory.mktemp("reward"), "reward-one", *REWARD))
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_reward_model_on_every_mesh_equals_one_process(tmp_path, reward_one_process, mesh):
+    """Bradley-Terry on a score head: every mesh's losses, grad norms, rewards, pairwise accuracy (step
+    and eval) and weights as one process's."""
+    result = train(2, _args(tmp_path, f"reward-{mesh}", *REWARD, *MESHES[mesh]))
+    compare_runs(result, reward_one_process, rel=1e-5)
+    _same_metrics(result, reward_one_process, rel=1e-5)
+
+
+def test_reward_model_learns_and_packed_pairs_score_as_unpacked(tmp_path, reward_one_process):
+    first, last = reward_one_process.records[0], reward_one_process.records[-1]
+    assert "logps/chosen" not in first  # a reward model's rewards are its scores
+    assert last["loss"] < first["loss"] and last["rewards/margins"] > first["rewards/margins"]
+    assert last["eval_rewards/accuracies"] > 0.5
+    # packed rows score each document: with the starting weights kept (SGD at lr 1e-30: below any
+    # weight's ulp), the eval over the whole
+    # held-out set scores every pair as on rows of its own
+    frozen = ["trainer.schedule.total_steps=1", "optimizer={name: sgd, lr: 1.0e-30, weight_decay: 0.0}"]
+    packed = train(1, _args(tmp_path, "reward-packed", *REWARD, *frozen, pack=True))
+    unpacked = train(1, _args(tmp_path, "reward-unpacked", *REWARD, *frozen))
+    for key in ("eval_loss", "eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/accuracies"):
+        assert packed.records[0][key] == pytest.approx(unpacked.records[0][key], rel=1e-5, abs=1e-6), key

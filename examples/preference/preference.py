@@ -2,6 +2,7 @@
 the job's entry.
 
     python preference.py make-demo demo         # a tiny random Qwen3 with a tokenizer + preference pairs (no download)
+    python preference.py score export-reward demo/pairs/val.jsonl   # a reward export, scored by transformers
     uv run d9d train config.yaml                # DPO from the folder's weights; exports the aligned model
     torchrun --nproc-per-node 2 preference.py config.yaml --set mesh.data_parallel_shard=2
 
@@ -56,8 +57,30 @@ def make_preference_demo(folder: str) -> None:
     print(f"wrote {out} ({split} + {len(pairs) - split} preference pairs)")
 
 
+def score(export_dir: str, pairs: str) -> None:
+    """Load a reward model's export with transformers (`AutoModelForSequenceClassification`, the tokenizer
+    beside it) and print its pairwise accuracy and mean margin on `pairs`."""
+    import torch
+    import transformers
+
+    from d9d.data import PreferenceDataset, collate_preference
+
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(export_dir, dtype=torch.float32)
+    dataset = PreferenceDataset(pairs, 128, tokenizer=export_dir)
+    batch = collate_preference([dataset[i] for i in range(len(dataset))])
+    with torch.no_grad():
+        scores = model(input_ids=batch["input_ids"]).logits.view(-1, 2)
+    margins = scores[:, 0] - scores[:, 1]
+    print(
+        f"{type(model).__name__}: {len(dataset)} pairs, pairwise accuracy {float((margins > 0).float().mean()):.3f}, "
+        f"mean margin {float(margins.mean()):.3f}"
+    )
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "make-demo":
         make_preference_demo(sys.argv[2])
+    elif len(sys.argv) == 4 and sys.argv[1] == "score":
+        score(sys.argv[2], sys.argv[3])
     else:
         main()

@@ -19,6 +19,7 @@ import msgspec
 from torch import nn
 
 from d9d.ckpt import SafetensorsIOError, check_safetensors, safetensors_shapes
+from d9d.data import TokenizerError, load_tokenizer
 from d9d.mesh import MeshConfig
 from d9d.trainer.builtins.reference_model import parallelize_reference_model, reference_export
 from d9d.trainer.config.base import ConfigPath
@@ -209,13 +210,20 @@ def _model_type(folder: Path) -> str:
 
 
 def _with_folder_pad(head: HeadConfig | None, folder: Path) -> HeadConfig | None:
-    """`head` with config.json's `pad_token_id` where the head names none."""
+    """`head` with config.json's `pad_token_id` where the head names none, else the folder's tokenizer's
+    pad token (the id d9d's datasets pad rows with): a score or pooled embedding never reads a padding
+    token, and the export's config.json names it, as transformers needs for batches."""
     if head is None or head.pad_token_id is not None:
         return head
     try:
         pad = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("pad_token_id")
     except (OSError, ValueError, AttributeError):
         return head  # a missing or broken config.json is refused by read_hf_config
+    if not isinstance(pad, int) and (folder / "tokenizer.json").is_file():
+        try:
+            pad = load_tokenizer(folder).pad_id
+        except TokenizerError:  # no tokenizers package, or a tokenizer it cannot read: no padding token known
+            pad = None
     return msgspec.structs.replace(head, pad_token_id=pad if isinstance(pad, int) else None)
 
 

@@ -50,13 +50,15 @@ class PreferenceConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     Attributes:
         loss: `sigmoid` (DPO: -log σ(β·margin)), `ipo` (IPO: (margin per completion token − 1/(2β))²,
-            length-normalized as TRL does), or `simpo` (SimPO, reference-free: -log σ(β·(mean
-            log-prob of chosen − of rejected) − gamma)).
+            length-normalized as TRL does), `simpo` (SimPO, reference-free: -log σ(β·(mean log-prob
+            of chosen − of rejected) − gamma)), or `bradley_terry` (a reward model: -log σ(r_chosen −
+            r_rejected) on the scores of a one-label head, `model.head: {kind: classification,
+            num_labels: 1}`).
         beta: β, the strength of the implicit KL constraint (DPO, IPO) or the reward scale (SimPO).
         gamma: SimPO's target reward margin (unused by the others).
     """
 
-    loss: Literal["sigmoid", "ipo", "simpo"] = "sigmoid"
+    loss: Literal["sigmoid", "ipo", "simpo", "bradley_terry"] = "sigmoid"
     beta: float = 0.1
     gamma: float = 0.5
 
@@ -117,14 +119,6 @@ class PreferenceTask:
     config_type = PreferenceConfig
     config_section = "preference"
     supports_context_parallel = False
-    metric_names = (
-        "rewards/chosen",
-        "rewards/rejected",
-        "rewards/margins",
-        "rewards/accuracies",
-        "logps/chosen",
-        "logps/rejected",
-    )
 
     def __init__(self, config: PreferenceConfig | None = None) -> None:
         self.config = config or PreferenceConfig()
@@ -133,8 +127,20 @@ class PreferenceTask:
 
     @property
     def needs_reference(self) -> bool:
-        """Whether the loss compares with the reference policy (all but SimPO)."""
+        """Whether the loss compares with the reference policy (all but SimPO and a reward model)."""
         return self.config.loss in _WITH_REFERENCE
+
+    @property
+    def reward_model(self) -> bool:
+        """The model scores sequences with a head (`bradley_terry`), not by its log-probabilities."""
+        return self.config.loss == "bradley_terry"
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        """The rewards of chosen and rejected, their margin and the pairwise accuracy; the policy's
+        log-probabilities too, except for a reward model (whose rewards are its scores)."""
+        rewards = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
+        return rewards if self.reward_model else (*rewards, "logps/chosen", "logps/rejected")
 
     # ------------------------------------------------------------------ the step
 
@@ -147,6 +153,8 @@ class PreferenceTask:
         batch, device, model = context.batch, context.device, context.model
         input_ids = batch["input_ids"].to(device, non_blocking=True)
         packed = {key: batch[key].to(device, non_blocking=True) for key in _PACKED_KEYS if key in batch}
+        if self.reward_model:
+            return self.pipeline_loss(model(input_ids, **packed), self._target(batch))
         if fused_loss_chunk_size(model) is not None:  # the head's per-token losses: no [tokens, vocab] logits
             packed["labels"] = batch["labels"].to(device, non_blocking=True)
         return self.pipeline_loss(model(input_ids, **packed), self._target(batch))
@@ -159,7 +167,9 @@ class PreferenceTask:
         """Every stage's attention inputs of a packed batch (positions and documents), and the labels
         when this rank's last stage computes its per-token losses fused."""
         kwargs = {key: batch[key] for key in _PACKED_KEYS if key in batch}
-        if any(fused_loss_chunk_size(stage) is not None for stage in stages):
+        if self.reward_model:  # the head's last stage finds each sequence's last token from the ids
+            kwargs["tokens"] = batch["input_ids"]
+        elif any(fused_loss_chunk_size(stage) is not None for stage in stages):
             kwargs["labels"] = batch["labels"]
         return kwargs
 
@@ -167,10 +177,12 @@ class PreferenceTask:
         """The summed loss of the microbatch's pairs and their summed metrics (or, during the reference
         pass, their log-probabilities recorded and a zero loss). `output`: the model's logits, or a
         fused head's per-token losses (`set_head_reduction(model, "none")`, set by `prepare_run`)."""
+        pairs = target["pair_ids"].numel()
+        if self.reward_model:
+            return self._reward_loss(output, pairs)
         device = output.device
         labels = target["labels"].to(device)
         sequences = target["sequence_ids"].to(device)
-        pairs = target["pair_ids"].numel()
         logps, lengths = sequence_logps(token_logps(output, labels), labels, sequences, 2 * pairs)
         logps, lengths = logps.view(pairs, 2), lengths.view(pairs, 2)
         if self._recording is not None:
@@ -193,6 +205,27 @@ class PreferenceTask:
             "rewards/accuracies": (margins > 0).to(torch.float64).sum(),
             "logps/chosen": detached[:, 0].sum(),
             "logps/rejected": detached[:, 1].sum(),
+        }
+        return LossResult(loss_sum=losses.sum(), weight=float(pairs), metrics=metrics)
+
+    def _reward_loss(self, scores: torch.Tensor, pairs: int) -> LossResult:
+        """Bradley-Terry: -log σ(r_chosen − r_rejected) on the head's [2·pairs, 1] scores (pair k's
+        chosen sequence is 2k, its rejected 2k+1: a row each, or a packed document each)."""
+        if scores.ndim != 2 or tuple(scores.shape) != (2 * pairs, 1):
+            raise TrainingError(
+                f"preference.loss: bradley_terry needs one score per sequence ([{2 * pairs}, 1] for {pairs} pairs); "
+                f"the model returned shape {tuple(scores.shape)}: give it a one-label score head "
+                "(model.head: {kind: classification, num_labels: 1})"
+            )
+        rewards = scores.float().view(pairs, 2)
+        losses = -F.logsigmoid(rewards[:, 0] - rewards[:, 1])
+        detached = rewards.detach()
+        margins = detached[:, 0] - detached[:, 1]
+        metrics = {
+            "rewards/chosen": detached[:, 0].sum(),
+            "rewards/rejected": detached[:, 1].sum(),
+            "rewards/margins": margins.sum(),
+            "rewards/accuracies": (margins > 0).to(torch.float64).sum(),
         }
         return LossResult(loss_sum=losses.sum(), weight=float(pairs), metrics=metrics)
 
