@@ -202,3 +202,34 @@ def _train_and_export(config: str, args: list[str]) -> None:
     with Trainer.from_config(config, args) as trainer:
         trainer.train()
         trainer.export()
+
+
+def test_simpo_first_step_is_the_paper_formula_on_transformers_log_probs(preference_example: Path) -> None:
+    """SimPO (reference-free; TRL's DPOTrainer has no such loss): the first step's loss equals
+    mean −log σ(β·(mean log π(y_c) − mean log π(y_r)) − γ) over the pairs, with each completion's
+    per-token mean log-probability computed here by transformers' model on the same tokens."""
+    import transformers
+
+    from d9d.data import PreferenceDataset, collate_preference
+
+    example = preference_example
+    beta, gamma = 2.0, 0.5
+    run_forked(_train, str(example / "config.yaml"),
+               _args(example, "simpo", f"preference={{loss: simpo, beta: {beta}, gamma: {gamma}}}"),
+               env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+    first = _steps(example / "runs" / "simpo")[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(example / "demo" / "model", dtype=torch.float32)
+    pairs = PreferenceDataset(_subset(example), 128, tokenizer=example / "demo" / "model")
+    batch = collate_preference([pairs[i] for i in range(len(pairs))])
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"]).logits.double()
+    labels = batch["labels"]
+    mask = labels != -100
+    picked = torch.log_softmax(logits, -1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    means = (picked * mask).sum(-1) / mask.sum(-1)  # a row per sequence: chosen, rejected, chosen, ...
+    chosen, rejected = means.view(-1, 2).unbind(-1)
+    expected = -torch.nn.functional.logsigmoid(beta * (chosen - rejected) - gamma).mean()
+    assert first["loss"] == pytest.approx(float(expected), rel=1e-5)
+    assert first["rewards/margins"] == pytest.approx(
+        float(beta * (chosen - rejected).mean()), rel=1e-4, abs=1e-5
+    )
