@@ -163,10 +163,11 @@ def test_under_autocast_the_matmuls_run_in_bfloat16_and_the_weight_gradient_stay
         assert float((got.float() - full.float()).abs().max()) <= 2e-2 * float(full.float().abs().max())
 
 
-def _per_token_unfused(hidden, weight, labels, bias=None, softcap=None) -> torch.Tensor:
+def _per_token_unfused(hidden, weight, labels, bias=None, softcap=None, temperature=1.0) -> torch.Tensor:
     logits = F.linear(hidden, weight, bias)
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
+    logits = logits / temperature
     losses = F.cross_entropy(
         logits.flatten(0, -2).float(), labels.flatten(), ignore_index=-100, reduction="none"
     )
@@ -184,18 +185,20 @@ def _per_token_grads(
     return losses.detach(), list(torch.autograd.grad((losses * weights).sum(), leaves))
 
 
-@pytest.mark.parametrize(("bias", "softcap"), [(False, None), (True, 5.0)])
-def test_per_token_losses_and_their_gradients_equal_the_full_logits(bias, softcap):
+@pytest.mark.parametrize(("bias", "softcap", "temperature"), [(False, None, 1.0), (True, 5.0, 1.0), (False, None, 0.7),
+                                                              (True, 5.0, 1.3)])  # fmt: skip
+def test_per_token_losses_and_their_gradients_equal_the_full_logits(bias, softcap, temperature):
     inputs = _inputs(bias)
-    got = _per_token_grads(linear_cross_entropy, inputs, chunk_size=CHUNK, softcap=softcap, reduction="none")
-    expected = _per_token_grads(_per_token_unfused, inputs, softcap=softcap)
+    got = _per_token_grads(linear_cross_entropy, inputs, chunk_size=CHUNK, softcap=softcap, reduction="none",
+                           temperature=temperature)  # fmt: skip
+    expected = _per_token_grads(_per_token_unfused, inputs, softcap=softcap, temperature=temperature)
     assert got[0].shape == inputs["labels"].shape
     assert bool((got[0][inputs["labels"] == -100] == 0).all())  # ignored tokens: 0
     torch.testing.assert_close(got[0], expected[0], rtol=REL, atol=1e-6)
     for g, e in zip(got[1], expected[1], strict=True):
         assert float((g - e).abs().max()) <= REL * float(e.abs().max()), float((g - e).abs().max())
     summed = linear_cross_entropy(inputs["hidden"], inputs["weight"], inputs["labels"], bias=inputs["bias"],
-                                  chunk_size=CHUNK, softcap=softcap)  # fmt: skip
+                                  chunk_size=CHUNK, softcap=softcap, temperature=temperature)  # fmt: skip
     assert float(summed) == pytest.approx(float(got[0].sum()), rel=1e-6)
     head = fuse_linear_cross_entropy(nn.Linear(HIDDEN, VOCAB, bias=False), chunk_size=CHUNK)
     assert set_head_reduction(nn.Sequential(head), "none") == 1

@@ -57,6 +57,7 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     softcap: float | None = None,
     reduction: Literal["sum", "none"] = "sum",
+    temperature: float = 1.0,
 ) -> torch.Tensor:
     """The summed token cross-entropy (float32, 0-dim) of `hidden @ weight.T + bias` against `labels`;
     with `reduction="none"`, each token's (float32, `labels`' shape; 0 where ignored), e.g. the negated
@@ -70,11 +71,15 @@ def linear_cross_entropy(
         labels: [...] target ids (the leading dims of `hidden`); `ignore_index` ones add nothing.
         chunk_size: tokens per chunk: the most logits alive at once are chunk_size × vocab (÷ tp).
         softcap: Gemma's final-logit soft-capping, `softcap * tanh(logits / softcap)`, or None.
+        temperature: the (capped) logits are divided by it before the softmax: the loss is that of the
+            distribution sampled at this temperature (e.g. the policy's log-probabilities in RL).
 
     Raises:
         ValueError: `chunk_size` below 1, `labels` not matching `hidden`'s leading dims, or a DTensor
             layout other than those above.
     """
+    if not temperature > 0:
+        raise ValueError(f"linear_cross_entropy: temperature must be > 0, got {temperature}")
     if reduction not in ("sum", "none"):
         raise ValueError(f"linear_cross_entropy: reduction must be 'sum' or 'none', got {reduction!r}")
     if chunk_size < 1:
@@ -99,7 +104,15 @@ def linear_cross_entropy(
         weight,
         bias,
         labels.reshape(-1),
-        _Options(chunk_size, ignore_index, softcap, dtype, *shard, per_token=reduction == "none"),
+        _Options(
+            chunk_size,
+            ignore_index,
+            softcap,
+            dtype,
+            *shard,
+            per_token=reduction == "none",
+            temperature=temperature,
+        ),
         copy,
     )
     return loss if reduction == "sum" else loss.view(labels.shape)
@@ -116,6 +129,7 @@ class _Options:
     group: dist.ProcessGroup | None
     vocab_start: int
     per_token: bool = False  # each token's loss, not their sum
+    temperature: float = 1.0  # the logits (after any cap) are divided by it
 
 
 def _local_operands(
@@ -160,15 +174,20 @@ def _no_autocast(device: torch.device) -> contextlib.AbstractContextManager[obje
 
 
 def _chunk_logits(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, softcap: float | None
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    softcap: float | None,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One chunk's float32 logits [chunk, vocab (local)], and tanh(raw / softcap) when capped (for backward)."""
+    """One chunk's float32 logits [chunk, vocab (local)] (capped, then divided by the temperature), and
+    tanh(raw / softcap) when capped (for backward)."""
     raw = hidden @ weight.t() if bias is None else torch.addmm(bias, hidden, weight.t())
     logits = raw.to(_FP32)  # a new tensor only when the compute dtype is not float32
     if softcap is None:
-        return logits, None
+        return (logits if temperature == 1.0 else logits.div_(temperature)), None
     capped = torch.tanh(logits / softcap)
-    return capped * softcap, capped
+    return capped * (softcap / temperature), capped
 
 
 def _target_logits(
@@ -221,7 +240,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             per_token = torch.zeros(h.shape[0], dtype=_FP32, device=h.device) if options.per_token else None
             for start in range(0, h.shape[0], options.chunk_size):
                 end = start + options.chunk_size
-                logits, _ = _chunk_logits(h[start:end], w, b, options.softcap)
+                logits, _ = _chunk_logits(h[start:end], w, b, options.softcap, options.temperature)
                 target, _, _ = _target_logits(logits, labels[start:end], options)
                 lse, target = _log_sum_exp(logits, target, options.group)
                 del logits
@@ -283,11 +302,11 @@ def _chunk_grad(
 ) -> torch.Tensor:
     """d loss / d raw logits of one chunk, in the compute dtype: (softmax − one-hot) × the loss's gradient
     (0-dim, or one per token of the chunk), zero for ignored tokens, through the soft-cap when there is one."""
-    logits, capped = _chunk_logits(h, w, b, options.softcap)
+    logits, capped = _chunk_logits(h, w, b, options.softcap, options.temperature)
     _, column, owned = _target_logits(logits, labels, options)
     probs = logits.sub_(log_sum_exp.unsqueeze(1)).exp_()
     probs.scatter_add_(1, column.unsqueeze(1), -owned.to(_FP32).unsqueeze(1))
-    counted = (labels != options.ignore_index).to(_FP32) * scale
+    counted = (labels != options.ignore_index).to(_FP32) * (scale / options.temperature)
     probs.mul_(counted.unsqueeze(1))
     if capped is not None:  # d(s·tanh(x/s))/dx = 1 − tanh²
         probs.mul_(capped.square_().neg_().add_(1.0))
@@ -319,10 +338,13 @@ class LinearCrossEntropyHead(nn.Linear):
         reduction: "sum" (the summed loss), or "none": each token's loss, labels' shape (a task that
             scores whole sequences, e.g. preference optimization, sets it on the model's heads:
             `set_head_reduction`).
+        temperature: the logits are divided by it before the loss (RL's sampling temperature;
+            `set_head_reduction(..., temperature=)`).
     """
 
     chunk_size: int = 1024
     reduction: Literal["sum", "none"] = "sum"
+    temperature: float = 1.0
     softcap: float | None = None
     ignore_index: int = -100
     casts_weight_once: bool = True  # inside `weights_cast_once` the loss computes from the step's copy
@@ -340,15 +362,18 @@ class LinearCrossEntropyHead(nn.Linear):
             ignore_index=self.ignore_index,
             softcap=self.softcap,
             reduction=self.reduction,
+            temperature=self.temperature,
         )
 
 
-def set_head_reduction(model: nn.Module, reduction: Literal["sum", "none"]) -> int:
+def set_head_reduction(
+    model: nn.Module, reduction: Literal["sum", "none"], *, temperature: float = 1.0
+) -> int:
     """Make every fused head of `model` (`LinearCrossEntropyHead`) return its loss summed or per token
-    when given labels; how many heads it set."""
+    when given labels, of its logits divided by `temperature`; how many heads it set."""
     heads = [m for m in model.modules() if isinstance(m, LinearCrossEntropyHead)]
     for head in heads:
-        head.reduction = reduction
+        head.reduction, head.temperature = reduction, temperature
     return len(heads)
 
 
