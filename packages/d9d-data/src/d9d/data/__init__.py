@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
     from d9d.data.datasets.packed import IGNORE_INDEX, CausalLMSample, PackedTokens
     from d9d.data.datasets.preference import PreferenceDataset, PreferenceStats, collate_preference
     from d9d.data.datasets.prepared import PreparedDataset
+    from d9d.data.datasets.prompts import PromptDataset, collate_prompts
     from d9d.data.datasets.sft import SFTDataset, SFTStats
     from d9d.data.datasets.text import TextDataset
     from d9d.data.datasets.token_file import TokenFileDataset, TokenFileInfo, write_token_file

@@ -36,10 +36,13 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
         ChatDatasetProvider,
         PreferenceDatasetConfig,
         PreferenceDatasetProvider,
+        PromptDatasetConfig,
+        PromptDatasetProvider,
         TextDatasetConfig,
         TextDatasetProvider,
     )
     from d9d.trainer.builtins.embedding import EmbeddingConfig, EmbeddingTask
+    from d9d.trainer.builtins.grpo import GRPOConfig, GRPOTask
     from d9d.trainer.builtins.hf_folder import HFModelConfig, HFModelProvider
     from d9d.trainer.builtins.optim import BuiltinLRSchedulerProvider, BuiltinOptimizerProvider
     from d9d.trainer.builtins.preference import PreferenceConfig, PreferenceTask

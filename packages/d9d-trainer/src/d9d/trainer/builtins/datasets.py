@@ -11,7 +11,14 @@ from typing import Literal
 
 import msgspec
 
-from d9d.data import PreferenceDataset, SFTDataset, TextDataset, collate_preference
+from d9d.data import (
+    PreferenceDataset,
+    PromptDataset,
+    SFTDataset,
+    TextDataset,
+    collate_preference,
+    collate_prompts,
+)
 from d9d.trainer.config.base import ConfigPath
 from d9d.trainer.providers.data import BuildDatasetContext, BuildDatasetResult
 
@@ -20,6 +27,8 @@ __all__ = [
     "ChatDatasetProvider",
     "PreferenceDatasetConfig",
     "PreferenceDatasetProvider",
+    "PromptDatasetConfig",
+    "PromptDatasetProvider",
     "TextDatasetConfig",
     "TextDatasetProvider",
 ]
@@ -98,6 +107,36 @@ class PreferenceDatasetProvider:
             c.path, c.seq_len, tokenizer=c.tokenizer, overflow=c.overflow, pack=c.pack
         )
         return BuildDatasetResult(dataset=dataset, collate_fn=collate_preference, document_masking=c.pack)
+
+
+class PromptDatasetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The `dataset:` section of prompts for RL (`d9d.trainer:GRPOTask`).
+
+    Attributes:
+        path: a .jsonl file or a folder of them (`{"prompt": text or messages, ...other fields for the
+            reward function}`).
+        max_prompt_len: the most tokens a prompt may have (a longer one is refused with its file:line).
+        tokenizer: a Hugging Face tokenizer folder (with the chat template for message prompts); null:
+            bytes (vocabulary 257).
+    """
+
+    path: ConfigPath
+    max_prompt_len: int = 256
+    tokenizer: ConfigPath | None = None
+
+
+class PromptDatasetProvider:
+    """`d9d.data.PromptDataset` over the configured JSONL, collated by `d9d.data.collate_prompts`."""
+
+    config_type = PromptDatasetConfig
+
+    def __init__(self, config: PromptDatasetConfig) -> None:
+        self.config = config
+
+    def build_dataset(self, context: BuildDatasetContext) -> BuildDatasetResult:
+        c = self.config
+        dataset = PromptDataset(c.path, c.max_prompt_len, tokenizer=c.tokenizer)
+        return BuildDatasetResult(dataset=dataset, collate_fn=collate_prompts, seq_len=None)
 
 
 class TextDatasetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -223,6 +223,8 @@ class JobConfig(Section):
     peft: PeftConfig = PeftConfig()
     preference: dict[str, Any] = msgspec.field(default_factory=dict)
     """The preference task's section (`d9d.trainer:PreferenceTask`: `loss`, `beta`, ...)."""
+    rl: dict[str, Any] = msgspec.field(default_factory=dict)
+    """The RL task's section (`d9d.trainer:GRPOTask`: `reward`, `group_size`, ...)."""
     task: dict[str, Any] = msgspec.field(default_factory=dict)
-    """A task's own section (a task class names the section it reads in `config_section`: `task` or
-    `preference`)."""
+    """A task's own section (a task class names the section it reads in `config_section`: `task`,
+    `preference` or `rl`)."""

@@ -20,7 +20,7 @@ import torch
 from d9d.data import DataError
 from d9d.mesh import D9dError, one_line
 from d9d.trainer.callbacks import Callback
-from d9d.trainer.config.base import ConfigPath
+from d9d.trainer.config.base import ConfigImport, ConfigPath
 from d9d.trainer.config.job import JobConfig
 from d9d.trainer.config.trainer import CallbackConfig
 from d9d.trainer.errors import ConfigError
@@ -146,7 +146,7 @@ def resolve_job(loaded: LoadedJob) -> ResolvedJob:
 
 
 #: The sections a task may read (its class's `config_section`; none by default).
-TASK_SECTIONS = ("task", "preference")
+TASK_SECTIONS = ("task", "preference", "rl")
 
 
 def _task_section(spec: str, loaded: LoadedJob) -> tuple[str, Any, str | None, tuple[str, ...]]:
@@ -167,7 +167,8 @@ def _task_section(spec: str, loaded: LoadedJob) -> tuple[str, Any, str | None, t
         if key != wanted and getattr(config, key):
             raise ConfigError(
                 f"{where}: a {key}: section is given but providers.task ({spec}) does not read it; remove "
-                f"the section or name a task that does (d9d.trainer:PreferenceTask reads preference:)"
+                f"the section or name a task that does (d9d.trainer:PreferenceTask reads preference:, "
+                "d9d.trainer:GRPOTask rl:)"
             )
     methods = ("batch_weight", "compute_loss")
     return spec, (getattr(config, wanted) if wanted else {}), wanted, methods
@@ -313,6 +314,10 @@ def resolve_config_paths(value: Any, loaded: LoadedJob) -> Any:
         current = getattr(value, member.name)
         if isinstance(current, str) and _is_config_path(member.type):
             changes[member.name] = str(loaded.resolve_path(current))
+        elif isinstance(current, str) and _is_config_import(member.type):
+            target, sep, name = current.rpartition(":")
+            if sep and target.endswith(".py"):  # a file beside the config: absolute, as a path is
+                changes[member.name] = f"{loaded.resolve_path(target)}:{name}"
         elif isinstance(current, msgspec.Struct):
             resolved = resolve_config_paths(current, loaded)
             if resolved is not current:
@@ -322,6 +327,10 @@ def resolve_config_paths(value: Any, loaded: LoadedJob) -> Any:
 
 def _is_config_path(annotation: Any) -> bool:
     return annotation is ConfigPath or ConfigPath in get_args(annotation)
+
+
+def _is_config_import(annotation: Any) -> bool:
+    return annotation is ConfigImport or ConfigImport in get_args(annotation)
 
 
 def resolve_object(spec: str, base_dir: Path, *, key: str) -> Any:

@@ -3,6 +3,7 @@ besides its loss (`ReportsMetrics`); a model that computes its token loss itself
 and the one place between steps where a training method prepares the step (`PreparesSteps`)."""
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -113,12 +114,15 @@ class PrepareStepContext:
             batches them (e.g. the prompts to roll out); its position is part of every checkpoint.
         model: this rank's (parallelized) model with the current weights, in train mode.
         context: where this rank sits (mesh, coordinates, device).
+        forward: the context the training step runs its forwards in (autocast to the compute dtype,
+            the plan's attention kernel): wrap the forwards of a generation in it.
     """
 
     step: int
     data: Iterator[Any]
     model: nn.Module
     context: DistributedContext
+    forward: Callable[[], AbstractContextManager[Any]] = nullcontext
 
 
 @runtime_checkable

@@ -27,6 +27,7 @@ import torch
 
 from d9d.data import DeclaresStepsLeft, ReportsSources
 from d9d.mesh import DistributedContext, get_logger, rank_tag
+from d9d.parallel import precision_autocast
 from d9d.trainer.callbacks import Callbacks, RunControl
 from d9d.trainer.config.trainer import StragglersConfig
 from d9d.trainer.errors import is_out_of_memory, step_out_of_memory
@@ -107,6 +108,17 @@ class StepSource:
         self._model = parts.model
         self._context = context
         self._randomness = parts.randomness
+        self._settings = getattr(parts.train_step, "settings", None)
+
+    def _forward(self) -> contextlib.AbstractContextManager[Any]:
+        """The training step's forward context: autocast to its compute dtype and its attention kernel."""
+        settings = self._settings
+        if settings is None:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(precision_autocast(settings.precision, settings.device))
+        stack.enter_context(settings.attention_kernels())
+        return stack
 
     def next(self, step: int) -> Any:
         """The microbatches of step `step` (1-based), drawn now: after step `step - 1` updated the weights,
@@ -116,7 +128,9 @@ class StepSource:
         if self._preparer is None:
             return next(self._data)
         return self._preparer.prepare_step(
-            PrepareStepContext(step=step, data=self._data, model=self._model, context=self._context)
+            PrepareStepContext(
+                step=step, data=self._data, model=self._model, context=self._context, forward=self._forward
+            )
         )
 
 
@@ -429,8 +443,10 @@ class RunLoop:
         if data_ended:
             _log.warning(
                 f"the data is used up after step {end} of {self._total} (dataset exhausted: stop): the run "
-                "ends here, with its checkpoint", step=end, total_steps=self._total,
-            )  # fmt: skip
+                "ends here, with its checkpoint",
+                step=end,
+                total_steps=self._total,
+            )
 
     def _source_tokens(self) -> dict[str, int] | None:
         data = self._parts.data
