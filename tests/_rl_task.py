@@ -11,7 +11,7 @@ def copy_match(prompts: list[str], completions: list[str], answer: list[str], **
     rewards = []
     for completion, expected in zip(completions, answer, strict=True):
         digits = "".join(ch for ch in completion if ch.isdigit())
-        rewards.append(sum(a == b for a, b in zip(digits, expected)) / len(expected))
+        rewards.append(sum(a == b for a, b in zip(digits, expected, strict=False)) / len(expected))
     return rewards
 
 
