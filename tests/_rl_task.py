@@ -19,8 +19,9 @@ def wrong_length(prompts: list[str], completions: list[str], **_: object) -> lis
     return [0.0] * (len(completions) - 1)
 
 
-def make_task(folder: Path, prompts: int = 256, digits: int = 2, seed: int = 0) -> Path:
-    """`folder/tokenizer` and `folder/prompts.jsonl`; returns `folder`."""
+def make_task(folder: Path, prompts: int = 256, digits: int | tuple[int, int] = 2, seed: int = 0) -> Path:
+    """`folder/tokenizer` and `folder/prompts.jsonl` (`digits` per prompt, or a range of counts);
+    returns `folder`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {str(i): i for i in range(10)} | {">": 10, "<eos>": 11, "<pad>": 12}
@@ -34,7 +35,8 @@ def make_task(folder: Path, prompts: int = 256, digits: int = 2, seed: int = 0) 
     draw = random.Random(seed)
     lines = []
     for _ in range(prompts):
-        number = [draw.choice("0123456789") for _ in range(digits)]
+        count = digits if isinstance(digits, int) else draw.randint(*digits)
+        number = [draw.choice("0123456789") for _ in range(count)]
         lines.append(json.dumps({"prompt": " ".join(number) + " >", "answer": "".join(number)}))
     (folder / "prompts.jsonl").write_text("\n".join(lines) + "\n")
     return folder

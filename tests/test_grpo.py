@@ -88,6 +88,17 @@ def test_every_mesh_equals_one_process(task_dir, tmp_path, one_process, mesh):
     _same_run(result, reference, rel=1e-5)
 
 
+def test_prompts_of_several_lengths_on_fsdp_equal_one_process(tmp_path):
+    """Prompts of 1 to 3 digits: each rank samples a batch per prompt length, ranks with fewer lengths
+    sample again and discard it (FSDP gathers in every forward): one process's numbers."""
+    task = make_task(tmp_path / "mixed", prompts=64, digits=(1, 3), seed=1)
+    one = train(1, _args(task, tmp_path, "mixed-one", "trainer.schedule.total_steps=2"))
+    fsdp = train(2, _args(task, tmp_path, "mixed-fsdp2", "trainer.schedule.total_steps=2",
+                          "mesh.data_parallel_shard=2"))  # fmt: skip
+    assert _samples(tmp_path / "mixed-fsdp2") == _samples(tmp_path / "mixed-one")
+    _same_run(fsdp, one, rel=1e-5)
+
+
 def _same_run(actual: RunResult, expected: RunResult, rel: float) -> None:
     """Every step's loss (absolutely: a policy-gradient loss sits near 0), grad norm and metric, and the
     final weights (per tensor, relative to its norm), within `rel`."""

@@ -11,6 +11,7 @@ each): with `agree`, the ranks decide together after each token whether any comp
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -55,21 +56,29 @@ def _draw(
     return tokens, picked.detach()
 
 
+def sample_group(model: torch.nn.Module, prompt: torch.Tensor, group: int, *, generator: torch.Generator,
+                 **options: Any) -> Rollouts:  # fmt: skip
+    """`group` completions of one `prompt` ([length] ids): `sample_groups` of one prompt."""
+    return sample_groups(model, [prompt], group, generators=[generator], **options)[0]
+
+
 @torch.no_grad()
-def sample_group(
+def sample_groups(
     model: torch.nn.Module,
-    prompt: torch.Tensor,
+    prompts: Sequence[torch.Tensor],
     group: int,
     *,
     max_new_tokens: int,
     temperature: float,
     top_p: float | None,
     stop_ids: Sequence[int],
-    generator: torch.Generator,
+    generators: Sequence[torch.Generator],
     agree: Callable[[bool], bool] | None = None,
     multiple: int = 1,
-) -> Rollouts:
-    """`group` completions of `prompt` ([length] ids) sampled from `model` (put it in eval mode first).
+) -> list[Rollouts]:
+    """`group` completions of each of `prompts` (ids of one length: one batch of prompts · group rows,
+    one cache) sampled from `model` (put it in eval mode first); prompt k's tokens are drawn with
+    `generators[k]` alone, so they do not depend on the prompts sampled beside it.
 
     Args:
         agree: given whether this rank still has an unfinished completion, whether any rank does
@@ -79,25 +88,31 @@ def sample_group(
             changes none of the real positions' logits).
 
     Raises:
-        GenerationError: an empty prompt, a temperature that is not positive, no token budget.
+        GenerationError: an empty prompt, prompts of several lengths, a temperature that is not
+            positive, no token budget.
     """
-    if prompt.numel() == 0:
-        raise GenerationError("a prompt has no tokens; every prompt needs some text")
+    lengths_in = {p.numel() for p in prompts}
+    if 0 in lengths_in or len(lengths_in) != 1 or len(generators) != len(prompts):
+        raise GenerationError("sample_groups takes non-empty prompts of one length, with a generator each")
     if not temperature > 0 or max_new_tokens < 1:
         raise GenerationError(
             f"sampling needs temperature > 0 and max_new_tokens >= 1, got {temperature} and {max_new_tokens}"
         )
     device = next(iter(model.parameters())).device
-    ids = prompt.to(device).unsqueeze(0).expand(group, -1).contiguous()
+    ids = torch.stack(list(prompts)).to(device).repeat_interleave(group, dim=0)
+    rows = ids.shape[0]
     cached = method_of(model) == "kv_cache" and not _tensor_parallel(model)
-    cache = model.new_kv_cache(prompt.numel() + max_new_tokens) if cached else None  # type: ignore[operator]
+    cache = model.new_kv_cache(ids.shape[1] + max_new_tokens) if cached else None  # type: ignore[operator]
     logits = _last_logits(model(ids, kv_cache=cache)) if cached else _padded_logits(model, ids, multiple)
     stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long)
     tokens, logps = [], []
-    done = torch.zeros(group, dtype=torch.bool)
-    lengths = torch.zeros(group, dtype=torch.long)
+    done = torch.zeros(rows, dtype=torch.bool)
+    lengths = torch.zeros(rows, dtype=torch.long)
     for _ in range(max_new_tokens):
-        token, logp = _draw(logits, temperature, top_p, generator)
+        drawn = [_draw(logits[k * group : (k + 1) * group], temperature, top_p, generator)
+                 for k, generator in enumerate(generators)]  # fmt: skip
+        token = torch.cat([t for t, _ in drawn])
+        logp = torch.cat([lp for _, lp in drawn])
         token = torch.where(done, torch.zeros_like(token), token)
         tokens.append(token)
         logps.append(torch.where(done.to(logp.device), torch.zeros_like(logp), logp))
@@ -112,7 +127,15 @@ def sample_group(
         else:
             ids = torch.cat([ids, step], dim=1)
             logits = _padded_logits(model, ids, multiple)
-    return Rollouts(torch.stack(tokens, 1), torch.stack(logps, 1).float().cpu(), lengths)
+    all_tokens, all_logps = torch.stack(tokens, 1), torch.stack(logps, 1).float().cpu()
+    return [
+        Rollouts(
+            all_tokens[k * group : (k + 1) * group],
+            all_logps[k * group : (k + 1) * group],
+            lengths[k * group : (k + 1) * group],
+        )
+        for k in range(len(prompts))
+    ]
 
 
 def _padded_logits(model: torch.nn.Module, ids: torch.Tensor, multiple: int) -> torch.Tensor:

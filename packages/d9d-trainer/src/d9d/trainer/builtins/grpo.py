@@ -44,7 +44,7 @@ from d9d.trainer.providers.task import (
     PrepareStepContext,
     fused_loss_chunk_size,
 )
-from d9d.trainer.rollouts import Rollouts, rollout_batch, sample_group
+from d9d.trainer.rollouts import Rollouts, rollout_batch, sample_groups
 
 __all__ = ["GRPOConfig", "GRPOTask", "group_advantages"]
 
@@ -183,28 +183,39 @@ class GRPOTask:
             else None
         )
         tp = context.context.axis_size("tp") if not context.context.is_local else 1
-        groups = [
-            sample_group(
+        groups: list[Rollouts | None] = [None] * len(prompts)
+        buckets = [
+            [k for k, p in enumerate(prompts) if p.numel() == n]
+            for n in dict.fromkeys(p.numel() for p in prompts)
+        ]
+        # every rank samples as many batches (each forward may gather weights): a rank with fewer
+        # prompt lengths samples its first batch again and discards it
+        calls = _agreed_max(len(buckets), context.context.device) if agree is not None else len(buckets)
+        for call in range(calls):
+            chosen = buckets[call] if call < len(buckets) else buckets[0]
+            sampled = sample_groups(
                 model,
-                prompt,
+                [prompts[k] for k in chosen],
                 c.group_size,
                 max_new_tokens=c.max_new_tokens,
                 temperature=c.temperature,
                 top_p=c.top_p,
                 stop_ids=stops,
-                generator=_generator(c.seed, context.step, index),
+                generators=[_generator(c.seed, context.step, indices[k]) for k in chosen],
                 agree=agree,
                 multiple=tp,
             )
-            for prompt, index in zip(prompts, indices, strict=True)
-        ]
-        rewards = self._score(groups, indices)
+            if call < len(buckets):
+                for k, rollouts in zip(chosen, sampled, strict=True):
+                    groups[k] = rollouts
+        done = [g for g in groups if g is not None]
+        rewards = self._score(done, indices)
         advantages = group_advantages(rewards, c.group_size, c.scale_rewards == "group")
-        out = rollout_batch(prompts, groups, advantages, rewards, multiple=tp)
+        out = rollout_batch(prompts, done, advantages, rewards, multiple=tp)
         if c.beta > 0:  # the reference: the base model (adapters off), on the same tokens
             with lora_disabled(model):
                 out["ref_logps"] = self._token_logps(model, out, context.context.device).detach().cpu()
-        self._log_samples(context, prompts, groups, rewards, advantages)
+        self._log_samples(context, prompts, done, rewards, advantages)
         return out
 
     def _score(self, groups: Sequence[Rollouts], indices: Sequence[int]) -> torch.Tensor:
@@ -329,6 +340,13 @@ def _generator(seed: int, step: int, index: int) -> torch.Generator:
     """The generator of one prompt's completions at one step: the same on every rank and mesh."""
     mixed = np.random.SeedSequence([seed, step, index]).generate_state(1, dtype=np.uint64)[0]
     return torch.Generator().manual_seed(int(mixed) & (2**63 - 1))
+
+
+def _agreed_max(count: int, device: torch.device) -> int:
+    """The largest `count` over all ranks (one all-reduce)."""
+    value = torch.tensor([float(count)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())
 
 
 def _agreement(device: torch.device) -> Callable[[bool], bool]:
