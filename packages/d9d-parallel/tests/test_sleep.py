@@ -6,7 +6,7 @@ step equals training without one bit for bit, on one process, FSDP 2 and TP 2 (f
 import numpy as np
 import pytest
 import torch
-from _tiny_transformer import make_model, tiny_plan
+from _tiny_transformer import TinyConfig, make_model, tiny_plan
 from _train_compare import SEQ, parallel_run, reference_run
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -66,11 +66,15 @@ def _sleep_cycle(model: nn.Module, opt: torch.optim.Optimizer) -> None:
     layouts = {k: _layout(v) for k, v in before.items()}
     with torch.no_grad():
         storages = [_local(v).untyped_storage() for v in before.values()]
-        model(torch.zeros(2, SEQ, dtype=torch.long))
+    # FSDP2's sharded gradients are views into one reduce-scatter output per unit
+    held = sum({s.data_ptr(): s.nbytes() for s in storages}.values())
     sleep = TrainingStateSleep(model, opt)
-    assert sleep.device_bytes() > 0
+    assert sleep.device_bytes() == held > 0
+    with torch.no_grad():
+        model(torch.zeros(2, SEQ, dtype=torch.long))
+    assert sleep.device_bytes() >= held  # with FSDP2's unsharded root parameters now
     moved = sleep.sleep()
-    assert sleep.asleep and moved > 0 and sleep.device_bytes() == 0
+    assert sleep.asleep and moved == held and sleep.device_bytes() == 0
     assert all(s.nbytes() == 0 for s in storages)  # every storage that held training state is freed
     assert _fsdp_leftovers(model) == 0
     sleep.wake()
@@ -87,8 +91,10 @@ def _assert_identical(got, want) -> None:
     assert all(torch.equal(got.params[k], v) for k, v in want.params.items())
 
 
-def test_one_process_training_with_sleep_and_wake_in_every_step_is_bit_identical():
-    _assert_identical(reference_run(between=_sleep_cycle), reference_run())
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied-embeddings"])
+def test_one_process_training_with_sleep_and_wake_in_every_step_is_bit_identical(tied):
+    cfg = TinyConfig(tie_embeddings=tied)
+    _assert_identical(reference_run(cfg=cfg, between=_sleep_cycle), reference_run(cfg=cfg))
 
 
 def _fsdp(model, ctx):

@@ -132,8 +132,12 @@ def training_devices(devices: Iterable[torch.device]) -> set[torch.device]:
 
 
 def _training_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Iterator[torch.Tensor]:
-    """The local tensors of every parameter, its gradient and its optimizer states."""
-    for param in model.parameters():
+    """The local tensors of every parameter, its gradient and its optimizer states.
+
+    The optimizer's parameters too: after a forward, FSDP2 modules hold their unsharded parameters.
+    """
+    groups = optimizer.param_groups if optimizer is not None else []
+    for param in [*model.parameters(), *(p for group in groups for p in group["params"])]:
         yield _local(param)
         if param.grad is not None:
             yield _local(param.grad)
@@ -149,20 +153,22 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def _storages(tensors: list[torch.Tensor], *, keep_empty: bool = False) -> list[torch.UntypedStorage]:
     """The distinct storages under `tensors` on their training devices (FSDP2's views share one)."""
     targets = training_devices(t.device for t in tensors)
-    seen: dict[int, torch.UntypedStorage] = {}
+    seen: dict[tuple[torch.device, int], torch.UntypedStorage] = {}
+    empty: list[torch.UntypedStorage] = []
     for tensor in tensors:
         if tensor.device not in targets:
             continue
         storage = tensor.untyped_storage()
-        if storage.nbytes() == 0 and not keep_empty:
+        if storage.nbytes() == 0:
+            empty += [storage] if keep_empty else []
             continue
         if not storage.resizable():
             raise SleepError(
                 f"a training-state tensor of shape {tuple(tensor.shape)} has a storage that cannot be "
                 "freed (not resizable, e.g. from numpy or a memory map): copy it (`.clone()`) first"
             )
-        seen.setdefault(storage._cdata, storage)
-    return list(seen.values())
+        seen.setdefault((storage.device, storage.data_ptr()), storage)  # one address, one storage
+    return [*seen.values(), *empty]
 
 
 def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
