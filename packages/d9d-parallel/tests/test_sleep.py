@@ -1,7 +1,8 @@
 """Sleep and wake of the training state (`TrainingStateSleep`): while asleep no storage of a parameter,
 gradient or optimizer state keeps its bytes (nor any FSDP2 unsharded parameter); after wake every tensor
 is the same object with the same placements and bytes, and training with a sleep/wake cycle in every
-step equals training without one bit for bit, on one process, FSDP 2 and TP 2 (forked gloo ranks)."""
+step equals training without one bit for bit, on one process, FSDP 2, TP 2 and FSDP 2 x TP 2 (forked
+gloo ranks)."""
 
 import numpy as np
 import pytest
@@ -54,7 +55,7 @@ def _fsdp_leftovers(model: nn.Module) -> int:
         left += int(group._all_gather_result is not None)
         for fsdp_param in group.fsdp_params:
             unsharded = getattr(fsdp_param, "_unsharded_param", None)
-            left += 0 if unsharded is None else unsharded.untyped_storage().nbytes()
+            left += 0 if unsharded is None else _local(unsharded).untyped_storage().nbytes()
     return left
 
 
@@ -105,14 +106,24 @@ def _tp(model, ctx):
     parallelize_tensor_parallel(model, ctx.mesh("dense"), tiny_plan())
 
 
+def _tp_fsdp(model, ctx):
+    _tp(model, ctx)
+    _fsdp(model, ctx)
+
+
 @pytest.mark.parametrize(
     ("config", "parallelize"),
-    [(MeshConfig(data_parallel_shard=2), _fsdp), (MeshConfig(tensor_parallel=2), _tp)],
-    ids=["fsdp2", "tp2"],
+    [
+        (MeshConfig(data_parallel_shard=2), _fsdp),
+        (MeshConfig(tensor_parallel=2), _tp),
+        (MeshConfig(data_parallel_shard=2, tensor_parallel=2), _tp_fsdp),
+    ],
+    ids=["fsdp2", "tp2", "fsdp2xtp2"],
 )
 def test_parallel_training_with_sleep_and_wake_in_every_step_is_bit_identical(config, parallelize):
-    slept = run_distributed(parallel_run, 2, config, parallelize, between=_sleep_cycle)[0]
-    awake = run_distributed(parallel_run, 2, config, parallelize)[0]
+    world = config.world_size
+    slept = run_distributed(parallel_run, world, config, parallelize, between=_sleep_cycle)[0]
+    awake = run_distributed(parallel_run, world, config, parallelize)[0]
     _assert_identical(slept, awake)
 
 
