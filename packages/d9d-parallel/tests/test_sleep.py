@@ -20,8 +20,8 @@ from d9d.parallel import (
     TrainingStateSleep,
     parallelize_fsdp,
     parallelize_tensor_parallel,
-    training_devices,
 )
+from d9d.parallel.sleep import training_devices
 
 
 def _state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:

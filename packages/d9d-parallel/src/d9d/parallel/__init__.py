@@ -142,7 +142,7 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
         resolve_precision,
         to_autocast_dtype,
     )
-    from d9d.parallel.sleep import TrainingStateSleep, training_devices
+    from d9d.parallel.sleep import TrainingStateSleep
     from d9d.parallel.tensor_parallel import (
         ReplicateParallel,
         TensorParallelPlan,
