@@ -38,7 +38,13 @@ def _optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=LR * 10)
 
 
-def reference_run(optimizer: str = "adamw", cfg: TinyConfig | None = None) -> RunResult:
+#: Called with (model, optimizer) after each step's clipping, before `optimizer.step()`.
+BetweenSteps = Callable[[nn.Module, torch.optim.Optimizer], None]
+
+
+def reference_run(
+    optimizer: str = "adamw", cfg: TinyConfig | None = None, *, between: BetweenSteps | None = None
+) -> RunResult:
     """One process, full global batch, torch's own clip_grad_norm_."""
     cfg = cfg or TinyConfig()
     model = make_model(cfg=cfg)
@@ -52,6 +58,8 @@ def reference_run(optimizer: str = "adamw", cfg: TinyConfig | None = None) -> Ru
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
         losses.append(float(loss.detach()))
+        if between is not None:
+            between(model, opt)
         opt.step()
         opt.zero_grad()
     final = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -70,6 +78,7 @@ def parallel_run(
     loss_scope: str = "global",
     meta_init: bool = False,
     cfg: TinyConfig | None = None,
+    between: BetweenSteps | None = None,
 ) -> RunResult | None:
     """Run inside a forked rank: parallelize, train on this dp rank's slice; rank 0 returns the result.
 
@@ -111,6 +120,8 @@ def parallel_run(
                 step_loss /= dp
             norms.append(float(clip_grad_norm_(model.parameters(), MAX_NORM)))
             losses.append(float(step_loss))
+            if between is not None:
+                between(model, opt)
             opt.step()
             opt.zero_grad()
         params = {

@@ -11,7 +11,9 @@ Also the per-block training mechanisms any loop can use: mixed precision (`preci
 `precision=` of the parallelize functions, weights cast once per step: `weights_cast_once`),
 activation checkpointing, in-place `torch.compile`, the LM head and its cross-entropy fused over
 chunks of tokens (`linear_cross_entropy`, `fuse_linear_cross_entropy`), LoRA adapters (`apply_lora`,
-exported in PEFT's layout), and AdamW/SGD with bfloat16 states (`StateDtypeAdamW`, `StateDtypeSGD`).
+exported in PEFT's layout), AdamW/SGD with bfloat16 states (`StateDtypeAdamW`, `StateDtypeSGD`), and
+sleep and wake of the training state (`TrainingStateSleep`: the accelerator's memory for an inference
+engine between RL steps).
 
 See packages/d9d-parallel/README.md for the gradient-reduction contract.
 
@@ -90,7 +92,7 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
         DocumentMask,
         document_attention_backend,
     )
-    from d9d.parallel.errors import ParallelizeError, UnsupportedParallelismError
+    from d9d.parallel.errors import ParallelizeError, SleepError, UnsupportedParallelismError
     from d9d.parallel.float8 import (
         Float8Selection,
         apply_float8,
@@ -140,6 +142,7 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
         resolve_precision,
         to_autocast_dtype,
     )
+    from d9d.parallel.sleep import TrainingStateSleep
     from d9d.parallel.tensor_parallel import (
         ReplicateParallel,
         TensorParallelPlan,

@@ -2,7 +2,7 @@
 
 from d9d.mesh import D9dError
 
-__all__ = ["ParallelizeError", "UnsupportedParallelismError"]
+__all__ = ["ParallelizeError", "SleepError", "UnsupportedParallelismError"]
 
 
 class ParallelizeError(D9dError, ValueError):
@@ -11,3 +11,7 @@ class ParallelizeError(D9dError, ValueError):
 
 class UnsupportedParallelismError(D9dError, NotImplementedError):
     """The mesh asks for a parallelism d9d does not implement yet (e.g. context parallelism)."""
+
+
+class SleepError(D9dError, RuntimeError):
+    """Sleep or wake of the training state out of order, or a forward or step while it sleeps."""

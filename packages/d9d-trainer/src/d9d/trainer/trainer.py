@@ -21,6 +21,7 @@ from d9d.ckpt import CheckpointManager, KeepBest
 from d9d.mesh import DistributedContext, configure_logging, get_logger
 from d9d.parallel import (
     ContextParallel,
+    TrainingStateSleep,
     context_parallel_of,
     enable_tf32,
 )
@@ -149,6 +150,7 @@ class Trainer:
         chunks = self._build_model(plan)
         self._model = merge_stage_modules(chunks)  # several stages here: one module, whole-model names
         self._optimizer = job.optimizer_provider.build_optimizer(self._model.named_parameters())
+        self._sleep = TrainingStateSleep(self._model, self._optimizer)
         self._scheduler = job.lr_scheduler_provider.build_lr_scheduler(
             self._optimizer, job.config.trainer.schedule.total_steps
         )
@@ -382,6 +384,7 @@ class Trainer:
     def save_checkpoint(self) -> None:
         """Save model, optimizer, data position, LR schedule, RNG and config as `save-<step>`."""
         self._refuse_if_read_only("save a checkpoint")
+        self._refuse_if_asleep("save a checkpoint")
         self._start_log_file()
         self._checkpoints.save(self.step)
 
@@ -389,13 +392,28 @@ class Trainer:
         if self._read_only:
             raise TrainingError(f"cannot {what}: this Trainer was built read_only (no run lock)")
 
+    def _refuse_if_asleep(self, what: str) -> None:
+        if self._sleep.asleep:
+            raise TrainingError(f"cannot {what}: the training state is asleep: call Trainer.wake() first")
+
+    def sleep(self) -> int:
+        """Move the parameters, gradients and optimizer states to host memory (freeing the accelerator for
+        an inference engine between steps); the bytes moved. See `d9d.parallel.TrainingStateSleep`."""
+        return self._sleep.sleep()
+
+    def wake(self) -> None:
+        """Bring the training state back from `sleep()`: training goes on as if it had not slept."""
+        self._sleep.wake()
+
     def evaluate(self) -> EvalResult:
         """The eval of the `eval:` section on the current weights, now (`train()` runs it when due)."""
+        self._refuse_if_asleep("evaluate")
         self._start_log_file()
         return self._evaluator.run(self.step)
 
     def export(self, out_dir: str | Path | None = None) -> Path:
         """Write the model as safetensors through the model provider's export mapper."""
+        self._refuse_if_asleep("export")
         self._start_log_file()
         return self._exporter.export(out_dir)
 
@@ -404,6 +422,7 @@ class Trainer:
     def train(self) -> TrainResult:
         """Resume if the run has a checkpoint, then train until `trainer.schedule.total_steps`."""
         self._refuse_if_read_only("train")
+        self._refuse_if_asleep("train")
         try:
             return self._loop.run()
         except BaseException:
