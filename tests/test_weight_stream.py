@@ -1,0 +1,199 @@
+"""`Trainer.stream_weights`: the export's tensors, in buckets, from every mesh, loaded into transformers.
+
+Each mesh trains the tiny quickstart one step (forked ranks, gloo), exports it, and streams it three
+times: in float32 (kept, to load), in bfloat16 (kept, to check the cast), and in bfloat16 under
+`StoragePeak` with every bucket dropped once seen (the peak extra memory of streaming, per rank).
+The float32 buckets are loaded one by one (`load_state_dict(strict=False)`) into a transformers model
+built from the export's config.json; its logits must equal those of the export loaded by
+transformers, and the streamed tensors the exported ones.
+"""
+
+import itertools
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _quickstart import CONFIG, MOE, SGD, exported_weights, overrides, run_forked
+from _storage_peak import StoragePeak
+
+from d9d.mesh.testing import run_distributed
+
+#: ~0.72 MB of float32 weights in 25 tensors; buckets of 64 KiB (the embedding is one of its own).
+SIZE = ["model.num_layers=4", "trainer.checkpointing.period_steps=0"]
+BUCKET = 64 * 2**10
+LORA = r"peft.lora={rank: 4, alpha: 8, target_modules: ['.*\.(q_proj|v_proj)']}"
+MESHES = {
+    "fsdp2": (2, ["mesh.data_parallel_shard=2"]),
+    "tp2": (2, ["mesh.tensor_parallel=2"]),
+    "pp2": (2, ["mesh.pipeline_parallel=2", "pipelining.schedule=1f1b"]),
+    "ep2_moe": (2, ["mesh.data_parallel_shard=2", "mesh.expert_parallel=2", *MOE]),
+    "fsdp2_lora": (2, ["mesh.data_parallel_shard=2", LORA, "export.lora=merged", *SGD]),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _imported():
+    import torch._dynamo
+    import torch.distributed.fsdp
+    import torch.distributed.tensor  # noqa: F401  (imported once here, not in every forked rank)
+
+
+def _stream_three_ways(args: list[str], destination: str) -> dict[str, Any]:
+    """Train, export, and stream (float32 and bfloat16 kept; bfloat16 measured); this rank's buckets."""
+    from d9d.trainer import Trainer
+
+    with Trainer.from_config(CONFIG, args) as trainer:
+        trainer.train()
+        trainer.export()
+        kept = {
+            name: [list(b) for b in trainer.stream_weights(dtype, BUCKET, destination)]  # type: ignore[arg-type]
+            for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+        }
+        counts = []
+        with StoragePeak(exclude=trainer.model.state_dict(keep_vars=True).values()) as peak:
+            for bucket in trainer.stream_weights(torch.bfloat16, BUCKET, destination):  # type: ignore[arg-type]
+                counts.append(len(bucket))
+                del bucket
+        return {**kept, "peak": peak.peak, "counts": counts}
+
+
+def _run(tmp_path: Path, nproc: int, sets: list[str], destination: str = "rank0") -> list[dict[str, Any]]:
+    export = tmp_path / "export"
+    args = overrides(tmp_path, "run", 1, *SIZE, *sets, f"export.dir={export}")
+    if nproc == 1:
+        return [run_forked(_stream_three_ways, args, destination, timeout=120)]
+    return run_distributed(_stream_three_ways, nproc, args, destination, timeout=120)
+
+
+def _check_buckets(buckets: list[list[tuple[str, torch.Tensor]]], dtype: torch.dtype) -> None:
+    """Every bucket within BUCKET bytes (or one tensor alone), every tensor in `dtype`."""
+    for bucket in buckets:
+        size = sum(t.numel() * t.element_size() for _, t in bucket)
+        assert size <= BUCKET or len(bucket) == 1, (size, [n for n, _ in bucket])
+        assert all(t.dtype == dtype for _, t in bucket), [(n, t.dtype) for n, t in bucket]
+    sizes = [sum(t.numel() * t.element_size() for _, t in b) for b in buckets]
+    # packed: no two neighbouring buckets would have fit in one
+    assert all(a + b > BUCKET for a, b in itertools.pairwise(sizes)), sizes
+
+
+def _load_streamed(export: Path, buckets: list[list[tuple[str, torch.Tensor]]]) -> Any:
+    """A transformers model from the export's config.json, its weights loaded bucket by bucket."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AutoConfig.from_pretrained(export)
+    model = transformers.AutoModelForCausalLM.from_config(config)  # random weights, rotary buffers set
+    expected = model.state_dict()
+    loaded: set[str] = set()
+    for bucket in buckets:
+        result = model.load_state_dict(dict(bucket), strict=False)
+        assert not result.unexpected_keys, result.unexpected_keys
+        loaded |= {name for name, _ in bucket}
+    storages = {expected[k].untyped_storage().data_ptr() for k in loaded}
+    missing = [
+        k for k in expected if k not in loaded and expected[k].untyped_storage().data_ptr() not in storages
+    ]
+    assert not missing, f"the stream left {missing} of the transformers model unset"
+    model.tie_weights()
+    return model.eval()
+
+
+def _load_streamed_folder(export: Path, buckets: list[list[tuple[str, torch.Tensor]]], folder: Path) -> Any:
+    """transformers 5 fuses an MoE layer's experts as it loads a folder (its conversion mapping), so
+    their per-expert names (vLLM's) go through a folder: the streamed tensors, the export's config.json."""
+    from safetensors.torch import save_file
+
+    transformers = pytest.importorskip("transformers")
+    folder.mkdir()
+    (folder / "config.json").write_bytes((export / "config.json").read_bytes())
+    save_file({name: t.contiguous() for b in buckets for name, t in b}, folder / "model.safetensors")
+    return transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+
+
+def _check_stream(tmp_path: Path, ranks: list[dict[str, Any]], receivers: list[int]) -> None:
+    transformers = pytest.importorskip("transformers")
+    export = tmp_path / "export"
+    files = exported_weights(export)
+    counts = (
+        {len(r["fp32"]) for r in ranks},
+        {len(r["bf16"]) for r in ranks} | {len(r["counts"]) for r in ranks},
+    )
+    assert all(len(c) == 1 for c in counts), f"ranks iterated different numbers of buckets: {counts}"
+    for rank, result in enumerate(ranks):
+        if rank not in receivers:
+            assert all(not b for b in result["fp32"] + result["bf16"]) and set(result["counts"]) == {0}
+            continue
+        fp32, bf16 = result["fp32"], result["bf16"]
+        _check_buckets(fp32, torch.float32)
+        _check_buckets(bf16, torch.bfloat16)
+        names = [n for b in fp32 for n, _ in b]
+        assert names == [n for b in bf16 for n, _ in b] and sorted(names) == sorted(files)
+        streamed, cast = dict(p for b in fp32 for p in b), dict(p for b in bf16 for p in b)
+        for name, tensor in files.items():
+            assert torch.equal(streamed[name], tensor), name
+            assert torch.equal(cast[name], tensor.to(torch.bfloat16)), name
+        fused = any(".experts.0." in name for name in names)
+        model = (
+            _load_streamed_folder(export, fp32, tmp_path / f"s{rank}")
+            if fused
+            else _load_streamed(export, fp32)
+        )
+        reference = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
+        ids = torch.randint(0, 257, (2, 24), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=1e-5)
+
+
+def _model_bytes(export: Path) -> int:
+    return sum(t.numel() * t.element_size() for t in exported_weights(export).values())
+
+
+def test_one_process_streams_the_export_in_buckets(tmp_path):
+    ranks = _run(tmp_path, 1, [])
+    _check_stream(tmp_path, ranks, receivers=[0])
+    assert len(ranks[0]["fp32"]) > 5  # the bucket size split the model
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_every_mesh_streams_the_export_to_rank_0(tmp_path, mesh):
+    nproc, sets = MESHES[mesh]
+    ranks = _run(tmp_path, nproc, sets)
+    _check_stream(tmp_path, ranks, receivers=[0])
+    if "lora" not in mesh:  # merging makes this rank's share of every adapted weight first
+        ratio = max(r["peak"] for r in ranks) / _model_bytes(tmp_path / "export")
+        print(f"{mesh}: peak {ratio:.3f} of the model's bytes")
+        assert ratio < 0.35, f"streaming held {ratio:.2f} of the model's bytes at its peak"
+
+
+def test_destination_all_gives_every_rank_the_buckets(tmp_path):
+    ranks = _run(tmp_path, 2, MESHES["fsdp2"][1], destination="all")
+    _check_stream(tmp_path, ranks, receivers=[0, 1])
+    ratio = max(r["peak"] for r in ranks) / _model_bytes(tmp_path / "export")
+    assert ratio < 0.35, f"streaming held {ratio:.2f} of the model's bytes at its peak"
+
+
+def test_bad_arguments_are_refused_in_one_line():
+    from d9d.ckpt import SafetensorsIOError, stream_weights
+
+    model = torch.nn.Linear(2, 2)
+    for kwargs, match in (
+        ({"bucket_bytes": 0}, "bucket_bytes must be a positive number of bytes, got 0"),
+        ({"destination": "rank1"}, "destination must be 'rank0' or 'all'"),
+        ({"dtype": torch.int8}, "not a floating dtype"),
+    ):
+        with pytest.raises(SafetensorsIOError, match=match):
+            stream_weights(model, **kwargs)
+
+
+def test_buffers_keep_their_dtype_and_a_big_tensor_is_a_bucket_of_its_own():
+    from d9d.ckpt import stream_weights
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
+    model.register_buffer("scale", torch.ones(8, dtype=torch.float64))
+    buckets = list(stream_weights(model, dtype=torch.float16, bucket_bytes=1024, keep_dtype=["scale"]))
+    flat = dict(p for b in buckets for p in b)
+    assert flat["scale"].dtype == torch.float64 and flat["0.weight"].dtype == torch.float16
+    assert [len(b) for b in buckets if any(n == "0.weight" for n, _ in b)] == [1]  # 8 KiB alone
+    assert math.prod(flat["0.weight"].shape) * 2 > 1024
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(flat[name], tensor.to(flat[name].dtype)), name
