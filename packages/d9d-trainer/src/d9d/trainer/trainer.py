@@ -412,7 +412,7 @@ class Trainer:
         0, or every rank with `destination="all"`) get the tensors on the CPU, parameters cast to
         `dtype` (None: as trained), buffers in their own dtype; the others get as many empty lists.
         A bucket's bytes stay within `bucket_bytes`, a larger tensor is a bucket of its own
-        (`d9d.ckpt.stream_weights`; docs/rl.md, "Weight stream").
+        (`d9d.ckpt.stream_weights`; docs/running-jobs.md, "Weight stream").
         """
         return self._exporter.stream(dtype, bucket_bytes, destination)
 
