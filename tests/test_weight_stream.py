@@ -9,7 +9,6 @@ transformers, and the streamed tensors the exported ones.
 """
 
 import itertools
-import math
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from _quickstart import CONFIG, MOE, SGD, exported_weights, overrides, run_forke
 from _storage_peak import StoragePeak
 
 from d9d.mesh.testing import run_distributed
+from d9d.trainer import ReferenceModelProvider
 
 #: ~0.72 MB of float32 weights in 25 tensors; buckets of 64 KiB (the embedding is one of its own).
 SIZE = ["model.num_layers=4", "trainer.checkpointing.period_steps=0"]
@@ -31,6 +31,15 @@ MESHES = {
     "ep2_moe": (2, ["mesh.data_parallel_shard=2", "mesh.expert_parallel=2", *MOE]),
     "fsdp2_lora": (2, ["mesh.data_parallel_shard=2", LORA, "export.lora=merged", *SGD]),
 }
+
+
+class NoMapperProvider(ReferenceModelProvider):
+    """Exports the model's own names (`mapper=None`), so a buffer added to the model is exported too."""
+
+    def prepare_export_model_stage(self, context):
+        from d9d.trainer.providers import PrepareExportModelStageResult
+
+        return PrepareExportModelStageResult(mapper=None)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -172,28 +181,16 @@ def test_destination_all_gives_every_rank_the_buckets(tmp_path):
     assert ratio < 0.35, f"streaming held {ratio:.2f} of the model's bytes at its peak"
 
 
-def test_bad_arguments_are_refused_in_one_line():
-    from d9d.ckpt import SafetensorsIOError, stream_weights
+def _stream_with_a_buffer(args: list[str]) -> dict[str, torch.dtype]:
+    from d9d.trainer import Trainer
 
-    model = torch.nn.Linear(2, 2)
-    for kwargs, match in (
-        ({"bucket_bytes": 0}, "bucket_bytes must be a positive number of bytes, got 0"),
-        ({"destination": "rank1"}, "destination must be 'rank0' or 'all'"),
-        ({"dtype": torch.int8}, "not a floating dtype"),
-    ):
-        with pytest.raises(SafetensorsIOError, match=match):
-            stream_weights(model, **kwargs)
+    with Trainer.from_config(CONFIG, args) as trainer:
+        trainer.model.register_buffer("scale", torch.ones(4, dtype=torch.float32))  # a persistent buffer
+        return {n: t.dtype for b in trainer.stream_weights(torch.bfloat16, BUCKET) for n, t in b}
 
 
-def test_buffers_keep_their_dtype_and_a_big_tensor_is_a_bucket_of_its_own():
-    from d9d.ckpt import stream_weights
-
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
-    model.register_buffer("scale", torch.ones(8, dtype=torch.float64))
-    buckets = list(stream_weights(model, dtype=torch.float16, bucket_bytes=1024, keep_dtype=["scale"]))
-    flat = dict(p for b in buckets for p in b)
-    assert flat["scale"].dtype == torch.float64 and flat["0.weight"].dtype == torch.float16
-    assert [len(b) for b in buckets if any(n == "0.weight" for n, _ in b)] == [1]  # 8 KiB alone
-    assert math.prod(flat["0.weight"].shape) * 2 > 1024
-    for name, tensor in model.state_dict().items():
-        assert torch.equal(flat[name], tensor.to(flat[name].dtype)), name
+def test_the_trainers_buffers_keep_their_dtype(tmp_path):
+    args = overrides(tmp_path, "run", 1, f"providers.model={__file__}:NoMapperProvider")
+    dtypes = run_forked(_stream_with_a_buffer, args, timeout=120)
+    assert dtypes.pop("scale") == torch.float32
+    assert dtypes and set(dtypes.values()) == {torch.bfloat16}, dtypes
