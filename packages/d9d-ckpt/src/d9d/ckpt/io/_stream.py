@@ -2,8 +2,9 @@
 inference engine's weight update (vLLM's `load_weights`, SGLang's `update_weights_from_tensor`) loads.
 """
 
+import functools
 import math
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -49,6 +50,7 @@ def stream_weights(
     destination: StreamDestination = "rank0",
     keep_dtype: Collection[str] = (),
     unused: OnUnused = "error",
+    resolve: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The tensors `save_safetensors` would write (same names, shapes, order), in buckets.
 
@@ -71,6 +73,10 @@ def stream_weights(
         destination: "rank0" (global rank 0 receives) or "all" (every rank does).
         keep_dtype: source keys (buffers) whose outputs keep their own dtype.
         unused: what to do about source keys the mapper does not consume.
+        resolve: `resolve(key, tensor)` gives the tensor to stream for a key of `source`, made as the
+            key is gathered (same shape, dtype and placements): e.g. a LoRA weight merged with its
+            adapter (`d9d.parallel.lazily_merged_state`), so merged weights exist one at a time. Every
+            rank holding the key calls it, in one order (it may run collectives).
 
     Raises:
         SafetensorsIOError: a bucket size that is not positive, an unknown destination, a dtype that
@@ -78,7 +84,8 @@ def stream_weights(
         MappingError: the mapper does not fit the keys of all ranks together.
     """
     _check_arguments(dtype, bucket_bytes, destination)
-    return _stream(as_state(source), mapper, dtype, bucket_bytes, destination, frozenset(keep_dtype), unused)
+    gather = functools.partial(WriterGather, as_state(source), resolve=resolve)
+    return _stream(gather, mapper, dtype, bucket_bytes, destination, frozenset(keep_dtype), unused)
 
 
 def _check_arguments(dtype: torch.dtype | None, bucket_bytes: int, destination: str) -> None:
@@ -95,7 +102,7 @@ def _check_arguments(dtype: torch.dtype | None, bucket_bytes: int, destination: 
 
 
 def _stream(
-    state: dict[str, torch.Tensor],
+    make_gather: Callable[[], WriterGather],
     mapper: StateMapper | None,
     dtype: torch.dtype | None,
     bucket_bytes: int,
@@ -103,7 +110,7 @@ def _stream(
     keep_dtype: frozenset[str],
     unused: OnUnused,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    gather = WriterGather(state)  # every rank's keys, shapes and dtypes, in one order
+    gather = make_gather()  # every rank's keys, shapes and dtypes, in one order (collectives: on first use)
     mapper, groups, outputs = mapped_groups(gather.layout, mapper, unused)
     entries = [
         _Entry(gi, name, tuple(meta.shape), _streamed_dtype(meta.dtype, dtype, groups[gi].inputs, keep_dtype))

@@ -16,7 +16,13 @@ from torch import nn
 from d9d.ckpt import MappingError, Parallel, StateMapper, StreamDestination, save_safetensors, stream_weights
 from d9d.data import copy_tokenizer_files
 from d9d.mesh import DistributedContext, get_logger
-from d9d.parallel import lora_state_dict, merged_state_dict, peft_adapter_config, peft_key
+from d9d.parallel import (
+    lazily_merged_state,
+    lora_state_dict,
+    merged_state_dict,
+    peft_adapter_config,
+    peft_key,
+)
 from d9d.trainer.build.starting_weights import StartingWeights
 from d9d.trainer.errors import TrainingError
 from d9d.trainer.job.resolve import ResolvedJob
@@ -115,17 +121,18 @@ class Exporter:
         """The tensors a model export writes (a LoRA run's merged model), in buckets: `stream_weights`.
 
         Parameters are cast to `dtype`, buffers keep theirs. Every rank calls it and iterates it to the
-        end (the buckets are collectives); a LoRA run's merged weights are made first (this rank's
-        share of every adapted weight, as for a merged export).
+        end (the buckets are collectives); a LoRA run's weights are merged with their adapters one at a
+        time, as each is gathered.
         """
         mapper = self._whole_mapper(self._export_stage().mapper)
-        source = self._model if self._job.config.peft.lora is None else merged_state_dict(self._model)
-        state = source.state_dict() if isinstance(source, nn.Module) else source
+        state, merge = dict(self._model.state_dict()), None
+        if self._job.config.peft.lora is not None:
+            state, merge = lazily_merged_state(self._model)  # merged one weight at a time
         params = {name for name, _ in self._model.named_parameters(remove_duplicate=False)}
         buffers = [key for key in state if key not in params]
         return stream_weights(
             state, mapper=mapper, dtype=dtype, bucket_bytes=bucket_bytes, destination=destination,
-            keep_dtype=buffers,
+            keep_dtype=buffers, resolve=merge,
         )  # fmt: skip
 
     def _export_stage(self) -> PrepareExportModelStageResult:
