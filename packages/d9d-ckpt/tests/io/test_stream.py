@@ -164,3 +164,14 @@ def test_floating_buffers_named_in_keep_dtype_keep_it():
 def test_bad_arguments_are_refused_in_one_line(kwargs, message):
     with pytest.raises(SafetensorsIOError, match=message):
         stream_weights(_net(), **kwargs)
+
+
+def test_the_streamed_tensors_are_a_snapshot_not_the_models_memory():
+    model = _net()
+    streamed = dict(p for b in stream_weights(model, mapper=_to_hf()) for p in b)  # float32: no cast
+    before = {name: t.clone() for name, t in streamed.items()}
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            tensor.add_(1)  # a training step after the stream
+    for name, tensor in streamed.items():
+        assert torch.equal(tensor, before[name]), name

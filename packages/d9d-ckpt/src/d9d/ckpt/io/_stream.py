@@ -11,6 +11,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from d9d.ckpt.io._errors import SafetensorsIOError
 from d9d.ckpt.io._gather import WriterGather
@@ -54,7 +55,8 @@ def stream_weights(
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The tensors `save_safetensors` would write (same names, shapes, order), in buckets.
 
-    Every rank calls it with its own part of the state, as for `save_safetensors` (its shards of
+    The tensors never share memory with `source` (a snapshot, whatever trains next). Every rank calls it
+    with its own part of the state, as for `save_safetensors` (its shards of
     DTensors; on a pipeline-parallel mesh only its stages' keys, under the whole model's names), and
     iterates it to the end: the buckets are collectives. Each bucket is a list of (name, tensor) on
     the CPU whose bytes stay within `bucket_bytes` (a tensor larger than that is a bucket of its
@@ -84,8 +86,11 @@ def stream_weights(
         MappingError: the mapper does not fit the keys of all ranks together.
     """
     _check_arguments(dtype, bucket_bytes, destination)
-    gather = functools.partial(WriterGather, as_state(source), resolve=resolve)
-    return _stream(gather, mapper, dtype, bucket_bytes, destination, frozenset(keep_dtype), unused)
+    state = as_state(source)
+    gather = functools.partial(WriterGather, state, resolve=resolve)
+    return _stream(
+        gather, _storages(state), mapper, dtype, bucket_bytes, destination, frozenset(keep_dtype), unused
+    )
 
 
 def _check_arguments(dtype: torch.dtype | None, bucket_bytes: int, destination: str) -> None:
@@ -103,6 +108,7 @@ def _check_arguments(dtype: torch.dtype | None, bucket_bytes: int, destination: 
 
 def _stream(
     make_gather: Callable[[], WriterGather],
+    live: set[int],
     mapper: StateMapper | None,
     dtype: torch.dtype | None,
     bucket_bytes: int,
@@ -133,6 +139,8 @@ def _stream(
             tensor = mapped[1].get(entry.name)
             if tensor is not None:
                 tensor = tensor.detach().to(entry.dtype)
+                if tensor.untyped_storage().data_ptr() in live:  # the model's own memory: a snapshot
+                    tensor = tensor.clone()
             if broadcast:
                 tensor = _broadcast(tensor, entry, gather.is_writer)
             if receives:
@@ -140,6 +148,15 @@ def _stream(
                 tensors.append((entry.name, tensor))
         yield tensors
     del mapped
+
+
+def _storages(state: Mapping[str, torch.Tensor]) -> set[int]:
+    """The addresses of the state's (local) storages, which a streamed tensor must not share."""
+    return {
+        (t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr()
+        for t in state.values()
+        if t.device.type != "meta"
+    }
 
 
 def _streamed_dtype(
