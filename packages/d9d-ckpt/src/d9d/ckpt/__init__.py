@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
     from d9d.ckpt.io._errors import SafetensorsIOError
     from d9d.ckpt.io._fingerprint import safetensors_fingerprint
     from d9d.ckpt.io._read import check_safetensors, load_safetensors, safetensors_shapes
+    from d9d.ckpt.io._stream import StreamDestination, stream_weights
     from d9d.ckpt.io._write import save_safetensors
     from d9d.ckpt.mapper._base import MappingGroup, StateMapper
     from d9d.ckpt.mapper._check import OnUnused, apply_mapper, check_mapper

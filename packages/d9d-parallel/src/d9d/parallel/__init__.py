@@ -121,6 +121,7 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
         LoraB,
         LoraError,
         apply_lora,
+        lazily_merged_state,
         lora_detached,
         lora_disabled,
         lora_parameter_names,

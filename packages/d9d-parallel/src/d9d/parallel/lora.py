@@ -44,6 +44,7 @@ __all__ = [
     "LoraConfig",
     "LoraError",
     "apply_lora",
+    "lazily_merged_state",
     "lora_detached",
     "lora_parameter_names",
     "lora_parameters",
@@ -390,16 +391,37 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     tensor parallelism the merged weights are DTensors with their base weight's placements (each
     `B @ A` gathers only the small factors), so an exporter streams them shard by shard. Keys are the
     base model's (`<path>.weight`), ready for the provider's export mapper. The merged weights are
-    new tensors: the dict holds a second copy of this rank's share of every adapted weight.
+    new tensors: the dict holds a second copy of this rank's share of every adapted weight
+    (`lazily_merged_state` makes them one at a time).
+    """
+    state, merge = lazily_merged_state(model)
+    return {key: merge(key, tensor) for key, tensor in state.items()}
+
+
+def lazily_merged_state(
+    model: nn.Module,
+) -> tuple[dict[str, torch.Tensor], Callable[[str, torch.Tensor], torch.Tensor]]:
+    """`merged_state_dict`'s keys with the base weights standing in for the merged ones (same shapes,
+    dtypes and placements), and `merge(key, tensor)`, which gives a key's merged weight (any other
+    key's tensor as it is) when it is needed: an exporter merges one weight at a time.
+
+    `merge` runs collectives on a sharded weight: every rank holding the key calls it, in one order.
     """
     state = dict(model.state_dict())
+    adapted: dict[str, nn.Module] = {}
     for path, module in model.named_modules():
         if isinstance(getattr(module, "lora_A", None), LoraA):
             prefix = f"{path}." if path else ""
-            state[f"{prefix}weight"] = _merged_weight(module)
+            adapted[f"{prefix}weight"] = module
             for key in (f"{prefix}lora_A.weight", f"{prefix}lora_B.weight"):
                 state.pop(key, None)
-    return state
+
+    @torch.no_grad()
+    def merge(key: str, tensor: torch.Tensor) -> torch.Tensor:
+        module = adapted.get(key)
+        return tensor if module is None else _merged_weight(module)
+
+    return state, merge
 
 
 @torch.no_grad()

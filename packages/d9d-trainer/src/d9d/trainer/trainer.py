@@ -11,13 +11,13 @@ weights, export), `step/` (one optimizer step), `run/` (the loop, evaluation, ch
 import contextlib
 import datetime
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from d9d.ckpt import CheckpointManager, KeepBest
+from d9d.ckpt import CheckpointManager, KeepBest, StreamDestination
 from d9d.mesh import DistributedContext, configure_logging, get_logger
 from d9d.parallel import (
     ContextParallel,
@@ -416,6 +416,23 @@ class Trainer:
         self._refuse_if_asleep("export")
         self._start_log_file()
         return self._exporter.export(out_dir)
+
+    def stream_weights(
+        self,
+        dtype: torch.dtype | None = torch.bfloat16,
+        bucket_bytes: int = 512 * 2**20,
+        destination: StreamDestination = "rank0",
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The model's weights as `export()` would write them (Hugging Face names and shapes; a LoRA
+        run's merged model), in buckets of (name, tensor) for an inference engine's weight update.
+
+        Every rank calls it and iterates it to the end (collectives); the receiving ranks (global rank
+        0, or every rank with `destination="all"`) get the tensors on the CPU, parameters cast to
+        `dtype` (None: as trained), buffers in their own dtype; the others get as many empty lists.
+        A bucket's bytes stay within `bucket_bytes`, a larger tensor is a bucket of its own
+        (`d9d.ckpt.stream_weights`; docs/running-jobs.md, "Weight stream").
+        """
+        return self._exporter.stream(dtype, bucket_bytes, destination)
 
     # ------------------------------------------------------------------ train
 

@@ -18,7 +18,7 @@ no block: every rank holding one reduces it with `full_tensor()` and the lowest 
 """
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -96,8 +96,16 @@ class WriterGather:
     #: Every key of every rank, in the merged order: its full shape and dtype.
     layout: dict[str, tuple[tuple[int, ...], torch.dtype]]
 
-    def __init__(self, state: Mapping[str, torch.Tensor], writer: int = 0) -> None:
+    def __init__(
+        self,
+        state: Mapping[str, torch.Tensor],
+        writer: int = 0,
+        resolve: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        """`resolve(key, tensor)`: the tensor to gather for a key, made when it is gathered (same shape,
+        dtype and placements as `state[key]`, which stands in for it until then)."""
         self._state = state
+        self._resolve = resolve
         self._distributed = dist.is_available() and dist.is_initialized()
         self._writer = writer
         self._rank = dist.get_rank() if self._distributed else writer
@@ -143,6 +151,8 @@ class WriterGather:
         shape, dtype = self.layout[key]
         tensor = self._state.get(key)
         with torch.no_grad():
+            if tensor is not None and self._resolve is not None:
+                tensor = self._resolve(key, tensor)
             if isinstance(tensor, DTensor) and not _has_blocks(tensor):
                 tensor = tensor.full_tensor()  # partial sums: every holder joins the reduction
             if not self.is_writer:

@@ -6,10 +6,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from d9d.ckpt.mapper._base import StateMapper
+from d9d.ckpt.mapper._base import MappingGroup, StateMapper
+from d9d.ckpt.mapper._check import OnUnused, check_mapper
 from d9d.ckpt.mapper._rename import identity_map
 
-__all__ = ["as_state", "is_writer", "meta_like", "resolve_mapper"]
+__all__ = ["as_state", "is_writer", "mapped_groups", "meta_like", "resolve_mapper"]
 
 
 def as_state(source: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -36,3 +37,15 @@ def meta_like(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.
 def resolve_mapper(mapper: StateMapper | None, keys: list[str]) -> StateMapper:
     """The given mapper, or identity over `keys`."""
     return identity_map(keys) if mapper is None else mapper
+
+
+def mapped_groups(
+    layout: Mapping[str, tuple[tuple[int, ...], torch.dtype]], mapper: StateMapper | None, unused: OnUnused
+) -> tuple[StateMapper, list[MappingGroup], list[dict[str, torch.Tensor]]]:
+    """The mapper checked against every rank's keys, its groups that give something (in order), and
+    each group's outputs as meta tensors (a dry run: their names, shapes and dtypes, no data)."""
+    mapper = resolve_mapper(mapper, list(layout))
+    check_mapper(mapper, layout.keys(), unused=unused, source="the state to save")
+    groups = [g for g in mapper.groups() if g.outputs]  # a group that gives nothing needs no gather
+    outputs = [mapper.apply({k: meta_like(*layout[k]) for k in group.inputs}) for group in groups]
+    return mapper, groups, outputs

@@ -20,9 +20,9 @@ from d9d.ckpt.io._layout import (
     plan_shards,
     shard_file_name,
 )
-from d9d.ckpt.io._state import as_state, barrier, is_writer, meta_like, resolve_mapper
+from d9d.ckpt.io._state import as_state, barrier, is_writer, mapped_groups
 from d9d.ckpt.mapper._base import MappingGroup, StateMapper
-from d9d.ckpt.mapper._check import OnUnused, check_mapper
+from d9d.ckpt.mapper._check import OnUnused
 
 __all__ = ["save_safetensors"]
 
@@ -109,13 +109,8 @@ def _plan_files(
     unused: OnUnused,
 ) -> _FilePlan:
     """Check the mapper against every rank's keys and split its groups into files of `max_shard_size`."""
-    mapper = resolve_mapper(mapper, list(layout))
-    check_mapper(mapper, layout.keys(), unused=unused, source="the state to save")
-    groups = [g for g in mapper.groups() if g.outputs]  # a group that writes nothing needs no gather
-    group_sizes = []
-    for group in groups:  # dry run on meta tensors: shapes and dtypes of every output, no data
-        out = mapper.apply({k: meta_like(*layout[k]) for k in group.inputs})
-        group_sizes.append(sum(t.numel() * t.element_size() for t in out.values()))
+    mapper, groups, outputs = mapped_groups(layout, mapper, unused)
+    group_sizes = [sum(t.numel() * t.element_size() for t in out.values()) for out in outputs]
     shards = plan_shards(group_sizes, parse_size(max_shard_size))
     names = [shard_file_name(i + 1, len(shards)) for i in range(len(shards))]
     weight_map = {

@@ -5,7 +5,7 @@ stages' own."""
 
 import json
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -13,14 +13,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from d9d.ckpt import MappingError, Parallel, StateMapper, save_safetensors
+from d9d.ckpt import MappingError, Parallel, StateMapper, StreamDestination, save_safetensors, stream_weights
 from d9d.data import copy_tokenizer_files
 from d9d.mesh import DistributedContext, get_logger
-from d9d.parallel import lora_state_dict, merged_state_dict, peft_adapter_config, peft_key
+from d9d.parallel import (
+    lazily_merged_state,
+    lora_state_dict,
+    merged_state_dict,
+    peft_adapter_config,
+    peft_key,
+)
 from d9d.trainer.build.starting_weights import StartingWeights
 from d9d.trainer.errors import TrainingError
 from d9d.trainer.job.resolve import ResolvedJob
-from d9d.trainer.providers.model import PrepareExportModelStageContext
+from d9d.trainer.providers.model import PrepareExportModelStageContext, PrepareExportModelStageResult
 
 __all__ = ["Exporter"]
 
@@ -88,18 +94,11 @@ class Exporter:
 
     def _export_model(self, target: Path, source: nn.Module | dict[str, torch.Tensor]) -> Path:
         """`source` (the model, or a state dict under its names) through the provider's export mapper."""
-        result = self._job.model_provider.prepare_export_model_stage(
-            PrepareExportModelStageContext(
-                context=self._context, model=self._model, base_dir=self._job.loaded.base_dir
-            )
-        )
-        mapper = result.mapper
-        if self._pipelined and mapper is not None:
-            mapper = _whole_model_mapper(mapper, self._context.mesh("dense")["pp"].get_group())
+        result = self._export_stage()
         weights = save_safetensors(
             source,
             target,
-            mapper=mapper,
+            mapper=self._whole_mapper(result.mapper),
             max_shard_size=self._job.config.export.shard_size_mb * 2**20,
         )
         files = sorted(result.extra_files)
@@ -115,6 +114,40 @@ class Exporter:
         if self._context.is_main_process:  # one line for the job (every rank's would be the same)
             _log.info("exported", dir=str(target), weights=sorted(set(weights.values())), files=sorted(files))
         return Path(target)
+
+    def stream(
+        self, dtype: torch.dtype | None, bucket_bytes: int, destination: StreamDestination
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The tensors a model export writes (a LoRA run's merged model), in buckets: `stream_weights`.
+
+        Parameters are cast to `dtype`, buffers keep theirs. Every rank calls it and iterates it to the
+        end (the buckets are collectives); a LoRA run's weights are merged with their adapters one at a
+        time, as each is gathered.
+        """
+        mapper = self._whole_mapper(self._export_stage().mapper)
+        state, merge = dict(self._model.state_dict()), None
+        if self._job.config.peft.lora is not None:
+            state, merge = lazily_merged_state(self._model)  # merged one weight at a time
+        params = {name for name, _ in self._model.named_parameters(remove_duplicate=False)}
+        buffers = [key for key in state if key not in params]
+        return stream_weights(
+            state, mapper=mapper, dtype=dtype, bucket_bytes=bucket_bytes, destination=destination,
+            keep_dtype=buffers, resolve=merge,
+        )  # fmt: skip
+
+    def _export_stage(self) -> PrepareExportModelStageResult:
+        """The model provider's export mapper and extra files."""
+        return self._job.model_provider.prepare_export_model_stage(
+            PrepareExportModelStageContext(
+                context=self._context, model=self._model, base_dir=self._job.loaded.base_dir
+            )
+        )
+
+    def _whole_mapper(self, mapper: StateMapper | None) -> StateMapper | None:
+        """The stage's export mapper, over the whole model on a pipeline-parallel mesh."""
+        if self._pipelined and mapper is not None:
+            return _whole_model_mapper(mapper, self._context.mesh("dense")["pp"].get_group())
+        return mapper
 
     def _export_lora(self, target: Path) -> Path:
         """Write `adapter_config.json` and `adapter_model.safetensors`, as `peft.PeftModel` loads them.
