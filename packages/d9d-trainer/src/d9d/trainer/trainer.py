@@ -44,13 +44,14 @@ from d9d.trainer.planning.job_plan import check_model_mesh, plan_job
 from d9d.trainer.planning.plan import JobPlan
 from d9d.trainer.providers.data import BuildDataProviderContext, BuildDatasetContext, SupportsClose
 from d9d.trainer.providers.declared import undeclared_methods
-from d9d.trainer.providers.task import PipelineTask, PrepareRunContext, PreparesRun
+from d9d.trainer.providers.task import PipelineTask
 from d9d.trainer.results import EvalResult, TrainResult
 from d9d.trainer.run.checkpoints import RunCheckpoints
 from d9d.trainer.run.early_stopping import EarlyStopping
 from d9d.trainer.run.evaluation import EvalSet, Evaluator, data_microbatch_size, load_eval_set
 from d9d.trainer.run.loop import RunLoop, RunParts
 from d9d.trainer.run.signals import StopRequests
+from d9d.trainer.run.task_run import task_run_preparation
 from d9d.trainer.run.tokenizer import RunTokenizer
 from d9d.trainer.step.base import StepSettings, TrainStep, token_group
 from d9d.trainer.step.microbatches import MicrobatchStep
@@ -290,32 +291,15 @@ class Trainer:
             failures=guards.failures,
             faults=guards.faults,
             randomness=self._randomness,
-            prepare_run=self._prepare_run if isinstance(self._job.task, PreparesRun) else None,
-        )
-
-    def _prepare_run(self, restored: bool) -> None:
-        """The task's `prepare_run` (`PreparesRun`), after a resume put the weights in place."""
-        task = self._job.task
-        assert isinstance(task, PreparesRun)
-        sets: dict[str, tuple[Any, Any]] = {}
-        if self._dataset is not None:
-            sets["train"] = (self._dataset.dataset, self._dataset.collate_fn)
-        if self._eval_set is not None:
-            sets["eval"] = (self._eval_set.dataset, self._eval_set.collate_fn)
-
-        def forward_only(role: str) -> None:  # the evaluator's machinery over the whole set
-            dataset, collate_fn = sets[role]
-            self._evaluator.over(dataset, collate_fn)
-
-        task.prepare_run(
-            PrepareRunContext(
+            prepare_run=task_run_preparation(
+                self._job.task,
                 run_dir=self.run_dir,
                 model=self._model,
                 context=self._context,
-                datasets={role: dataset for role, (dataset, _) in sets.items()},
-                restored=restored,
-                forward_only=forward_only,
-            )
+                dataset=self._dataset,
+                eval_set=self._eval_set,
+                evaluator=self._evaluator,
+            ),
         )
 
     # ------------------------------------------------------------------ accessors
