@@ -45,3 +45,19 @@ def preference_example(tmp_path_factory: pytest.TempPathFactory) -> Path:
     subprocess.run([sys.executable, str(folder / "preference.py"), "make-demo", "demo"], cwd=folder, check=True,
                    capture_output=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}, timeout=300)  # fmt: skip
     return folder
+
+
+@pytest.fixture(scope="session")
+def rl_example(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of examples/rl with its demo made (`make-demo`: a random tiny Qwen3 with a 13-token
+    tokenizer, and digit prompts); the config's relative paths point into it."""
+    pytest.importorskip("tokenizers")
+    folder = tmp_path_factory.mktemp("rl") / "rl"
+    shutil.copytree(
+        ROOT / "examples" / "rl",
+        folder,
+        ignore=shutil.ignore_patterns("demo", "runs", "export", "__pycache__"),
+    )
+    subprocess.run([sys.executable, str(folder / "rl.py"), "make-demo", "demo"], cwd=folder, check=True,
+                   capture_output=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}, timeout=300)  # fmt: skip
+    return folder
