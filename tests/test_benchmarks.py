@@ -196,3 +196,9 @@ def test_plan_activations_one_mesh_prints_every_dtype_and_mode_and_a_ratio(tmp_p
     assert len(lines) == 6, stdout  # float32 and bfloat16 × none, full, op
     (only,) = rows
     assert only["name"].endswith("1 process") and abs(only["ratio"] - 1) < 1e-3, only
+
+
+def test_rl_vs_trl_runs_both_trainers_for_a_few_steps(tmp_path):
+    stdout, rows = _run(tmp_path, "rl_vs_trl.py", "--steps", "2", timeout=600)
+    assert "first 2 steps: d9d" in stdout and "TRL" in stdout, stdout[-2000:]
+    assert [r["name"] for r in rows] == ["grpo reward, last steps: d9d / TRL"] and rows[0]["ratio"] >= 0

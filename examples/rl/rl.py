@@ -54,7 +54,9 @@ def make_demo(folder: str, prompts: int = 512, digits: int = 2) -> None:
         lines.append(json.dumps({"prompt": " ".join(number) + " >", "answer": "".join(number)}))
     (out / "prompts").mkdir(parents=True, exist_ok=True)
     (out / "prompts" / "train.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    print(f"wrote {model_dir} (a random tiny Qwen3, vocabulary {DEMO.vocab_size}) and {out / 'prompts'} ({prompts} prompts)")
+    print(
+        f"wrote {model_dir} (a random tiny Qwen3, vocabulary {DEMO.vocab_size}) and {out / 'prompts'} ({prompts} prompts)"
+    )
 
 
 if __name__ == "__main__":
