@@ -146,14 +146,21 @@ def test_killed_run_resumes_bit_exact_mid_way_through_a_generation(task_dir, tmp
         ),
         (["rl={reward: no_such_file.py:reward}"], r"rl\.reward.*no file"),
         ([f"rl={{reward: {HERE / '_rl_task.py'}:no_such_name}}"], r"no_such_name"),
+        (
+            ["eval={period_steps: 2}", "providers.eval_dataset=d9d.trainer:PromptDatasetProvider"],
+            r"has no eval loss.*remove the eval: section",
+        ),
     ],
-    ids=["group-size", "completion-budget", "reward-file", "reward-name"],
+    ids=["group-size", "completion-budget", "reward-file", "reward-name", "eval"],
 )
 def test_bad_rl_settings_are_one_line_before_anything_is_built(task_dir, tmp_path, extra, message):
     from d9d.trainer import ConfigError, load_job_config, resolve_job
 
     with pytest.raises(ConfigError, match=message) as caught:
-        resolve_job(load_job_config(CONFIG, _args(task_dir, tmp_path, "bad", *extra)))
+        args = _args(task_dir, tmp_path, "bad", *extra)
+        if any(a.startswith("providers.eval_dataset") for a in extra):
+            args.append(f"eval_dataset={{path: {task_dir / 'prompts.jsonl'}, max_prompt_len: 8}}")
+        resolve_job(load_job_config(CONFIG, args))
     assert "\n" not in str(caught.value)
 
 

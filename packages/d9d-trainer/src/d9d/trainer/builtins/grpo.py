@@ -123,6 +123,7 @@ class GRPOTask:
     config_type = GRPOConfig
     config_section = "rl"
     supports_context_parallel = False
+    supports_eval = False  # its microbatches are rollouts, made in prepare_step: no held-out loss
     metric_names = _SUMS
 
     def __init__(self, config: GRPOConfig) -> None:

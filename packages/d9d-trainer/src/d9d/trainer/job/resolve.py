@@ -175,7 +175,13 @@ def _task_section(spec: str, loaded: LoadedJob) -> tuple[str, Any, str | None, t
 
 
 def _check_task_mesh(config: JobConfig, task: Any, spec: str, where: str) -> None:
-    """A task that declares `supports_context_parallel = False` on a mesh with context parallelism."""
+    """A task that declares `supports_context_parallel = False` on a mesh with context parallelism, or
+    `supports_eval = False` with an `eval:` section."""
+    if getattr(task, "supports_eval", True) is False and config.eval is not None:
+        raise ConfigError(
+            f"{where}: providers.task ({spec}) has no eval loss of a held-out set (its steps are made from "
+            "rollouts); remove the eval: section (its metrics per step are in metrics.jsonl)"
+        )
     cp = config.mesh.context_parallel
     if getattr(task, "supports_context_parallel", True) is False and isinstance(cp, int) and cp > 1:
         raise ConfigError(
