@@ -147,14 +147,19 @@ def test_a_checkpointed_recompute_in_the_backward_replays_too():
         (lambda r: [x[:, :1] for x in r], r"layer 0 must be int64 \[\.\.\., top_k=2\]"),
         (lambda r: [x.int() for x in r], r"layer 0 must be int64"),
         (lambda r: [r[0], r[1] + EXPERTS], r"layer 1 .* expert ids in \[0, 4\)"),
+        (
+            lambda r: [r[0], torch.cat([r[1][:1, :1], torch.full((1, 1), -1)], 1)],
+            r"layer 1 .*all -1 for a token",
+        ),
     ],
-    ids=["layers", "top-k", "dtype", "expert-id"],
+    ids=["layers", "top-k", "dtype", "expert-id", "half-given"],
 )
 def test_bad_routing_is_one_line(routing, message):
     model = _model()
     with pytest.raises(ExpertParallelError, match=message) as caught:
         set_replayed_routing(model, routing(_other_routing()))
     assert "\n" not in str(caught.value)
+    assert all(m.router.replay is None for m in model.moes)  # nothing set by a refused routing
 
 
 def test_routing_of_other_tokens_is_refused_in_the_forward():

@@ -136,7 +136,7 @@ def set_replayed_routing(model: nn.Module, routing: Sequence[torch.Tensor] | Non
 
     `routing` holds one int64 tensor per MoE layer (module order), [..., top_k]: the experts of each
     token of the next forwards, tokens flattened from the leading dims in the order the layer sees
-    them; a token whose experts are -1 takes its own top-k. The weights are the current
+    them; a token whose experts are all -1 takes its own top-k. The weights are the current
     probabilities of the given experts (renormalized as configured), so gradients reach the gate as
     usual. It stays until set again, so an activation-checkpointing recompute in the backward
     replays it too; `replay_routing` scopes it. Pass host tensors: the check reads them.
@@ -154,18 +154,25 @@ def set_replayed_routing(model: nn.Module, routing: Sequence[torch.Tensor] | Non
             f"replayed MoE routing for {len(routing)} layers, the model has {len(routers)} MoE layers: give one "
             "[tokens, top_k] tensor per MoE layer, in module order"
         )
-    for i, (router, given) in enumerate(zip(routers, routing, strict=True)):
-        k, experts = router.top_k, router.num_experts
-        if (
-            given.dtype != torch.int64
-            or given.shape[-1:] != (k,)
-            or bool(((given < -1) | (given >= experts)).any())
-        ):
-            raise ExpertParallelError(
-                f"replayed MoE routing of layer {i} must be int64 [..., top_k={k}] expert ids in [0, {experts}) "
-                f"(-1: the router's own choice), got {given.dtype} {tuple(given.shape)}"
-            )
-        router.replay = given.reshape(-1, k).to(router.gate.weight.device, non_blocking=True)
+    checked = [
+        _checked(i, router, given) for i, (router, given) in enumerate(zip(routers, routing, strict=True))
+    ]
+    for router, given in zip(routers, checked, strict=True):  # all checked first: none set on a refusal
+        router.replay = given.to(router.gate.weight.device, non_blocking=True)
+
+
+def _checked(layer: int, router: TopKRouter, given: torch.Tensor) -> torch.Tensor:
+    """Layer `layer`'s replayed experts as [tokens, top_k], or an error naming what is wrong."""
+    k, experts = router.top_k, router.num_experts
+    fits = given.dtype == torch.int64 and given.shape[-1:] == (k,)
+    flat = given.reshape(-1, k) if fits else given
+    unset = flat == -1
+    if not fits or bool(((flat < -1) | (flat >= experts)).any() | (unset.any(-1) != unset.all(-1)).any()):
+        raise ExpertParallelError(
+            f"replayed MoE routing of layer {layer} must be int64 [..., top_k={k}] expert ids in [0, {experts}) "
+            f"(all -1 for a token: the router's own choice), got {given.dtype} {tuple(given.shape)}"
+        )
+    return flat
 
 
 @contextmanager
