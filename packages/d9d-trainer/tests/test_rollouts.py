@@ -201,6 +201,11 @@ def test_grpo_training_forward_replays_the_rollouts_routing_only_when_asked(tmp_
     assert (moe_layers(model)[0].router.replay is not None) == replay  # still set for the backward
     result.loss_sum.backward()
     set_replayed_routing(model, None)
+    if replay:  # a checkpoint keeps the rollouts' routing (a resume mid-generation replays it)
+        resumed = GRPOTask(task.config)
+        task._rollouts = [batch]
+        resumed.load_state_dict(task.state_dict())
+        assert torch.equal(resumed._rollouts[0]["routing"], batch["routing"])
 
 
 def test_grpo_refuses_routing_replay_without_moe_layers_in_one_line(tmp_path):

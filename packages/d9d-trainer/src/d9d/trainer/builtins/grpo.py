@@ -158,8 +158,9 @@ class GRPOTask:
             )
         if self.config.replay_routing and not moe_layers(context.model):
             raise TrainingError(
-                "rl.replay_routing replays the experts of MoE layers and the model has none: set "
-                "rl.replay_routing: false, or give the model MoE layers (model.moe)"
+                "rl.replay_routing replays the experts of d9d's MoE layers and the model has none: set "
+                "rl.replay_routing: false, or train an MoE on the reference model (model.moe; a Hugging Face "
+                "MoE folder with model.backend: reference)"
             )
         self._prompts, self._run_dir = prompts, context.run_dir
         set_head_reduction(context.model, "none", temperature=self.config.temperature)
