@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from _quickstart import CONFIG, RunResult, records, train
+from _quickstart import CONFIG, MOE, RunResult, records, train
 from _rl_task import make_task
 from faults._harness import kill_after_save_and_resume
 
@@ -97,6 +97,27 @@ def test_prompts_of_several_lengths_on_fsdp_equal_one_process(tmp_path):
                           "mesh.data_parallel_shard=2"))  # fmt: skip
     assert _samples(tmp_path / "mixed-fsdp2") == _samples(tmp_path / "mixed-one")
     _same_run(fsdp, one, rel=1e-5)
+
+
+def test_moe_routing_replay_on_fsdp2_ep2_equals_one_process(task_dir, tmp_path):
+    """MoE layers with `rl.replay_routing`: sampling records each token's experts and the training
+    forward routes it there (two optimizer steps per generation, the second on moved weights: there
+    the routers alone would choose otherwise). The first step's ratio is 1, and FSDP 2 × EP 2 takes
+    one process's steps; each generation samples with the routers' own choice (the step clears the
+    replay)."""
+    extra = [*MOE, "rl.replay_routing=true", "rl.iterations=2"]
+    one = train(1, _args(task_dir, tmp_path, "moe-one", *extra))
+    assert one.records[0]["clip_fraction"] == 0
+    # without replay: step 1 (the sampling weights) routes alike, step 2 (moved routers) does not
+    own = train(1, _args(task_dir, tmp_path, "moe-own", *MOE, "rl.iterations=2"))
+    assert own.records[0]["loss"] == one.records[0]["loss"]
+    assert own.records[1]["loss"] != one.records[1]["loss"]  # measured: -0.08382 against -0.08400
+    ep = train(
+        2,
+        _args(task_dir, tmp_path, "moe-ep2", *extra, "mesh.data_parallel_shard=2", "mesh.expert_parallel=2"),
+    )
+    assert _samples(tmp_path / "moe-ep2") == _samples(tmp_path / "moe-one")
+    _same_run(ep, one, rel=1e-5)
 
 
 def _same_run(actual: RunResult, expected: RunResult, rel: float) -> None:

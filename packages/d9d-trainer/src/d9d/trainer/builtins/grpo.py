@@ -10,7 +10,10 @@ group-relative advantages: (reward − the group's mean) / (the group's std + 1e
 clipped policy gradient, per completion token (TRL's default `dapo` normalization: the mean over the
 global batch's completion tokens), with an optional KL penalty to the starting weights (with LoRA:
 the base model, adapters off). `iterations` optimizer steps reuse one generation's rollouts (the
-importance ratio then departs from 1; the rollouts are kept in the checkpoint).
+importance ratio then departs from 1; the rollouts are kept in the checkpoint). With `replay_routing`
+on an MoE model, sampling records the experts every MoE layer chose for every token, and the training
+forward routes each token to those experts (the weights from the current router), so a changed
+router between sampling and training does not change which experts a token's log-prob comes from.
 
 The reward function is named like a provider (`file.py:name`, relative to the config, or
 `package.module:name`) and called as TRL calls one: `reward(prompts=[str], completions=[str],
@@ -33,6 +36,7 @@ from torch import nn
 from d9d.data import IGNORE_INDEX
 from d9d.mesh import get_logger
 from d9d.parallel import lora_disabled, lora_parameters, set_head_reduction
+from d9d.parallel.expert import moe_layers, set_replayed_routing
 from d9d.trainer.builtins.preference import token_logps
 from d9d.trainer.config.base import ConfigImport
 from d9d.trainer.errors import TrainingError
@@ -72,6 +76,8 @@ class GRPOConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         scale_rewards: "group" divides the advantages by the group's std, "none" does not (Dr. GRPO).
         seed: the sampling seed; a prompt's completions are drawn from (seed, step, prompt index).
         log_samples: completions written to RUN_DIR/rollouts/step-N.jsonl per generation (rank 0's).
+        replay_routing: record the experts each MoE layer chose while sampling and use them in the
+            training forward (an MoE model only: refused without MoE layers).
     """
 
     reward: ConfigImport
@@ -87,6 +93,7 @@ class GRPOConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     scale_rewards: Literal["group", "none"] = "group"
     seed: int = 0
     log_samples: int = 4
+    replay_routing: bool = False
 
     def __post_init__(self) -> None:
         if self.group_size < 2:
@@ -150,6 +157,12 @@ class GRPOTask:
                 f"rl.beta={self.config.beta} needs the starting weights as the reference: train with peft.lora (the "
                 "reference is the base model, adapters off), or set rl.beta: 0"
             )
+        if self.config.replay_routing and not moe_layers(context.model):
+            raise TrainingError(
+                "rl.replay_routing replays the experts of d9d's MoE layers and the model has none: set "
+                "rl.replay_routing: false, or train an MoE on the reference model (model.moe; a Hugging Face "
+                "MoE folder with model.backend: reference)"
+            )
         self._prompts, self._run_dir = prompts, context.run_dir
         set_head_reduction(context.model, "none", temperature=self.config.temperature)
 
@@ -205,6 +218,7 @@ class GRPOTask:
                 generators=[_generator(c.seed, context.step, indices[k]) for k in chosen],
                 agree=agree,
                 multiple=tp,
+                routing=c.replay_routing,
             )
             if call < len(buckets):
                 for k, rollouts in zip(chosen, sampled, strict=True):
@@ -286,6 +300,9 @@ class GRPOTask:
     def compute_loss(self, context: LossContext) -> LossResult:
         """The clipped policy gradient summed over the microbatch's completion tokens, and its metrics."""
         c, batch, device = self.config, context.batch, context.device
+        if c.replay_routing:  # kept through the backward (a checkpointed recompute); the step clears it
+            routing = batch.get("routing")
+            set_replayed_routing(context.model, routing.unbind(2) if routing is not None else None)
         logps = self._token_logps(context.model, batch, device)
         labels = batch["labels"].to(device)
         mask = (labels != IGNORE_INDEX).float()

@@ -26,6 +26,7 @@ from d9d.parallel.expert import (
     expert_load_summary,
     expert_loads,
     moe_layers,
+    set_replayed_routing,
     set_statistics_group,
     update_expert_biases,
 )
@@ -240,7 +241,8 @@ class StepBase:
         """
         self.mark("forward_backward")
         loads, self._loads = self._loads, None
-        for layer in self.moes:  # backward is done: the stats' graph would outlive the step
+        for layer in self.moes:  # backward is done: the stats' graph would outlive the step, and a
+            set_replayed_routing(layer, None)  # replayed routing (RL's) is this step's forwards' only
             stats = layer.last_stats
             if stats is not None:
                 layer.last_stats = dataclasses.replace(
