@@ -203,3 +203,28 @@ def test_reward_model_learns_and_packed_pairs_score_as_unpacked(tmp_path, reward
     unpacked = train(1, _args(tmp_path, "reward-unpacked", *REWARD, *frozen))
     for key in ("eval_loss", "eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/accuracies"):
         assert packed.records[0][key] == pytest.approx(unpacked.records[0][key], rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.parametrize("mesh", ["one", "pp2"])
+def test_the_plan_estimates_a_preference_steps_activations(mesh):
+    """`d9d plan` shapes a preference microbatch as the data does (`ShapesBatch`: two rows per pair) and
+    runs the task's per-token head loss on it: its activations are those a real step keeps saved for
+    backward (SimPO: the same forward as DPO without the reference pass the measuring harness skips).
+    Measured: within 4 bytes on one process and on both pp 2 stages."""
+    from _quickstart import planned_activations, run_forked, saved_activation_peaks
+
+    from d9d.mesh.testing import run_distributed
+
+    world = 2 if mesh == "pp2" else 1
+    variants = [[*_args(Path("/unused"), "plan", "preference={loss: simpo, beta: 2.0}", "eval=null",
+                         "providers.eval_dataset=null", "trainer.schedule.total_steps=2",
+                         *MESHES.get(mesh, []))]]  # fmt: skip
+    planned = run_forked(planned_activations, variants, world)[0]
+    if world == 1:
+        measured = [run_forked(saved_activation_peaks, "/tmp/d9d-plan-pref", variants)[0]]
+    else:
+        measured = [
+            peaks[0] for peaks in run_distributed(saved_activation_peaks, 2, "/tmp/d9d-plan-pref", variants)
+        ]
+    for rank, (plan, real) in enumerate(zip(planned, measured, strict=True)):
+        assert real > 0 and abs(plan - real) <= max(8, real // 1000), (mesh, rank, plan, real)

@@ -16,6 +16,7 @@ forward over the data, no memory, and works on every mesh the forward does (pipe
 """
 
 import math
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -124,6 +125,8 @@ class PreferenceTask:
         self.config = config or PreferenceConfig()
         self._tables: dict[str, torch.Tensor] = {}  # role → [pairs, 2] float64 reference log-probs
         self._recording: tuple[torch.Tensor, torch.Tensor] | None = None  # (table, filled) of a pass
+        # the models whose fused heads return per-token losses (weakly: a model's id can be reused)
+        self._per_token_models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     @property
     def needs_reference(self) -> bool:
@@ -156,6 +159,7 @@ class PreferenceTask:
         if self.reward_model:
             return self.pipeline_loss(model(input_ids, **packed), self._target(batch))
         if fused_loss_chunk_size(model) is not None:  # the head's per-token losses: no [tokens, vocab] logits
+            self._per_token(model)
             packed["labels"] = batch["labels"].to(device, non_blocking=True)
         return self.pipeline_loss(model(input_ids, **packed), self._target(batch))
 
@@ -170,6 +174,8 @@ class PreferenceTask:
         if self.reward_model:  # the head's last stage finds each sequence's last token from the ids
             kwargs["tokens"] = batch["input_ids"]
         elif any(fused_loss_chunk_size(stage) is not None for stage in stages):
+            for stage in stages:
+                self._per_token(stage)
             kwargs["labels"] = batch["labels"]
         return kwargs
 
@@ -207,6 +213,26 @@ class PreferenceTask:
             "logps/rejected": detached[:, 1].sum(),
         }
         return LossResult(loss_sum=losses.sum(), weight=float(pairs), metrics=metrics)
+
+    def _per_token(self, model: nn.Module) -> None:
+        """Make `model`'s fused heads return per-token losses, once per model (`prepare_run` does it for
+        the run's model; a model it never saw, e.g. the planner's, here)."""
+        if model not in self._per_token_models:
+            set_head_reduction(model, "none")
+            self._per_token_models.add(model)
+
+    def planning_batch(self, microbatch_size: int, seq_len: int, packed: bool) -> dict[str, torch.Tensor]:
+        """A meta microbatch as `PreferenceDataset` gives one (`ShapesBatch`): two rows per pair, or
+        (packed) a row of pairs, counted here as one pair a row."""
+        rows, pairs = (microbatch_size, microbatch_size) if packed else (2 * microbatch_size, microbatch_size)
+        meta = {"dtype": torch.long, "device": "meta"}
+        batch = {key: torch.zeros(rows, seq_len, **meta) for key in ("input_ids", "labels", "sequence_ids")}
+        batch["pair_ids"] = torch.zeros(pairs, **meta)
+        if packed:
+            batch |= {key: torch.zeros(rows, seq_len, **meta) for key in _PACKED_KEYS}
+        if self.needs_reference:
+            batch["reference_logps"] = torch.zeros(pairs, 2, dtype=torch.float64, device="meta")
+        return batch
 
     def _reward_loss(self, scores: torch.Tensor, pairs: int) -> LossResult:
         """Bradley-Terry: -log σ(r_chosen − r_rejected) on the head's [2·pairs, 1] scores (pair k's
@@ -248,7 +274,7 @@ class PreferenceTask:
         """Give every dataset its reference log-probabilities: from the checkpoint the run resumed from,
         or computed now with the starting weights (adapters off under LoRA). A fused head returns its
         per-token losses from now on (`set_head_reduction`)."""
-        set_head_reduction(context.model, "none")
+        self._per_token(context.model)
         if not self.needs_reference:
             return
         for role, dataset in context.datasets.items():

@@ -34,7 +34,7 @@ from d9d.trainer.job.resolve import ResolvedJob
 from d9d.trainer.planning.configured import packing_keys
 from d9d.trainer.planning.plan import ActivationEstimate, PipelinePlan
 from d9d.trainer.providers.model import InitializeModelStageContext, ParallelizeModelStageContext
-from d9d.trainer.providers.task import LossContext, PipelineStageKwargs, PipelineTask
+from d9d.trainer.providers.task import LossContext, PipelineStageKwargs, PipelineTask, ShapesBatch
 
 __all__ = ["estimate_activations"]
 
@@ -198,6 +198,8 @@ def _split_activations(
 def _meta_batch(job: ResolvedJob, shape: tuple[int, int]) -> dict[str, torch.Tensor]:
     """A batch of `shape` on the meta device as the dataset gives it: ids and labels, and for packed
     rows (`pack` or `document_masking` set) the `position_ids` and `document_ids` of the document mask."""
+    if isinstance(job.task, ShapesBatch):  # a task with microbatches of its own shape (`ShapesBatch`)
+        return job.task.planning_batch(shape[0], shape[1], packed=bool(packing_keys(job)))
     names = ["input_ids", "labels"]
     if packing_keys(job):
         names += ["position_ids", "document_ids"]

@@ -10,7 +10,7 @@ implement the same contract.
 
 Optional abilities are declared, never probed: a provider has one when it implements the small
 protocol of that ability (`ChecksMesh`, `ChecksSequenceLength`, `PipelineModelProvider`,
-`ImportsModelWeights`, `DescribesModel`, `PipelineTask`, `PipelineStageKwargs`, `PreparesSteps`, `PreparesRun`, `ReportsMetrics`, `DeclaresBatching`, `DeclaresOptimizerStates`,
+`ImportsModelWeights`, `DescribesModel`, `PipelineTask`, `PipelineStageKwargs`, `PreparesSteps`, `PreparesRun`, `ReportsMetrics`, `ShapesBatch`, `DeclaresBatching`, `DeclaresOptimizerStates`,
 `SupportsClose`), and the planner (`d9d.trainer.planning.plan_job`) asks with `isinstance`. So a
 user's provider with the same declarations gets exactly the plan, the checks and the `d9d plan`
 output a built-in one gets.
@@ -64,6 +64,7 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
         PreparesSteps,
         PrepareStepContext,
         ReportsMetrics,
+        ShapesBatch,
         Task,
     )
 

@@ -228,3 +228,14 @@ class PreparesRun(Protocol):
     def prepare_run(self, context: PrepareRunContext) -> None:
         """Prepare (every rank calls it, with the same context on each)."""
         ...
+
+
+@runtime_checkable
+class ShapesBatch(Protocol):
+    """A task whose microbatches are not `input_ids` and `labels` of one row per sample (optional): it
+    gives the planner a microbatch of its own shape on the meta device, so `d9d plan` estimates its
+    activations as it runs (e.g. a preference task: two rows per pair, the pairs' ids)."""
+
+    def planning_batch(self, microbatch_size: int, seq_len: int, packed: bool) -> dict[str, torch.Tensor]:
+        """A microbatch of `microbatch_size` samples of `seq_len` tokens, as meta tensors."""
+        ...
