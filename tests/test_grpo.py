@@ -194,3 +194,34 @@ def test_bad_rewards_and_prompts_stop_the_run_with_one_line(task_dir, tmp_path):
     long = run_main(_args(task_dir, tmp_path, "long", "dataset.max_prompt_len=2"))
     assert long.returncode != 0 and "more than max_prompt_len=2" in long.stderr
     assert not (tmp_path / "long").exists()  # refused while the data was built, before any file
+
+
+def _peak_and_plan(args: list[str], seq_len: int) -> tuple[int, int]:
+    """(the peak bytes saved for backward over a whole GRPO run, the plan's activations at `seq_len`)."""
+    from d9d.mesh import DistributedContext
+    from d9d.parallel import SavedActivations
+    from d9d.trainer import Trainer, load_job_config, resolve_job
+    from d9d.trainer.planning import plan_job
+
+    job = resolve_job(load_job_config(CONFIG, args))
+    with DistributedContext.for_planning(job.config.mesh, rank=0) as ctx:
+        plan = plan_job(job, ctx, device="cpu", memory=True, seq_len=seq_len)
+    assert plan.memory is not None and plan.memory.activations is not None, plan.memory
+    with (
+        Trainer.from_config(CONFIG, args) as trainer,
+        SavedActivations(exclude=trainer.model.parameters()) as saved,
+    ):
+        trainer.train()
+    return saved.peak, plan.memory.activations.checkpointed
+
+
+def test_the_plan_estimates_a_grpo_steps_activations(task_dir, tmp_path):
+    """`d9d plan --seq-len` shapes a GRPO microbatch as the rollouts are (`ShapesBatch`: `group_size`
+    rows per prompt) and runs the task's loss on it: its activations are those the widest rollout
+    microbatch (prompt 3 + 3 new tokens) keeps saved for backward. Measured: within 4 bytes."""
+    from _quickstart import run_forked
+
+    peak, planned = run_forked(
+        _peak_and_plan, _args(task_dir, tmp_path, "plan", "trainer.schedule.total_steps=2"), 6
+    )
+    assert peak > 0 and abs(planned - peak) <= max(8, peak // 100), (planned, peak)

@@ -23,6 +23,7 @@ value per completion.
 
 import json
 import math
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -140,6 +141,8 @@ class GRPOTask:
         self._run_dir: Path | None = None
         self._rollouts: list[dict[str, torch.Tensor]] = []  # the current generation's microbatches
         self._generated_at = 0  # the step whose generation they are
+        # the models whose fused heads return per-token losses (weakly: a model's id can be reused)
+        self._per_token_models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     # ------------------------------------------------------------------ before the steps
 
@@ -165,6 +168,7 @@ class GRPOTask:
             )
         self._prompts, self._run_dir = prompts, context.run_dir
         set_head_reduction(context.model, "none", temperature=self.config.temperature)
+        self._per_token_models.add(context.model)
 
     def prepare_step(self, context: PrepareStepContext) -> list[dict[str, torch.Tensor]]:
         """This rank's rollout microbatches of step `context.step`: generated now every `iterations`
@@ -292,6 +296,9 @@ class GRPOTask:
         input_ids = batch["input_ids"].to(device, non_blocking=True)
         labels = batch["labels"].to(device, non_blocking=True)
         if fused_loss_chunk_size(model) is not None:
+            if model not in self._per_token_models:  # the run's model (prepare_run) or the planner's
+                set_head_reduction(model, "none", temperature=self.config.temperature)
+                self._per_token_models.add(model)
             output = model(input_ids, labels=labels)
         else:
             output = model(input_ids) / self.config.temperature
@@ -326,6 +333,21 @@ class GRPOTask:
             "kl_sum": (kl * mask).sum().detach(),
         }
         return LossResult(loss_sum=(per_token * mask).sum(), weight=mask.sum(), metrics=metrics)
+
+    def planning_batch(self, microbatch_size: int, seq_len: int, packed: bool) -> dict[str, torch.Tensor]:
+        """A meta rollout microbatch (`ShapesBatch`): `group_size` rows per prompt of `seq_len` tokens
+        (the prompt budget plus `max_new_tokens`: `d9d plan --seq-len`)."""
+        del packed
+        rows = microbatch_size * self.config.group_size
+        batch = {
+            key: torch.zeros(rows, seq_len, dtype=torch.long, device="meta")
+            for key in ("input_ids", "labels")
+        }
+        batch["old_logps"] = torch.zeros(rows, seq_len, device="meta")
+        batch |= {key: torch.zeros(rows, device="meta") for key in ("advantages", "rewards")}
+        if self.config.beta > 0:
+            batch["ref_logps"] = torch.zeros(rows, seq_len, device="meta")
+        return batch
 
     def summarize_metrics(self, sums: Mapping[str, float], weight: float) -> dict[str, float]:
         """The logged values from the global sums: reward mean and std over the rollouts, completion

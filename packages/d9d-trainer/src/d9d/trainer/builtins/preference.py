@@ -349,8 +349,8 @@ def token_logps(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     if output.shape == labels.shape:
         return -output.float().reshape(-1)
     raise TrainingError(
-        f"PreferenceTask needs the model's logits [rows, seq, vocab] or its head's per-token losses [rows, "
-        f"seq]; the model returned shape {tuple(output.shape)} for labels {tuple(labels.shape)} (a fused head "
+        f"the task needs the model's logits [rows, seq, vocab] or its head's per-token losses [rows, seq]; "
+        f"the model returned shape {tuple(output.shape)} for labels {tuple(labels.shape)} (a fused head "
         "sums its loss unless set_head_reduction(model, 'none') is set)"
     )
 
