@@ -1,18 +1,25 @@
-"""A digit-copying task for the RL tests: a word-level tokenizer of 13 tokens (digits, `>`, end,
-padding), prompts `d d >` whose answer is the digits again, and a reward of the share of digits right."""
+"""The RL example's digit task for the RL tests (examples/rl: its 13-token tokenizer and its reward),
+with prompts made here: `d d >` (or 1 to 3 digits) whose answer is the digits again."""
 
+import importlib.util
 import json
 import random
 from pathlib import Path
+from types import ModuleType
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "rl"
 
 
-def copy_match(prompts: list[str], completions: list[str], answer: list[str], **_: object) -> list[float]:
-    """Share of the answer's digits the completion has at their places (its non-digits skipped)."""
-    rewards = []
-    for completion, expected in zip(completions, answer, strict=True):
-        digits = "".join(ch for ch in completion if ch.isdigit())
-        rewards.append(sum(a == b for a, b in zip(digits, expected, strict=False)) / len(expected))
-    return rewards
+def _example(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"_d9d_tests_rl_{name}", EXAMPLE / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+#: The example's reward: the share of the answer's digits the completion repeats in place.
+copy_match = _example("rewards").copy_digits
 
 
 def wrong_length(prompts: list[str], completions: list[str], **_: object) -> list[float]:
@@ -20,18 +27,10 @@ def wrong_length(prompts: list[str], completions: list[str], **_: object) -> lis
 
 
 def make_task(folder: Path, prompts: int = 256, digits: int | tuple[int, int] = 2, seed: int = 0) -> Path:
-    """`folder/tokenizer` and `folder/prompts.jsonl` (`digits` per prompt, or a range of counts);
-    returns `folder`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {str(i): i for i in range(10)} | {">": 10, "<eos>": 11, "<pad>": 12}
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    """`folder/tokenizer` (the example's) and `folder/prompts.jsonl` (`digits` per prompt, or a range
+    of counts); returns `folder`."""
     (folder / "tokenizer").mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(folder / "tokenizer" / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>", "pad_token": "<pad>"}
-    (folder / "tokenizer" / "tokenizer_config.json").write_text(json.dumps(config))
+    _example("rl").write_tokenizer(folder / "tokenizer")
     draw = random.Random(seed)
     lines = []
     for _ in range(prompts):

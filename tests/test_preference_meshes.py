@@ -102,15 +102,13 @@ def test_packed_pairs_score_as_unpacked(tmp_path, mesh):
 def _reference_tables(run_dir: Path) -> dict[str, list[float]]:
     """The reference log-probabilities a run's latest checkpoint holds, by set."""
     import msgspec
-    import torch
+
+    from d9d.trainer.providers.task import tensor_from_state
 
     latest = sorted(run_dir.glob("save-*"), key=lambda p: int(p.name.split("-")[1]))[-1]
     extra = msgspec.msgpack.decode((latest / "extra.msgpack").read_bytes())
     tables = extra["task"]["reference_logps"]
-    return {
-        role: torch.frombuffer(bytearray(entry["float64"]), dtype=torch.float64).tolist()
-        for role, entry in tables.items()
-    }
+    return {role: tensor_from_state(entry).reshape(-1).tolist() for role, entry in tables.items()}
 
 
 def test_killed_run_resumes_bit_exact(tmp_path):

@@ -14,6 +14,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
+from d9d.data.datasets.sft import check_message_shapes
 from d9d.data.datasets.tokenizer import ChatTokenizer, Tokenizer
 from d9d.data.errors import DatasetError, TokenizerError
 
@@ -145,15 +146,8 @@ def _messages(value: Any, name: str, where: str, *, assistant_only: bool) -> lis
         raise DatasetError(
             f"{where}: '{name}' must be a non-empty list of {kind} like 'prompt' (conversational), got {value!r}"
         )
+    check_message_shapes(value, where, name)
     for i, message in enumerate(value):
-        if not (
-            isinstance(message, dict)
-            and isinstance(message.get("role"), str)
-            and isinstance(message.get("content"), str)
-        ):
-            raise DatasetError(
-                f"{where}: '{name}' message {i} must be an object with string 'role' and 'content', got {message!r}"
-            )
         if assistant_only and message["role"] != "assistant":
             raise DatasetError(
                 f"{where}: '{name}' message {i} has role {message['role']!r}; chosen and rejected hold only "

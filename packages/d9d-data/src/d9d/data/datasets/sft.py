@@ -225,15 +225,8 @@ class SFTDataset:
                 raise DatasetError(
                     f"{where}: 'messages' must be a non-empty list of {{role, content}} objects"
                 )
+            check_message_shapes(messages, where)
             for i, message in enumerate(messages):
-                if not (
-                    isinstance(message, dict)
-                    and isinstance(message.get("role"), str)
-                    and isinstance(message.get("content"), str)
-                ):
-                    raise DatasetError(
-                        f"{where}: message {i} must be an object with string 'role' and 'content', got {message!r}"
-                    )
                 if message["role"] not in self._roles:
                     raise DatasetError(
                         f"{where}: message {i} has role {message['role']!r}; the roles accepted are "
@@ -272,6 +265,24 @@ class SFTDataset:
     def __repr__(self) -> str:
         packed = f", packed {self.packing_efficiency:.1%}" if self._pack else ""
         return f"SFTDataset({len(self._files)} files, seq_len={self._seq_len}, samples={len(self)}{packed})"
+
+
+def check_message_shapes(messages: list[Any], where: str, field: str | None = None) -> None:
+    """Each of `messages` an object with string 'role' and 'content'.
+
+    Raises:
+        DatasetError: naming `where`, the field (when given) and the first message that is not.
+    """
+    label = f"'{field}' message" if field is not None else "message"
+    for i, message in enumerate(messages):
+        if not (
+            isinstance(message, dict)
+            and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str)
+        ):
+            raise DatasetError(
+                f"{where}: {label} {i} must be an object with string 'role' and 'content', got {message!r}"
+            )
 
 
 def find_jsonl_files(sources: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[Path]:

@@ -38,7 +38,7 @@ from d9d.data import IGNORE_INDEX
 from d9d.mesh import get_logger
 from d9d.parallel import lora_disabled, lora_parameters, set_head_reduction
 from d9d.parallel.expert import moe_layers, set_replayed_routing
-from d9d.trainer.builtins.preference import token_logps
+from d9d.trainer.builtins.logprobs import token_logps
 from d9d.trainer.config.base import ConfigImport
 from d9d.trainer.errors import TrainingError
 from d9d.trainer.job.resolve import resolve_object
@@ -48,6 +48,8 @@ from d9d.trainer.providers.task import (
     PrepareRunContext,
     PrepareStepContext,
     fused_loss_chunk_size,
+    tensor_from_state,
+    tensor_state,
 )
 from d9d.trainer.rollouts import Rollouts, rollout_batch, sample_groups
 
@@ -368,12 +370,17 @@ class GRPOTask:
 
     def state_dict(self) -> dict[str, Any]:
         """The current generation's rollouts (reused for `iterations` steps) and its step."""
-        return {"generated_at": self._generated_at, "rollouts": [_pack(mb) for mb in self._rollouts]}
+        return {
+            "generated_at": self._generated_at,
+            "rollouts": [{key: tensor_state(t) for key, t in mb.items()} for mb in self._rollouts],
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Take a checkpoint's rollouts (`state_dict`)."""
         self._generated_at = int(state.get("generated_at", 0))
-        self._rollouts = [_unpack(mb) for mb in state.get("rollouts", [])]
+        self._rollouts = [
+            {key: tensor_from_state(entry) for key, entry in mb.items()} for mb in state.get("rollouts", [])
+        ]
 
 
 def _generator(seed: int, step: int, index: int) -> torch.Generator:
@@ -405,17 +412,3 @@ def _reward_function(spec: str) -> Callable[..., Sequence[float]]:
     if not callable(function):
         raise ValueError(f"rl.reward ({spec}) is not a function; name one that takes prompts=, completions=")
     return function
-
-
-def _pack(batch: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    return {key: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "data": t.numpy().tobytes()}
-            for key, t in batch.items()}  # fmt: skip
-
-
-def _unpack(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    return {
-        key: torch.frombuffer(bytearray(entry["data"]), dtype=getattr(torch, entry["dtype"])).reshape(
-            entry["shape"]
-        )
-        for key, entry in state.items()
-    }

@@ -29,8 +29,16 @@ from torch import nn
 from d9d.data import IGNORE_INDEX
 from d9d.mesh import get_logger
 from d9d.parallel import lora_disabled, set_head_reduction
+from d9d.trainer.builtins.logprobs import token_logps
 from d9d.trainer.errors import TrainingError
-from d9d.trainer.providers.task import LossContext, LossResult, PrepareRunContext, fused_loss_chunk_size
+from d9d.trainer.providers.task import (
+    LossContext,
+    LossResult,
+    PrepareRunContext,
+    fused_loss_chunk_size,
+    tensor_from_state,
+    tensor_state,
+)
 
 __all__ = ["PreferenceConfig", "PreferenceTask", "preference_losses"]
 
@@ -313,46 +321,13 @@ class PreferenceTask:
     # ------------------------------------------------------------------ checkpoint state
 
     def state_dict(self) -> dict[str, Any]:
-        """The reference log-probabilities (float64 bytes per set), saved in every checkpoint."""
-        return {
-            "reference_logps": {
-                role: {"pairs": int(table.shape[0]), "float64": table.numpy().tobytes()}
-                for role, table in self._tables.items()
-            }
-        }
+        """The reference log-probabilities ([pairs, 2] float64 per set), saved in every checkpoint."""
+        return {"reference_logps": {role: tensor_state(table) for role, table in self._tables.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Take the reference log-probabilities of a checkpoint (`state_dict`)."""
         saved = state.get("reference_logps") or {}
-        self._tables = {
-            role: torch.frombuffer(bytearray(entry["float64"]), dtype=torch.float64).reshape(
-                entry["pairs"], 2
-            )
-            for role, entry in saved.items()
-        }
-
-
-def token_logps(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Each label's log-probability (float32, flat; 0 where ignored) from the model's logits [rows,
-    seq, vocab] or a fused head's per-token losses [rows, seq].
-
-    Raises:
-        TrainingError: `output` is neither (e.g. a fused head's summed loss).
-    """
-    if output.ndim == labels.ndim + 1:
-        return -F.cross_entropy(
-            output.reshape(-1, output.shape[-1]).float(),
-            labels.reshape(-1),
-            ignore_index=IGNORE_INDEX,
-            reduction="none",
-        )
-    if output.shape == labels.shape:
-        return -output.float().reshape(-1)
-    raise TrainingError(
-        f"the task needs the model's logits [rows, seq, vocab] or its head's per-token losses [rows, seq]; "
-        f"the model returned shape {tuple(output.shape)} for labels {tuple(labels.shape)} (a fused head "
-        "sums its loss unless set_head_reduction(model, 'none') is set)"
-    )
+        self._tables = {role: tensor_from_state(entry) for role, entry in saved.items()}
 
 
 def sequence_logps(

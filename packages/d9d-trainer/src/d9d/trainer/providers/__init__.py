@@ -66,6 +66,8 @@ if TYPE_CHECKING:  # the public names, listed once: `lazy_face` reads this block
         ReportsMetrics,
         ShapesBatch,
         Task,
+        tensor_from_state,
+        tensor_state,
     )
 
 __all__, __getattr__, __dir__ = lazy_face(__name__, globals())

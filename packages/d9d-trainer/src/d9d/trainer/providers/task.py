@@ -239,3 +239,17 @@ class ShapesBatch(Protocol):
     def planning_batch(self, microbatch_size: int, seq_len: int, packed: bool) -> dict[str, torch.Tensor]:
         """A microbatch of `microbatch_size` samples of `seq_len` tokens, as meta tensors."""
         ...
+
+
+def tensor_state(tensor: torch.Tensor) -> dict[str, Any]:
+    """`tensor` as plain data a checkpoint's extra state holds (a task's `state_dict`): its dtype, shape
+    and bytes, copied to the host. `tensor_from_state` reverses it."""
+    tensor = tensor.detach().cpu().contiguous()
+    return {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape),
+            "data": tensor.numpy().tobytes()}  # fmt: skip
+
+
+def tensor_from_state(state: Mapping[str, Any]) -> torch.Tensor:
+    """The tensor `tensor_state` described (on the host, owning its memory)."""
+    dtype = getattr(torch, state["dtype"])
+    return torch.frombuffer(bytearray(state["data"]), dtype=dtype).reshape(state["shape"])
